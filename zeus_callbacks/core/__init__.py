@@ -1,0 +1,1 @@
+"""The framework-free core that every adapter uses."""

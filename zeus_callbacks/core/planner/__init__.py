@@ -1,0 +1,1 @@
+"""Offline solvers: the Perseus time-energy frontier and the heterogeneous-GPU allocation."""

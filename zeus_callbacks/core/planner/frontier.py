@@ -1,0 +1,345 @@
+"""Perseus time-energy frontier of a pipeline iteration: which SM clock each instruction should run at.
+
+Energy model of one iteration of length `T`: the energy of every instruction plus, on every stage `s`, the
+blocking power `P_blk[s]` for the time that stage is not computing, `P_blk[s] * (T - busy[s])`. At a fixed
+`T` this is `sum(e_i - P_blk[s_i] * t_i) + T * sum(P_blk)`, so each instruction only needs its *effective
+energy* `e - P_blk * t`, and options that are slower without a lower effective energy are never useful.
+
+The solver starts from every instruction at its fastest option and repeatedly slows down the instruction
+step that saves the most effective energy per second of added time, among the steps that fit within the
+instruction's current slack (latest start minus earliest start against the target time). Slacks are kept
+exact by propagating each change forward (earliest starts) and backward (latest starts) through the DAG;
+because slacks only shrink, the priorities only fall, and a lazy priority queue finds the best step.
+Unlike Phillips-Dessouky (lowtime), which crashes the whole DAG one quantum at a time with a max-flow per
+quantum, this works on the exact (unquantised) profiled options and touches only the affected cone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from zeus_callbacks.core.planner.pipeline_dag import Instruction, PipelineDAG, build_dag
+
+__all__ = [
+    "FrequencyOption",
+    "Plan",
+    "Frontier",
+    "pareto_options",
+    "evaluate",
+    "max_frequency_plan",
+    "solve",
+    "frontier",
+]
+
+logger = logging.getLogger(__name__)
+
+OptionTable = Mapping[tuple[int, str], Sequence["FrequencyOption"]]
+"""Profiled options of each instruction type, keyed by `(stage, kind)` with kind `"forward"`/`"backward"`."""
+
+# Relative tolerance on the target time, to absorb floating-point rounding of sums of durations.
+_REL_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class FrequencyOption:
+    """One profiled operating point of an instruction type."""
+
+    frequency_mhz: int
+    time_s: float
+    energy_j: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An SM frequency for every instruction of the iteration, with its predicted time and energy."""
+
+    frequencies_mhz: Mapping[Instruction, int]
+    iteration_time_s: float
+    energy_j: float
+    schedule: tuple[tuple[Instruction, ...], ...] = field(repr=False, compare=False)
+
+    def stage_frequencies(self) -> list[list[int]]:
+        """Frequency (MHz) of each stage's instructions, in the stage's execution order."""
+        return [[self.frequencies_mhz[inst] for inst in order] for order in self.schedule]
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """Time-energy Pareto frontier of an iteration, with the all-max-frequency reference point.
+
+    `plans` are sorted by increasing time and strictly decreasing energy.
+    """
+
+    plans: tuple[Plan, ...]
+    max_frequency: Plan
+
+    def choose(self, target_time_s: float | None = None) -> Plan:
+        """The least-energy plan whose iteration time is at most `target_time_s`.
+
+        `target_time_s` defaults to the iteration time with every instruction at its maximum frequency.
+
+        Raises:
+            ValueError: If no plan meets the target.
+        """
+        target = self.max_frequency.iteration_time_s if target_time_s is None else target_time_s
+        feasible = [p for p in self.plans if p.iteration_time_s <= target * (1 + _REL_TOL)]
+        if not feasible:
+            fastest = self.plans[0].iteration_time_s
+            raise ValueError(f"No plan meets the target of {target:.6g} s; the fastest takes {fastest:.6g} s.")
+        return min(feasible, key=lambda p: p.energy_j)
+
+
+def pareto_options(options: Sequence[FrequencyOption], p_blk_w: float) -> list[FrequencyOption]:
+    """Options worth choosing, sorted by increasing time (so by decreasing effective energy).
+
+    An option is dropped when another is at least as fast with no more effective energy `e - p_blk_w * t`.
+    """
+    kept: list[FrequencyOption] = []
+    best_cost = float("inf")
+    for opt in sorted(options, key=lambda o: (o.time_s, o.energy_j - p_blk_w * o.time_s, -o.frequency_mhz)):
+        cost = opt.energy_j - p_blk_w * opt.time_s
+        if cost < best_cost:
+            kept.append(opt)
+            best_cost = cost
+    return kept
+
+
+def evaluate(
+    dag: PipelineDAG | Sequence[Sequence[Instruction]],
+    options: OptionTable,
+    p_blk_w: float | Sequence[float],
+    frequencies_mhz: Mapping[Instruction, int],
+) -> Plan:
+    """Iteration time and energy of running each instruction at the given frequency.
+
+    Raises:
+        ValueError: If an instruction's frequency has no profiled option.
+    """
+    dag = _as_dag(dag)
+    p_blk = _per_stage(p_blk_w, dag.num_stages)
+    lookup = {key: {o.frequency_mhz: o for o in opts} for key, opts in options.items()}
+    chosen = []
+    for inst in dag.instructions:
+        try:
+            chosen.append(lookup[inst.stage, inst.kind][frequencies_mhz[inst]])
+        except KeyError:
+            raise ValueError(f"No profiled option for {inst} at {frequencies_mhz.get(inst)} MHz.") from None
+    return _make_plan(dag, p_blk, chosen)
+
+
+def max_frequency_plan(
+    dag: PipelineDAG | Sequence[Sequence[Instruction]],
+    options: OptionTable,
+    p_blk_w: float | Sequence[float],
+) -> Plan:
+    """The reference plan: every instruction at the highest profiled frequency of its type."""
+    dag = _as_dag(dag)
+    _check_options(dag, options)
+    top = {key: max(opts, key=lambda o: o.frequency_mhz) for key, opts in options.items()}
+    return _make_plan(dag, _per_stage(p_blk_w, dag.num_stages), [top[i.stage, i.kind] for i in dag.instructions])
+
+
+def solve(
+    dag: PipelineDAG | Sequence[Sequence[Instruction]],
+    options: OptionTable,
+    p_blk_w: float | Sequence[float],
+    target_time_s: float | None = None,
+) -> Plan:
+    """The least-energy plan found whose iteration time does not exceed `target_time_s`.
+
+    Args:
+        dag: The iteration's DAG (`build_dag`) or a per-stage schedule (`build_schedule`).
+        options: Profiled options of each `(stage, kind)`.
+        p_blk_w: Blocking power (W) while a stage waits: one value, or one per stage.
+        target_time_s: Deadline on the iteration time; defaults to the all-max-frequency iteration time.
+
+    Raises:
+        ValueError: On missing or invalid options, or a target faster than the fastest options allow.
+    """
+    problem = _Problem(_as_dag(dag), options, p_blk_w)
+    target = problem.max_frequency_time_s if target_time_s is None else float(target_time_s)
+    if target < problem.fastest_time_s * (1 - _REL_TOL):
+        raise ValueError(
+            f"`solve(target_time_s={target_time_s!r})` is infeasible: the fastest plan takes "
+            f"{problem.fastest_time_s:.6g} s."
+        )
+    levels = [0] * len(problem.dag)
+    problem.slow_down(levels, max(target, problem.fastest_time_s))
+    return problem.plan(levels)
+
+
+def frontier(
+    dag: PipelineDAG | Sequence[Sequence[Instruction]],
+    options: OptionTable,
+    p_blk_w: float | Sequence[float],
+    num_points: int = 24,
+) -> Frontier:
+    """The time-energy frontier, from the fastest plan to the slowest useful one.
+
+    Targets are spread evenly over that range; the plan for each target starts from the previous one (still
+    feasible under the looser deadline), so the whole sweep costs about as much as a few calls of `solve`.
+    Points that are slower without saving energy are dropped.
+
+    Args:
+        dag: The iteration's DAG (`build_dag`) or a per-stage schedule (`build_schedule`).
+        options: Profiled options of each `(stage, kind)`.
+        p_blk_w: Blocking power (W) while a stage waits: one value, or one per stage.
+        num_points: Number of targets to solve for (at least 2).
+    """
+    if num_points < 2:
+        raise ValueError(f"`frontier(num_points={num_points})` needs at least 2 points.")
+    problem = _Problem(_as_dag(dag), options, p_blk_w)
+    lo, hi = problem.fastest_time_s, problem.slowest_time_s
+    targets = sorted({lo, problem.max_frequency_time_s, *(lo + (hi - lo) * k / (num_points - 1) for k in range(num_points))})
+    levels = [0] * len(problem.dag)
+    plans = []
+    for target in targets:
+        problem.slow_down(levels, target)
+        plans.append(problem.plan(levels))
+    kept: list[Plan] = []
+    for plan in sorted(plans, key=lambda p: (p.iteration_time_s, p.energy_j)):
+        if not kept or plan.energy_j < kept[-1].energy_j:
+            kept.append(plan)
+    return Frontier(plans=tuple(kept), max_frequency=problem.max_frequency_plan)
+
+
+def _as_dag(dag: PipelineDAG | Sequence[Sequence[Instruction]]) -> PipelineDAG:
+    return dag if isinstance(dag, PipelineDAG) else build_dag(dag)
+
+
+def _per_stage(p_blk_w: float | Sequence[float], num_stages: int) -> list[float]:
+    values = [float(p_blk_w)] * num_stages if isinstance(p_blk_w, int | float) else [float(p) for p in p_blk_w]
+    if len(values) != num_stages:
+        raise ValueError(f"`p_blk_w` has {len(values)} values for {num_stages} stages.")
+    if any(not p >= 0 for p in values):
+        raise ValueError(f"`p_blk_w={p_blk_w!r}` must be non-negative.")
+    return values
+
+
+def _check_options(dag: PipelineDAG, options: OptionTable) -> None:
+    for key in sorted({(i.stage, i.kind) for i in dag.instructions}):
+        opts = options.get(key)
+        if not opts:
+            raise ValueError(f"No profiled options for stage {key[0]} {key[1]}.")
+        for o in opts:
+            if not (o.time_s > 0 and o.energy_j >= 0):
+                raise ValueError(f"Stage {key[0]} {key[1]}: invalid option {o} (needs time > 0, energy >= 0).")
+
+
+def _make_plan(dag: PipelineDAG, p_blk: Sequence[float], chosen: Sequence[FrequencyOption]) -> Plan:
+    durations = [o.time_s for o in chosen]
+    time_s = dag.iteration_time(durations)
+    busy = [0.0] * dag.num_stages
+    for inst, t in zip(dag.instructions, durations, strict=True):
+        busy[inst.stage] += t
+    energy = sum(o.energy_j for o in chosen) + sum(p * (time_s - b) for p, b in zip(p_blk, busy, strict=True))
+    return Plan(
+        frequencies_mhz={inst: o.frequency_mhz for inst, o in zip(dag.instructions, chosen, strict=True)},
+        iteration_time_s=time_s,
+        energy_j=energy,
+        schedule=dag.schedule,
+    )
+
+
+class _Problem:
+    """Per-node Pareto options and the greedy slow-down; `levels[i]` indexes node `i`'s options."""
+
+    def __init__(self, dag: PipelineDAG, options: OptionTable, p_blk_w: float | Sequence[float]) -> None:
+        _check_options(dag, options)
+        self.dag = dag
+        self.p_blk = _per_stage(p_blk_w, dag.num_stages)
+        by_type = {key: pareto_options(opts, self.p_blk[key[0]]) for key, opts in options.items()}
+        self.opts = [by_type[i.stage, i.kind] for i in dag.instructions]
+        self.times = [[o.time_s for o in opts] for opts in self.opts]
+        self.costs = [[o.energy_j - self.p_blk[i.stage] * o.time_s for o in opts] for i, opts in zip(dag.instructions, self.opts, strict=True)]
+        self.fastest_time_s = dag.iteration_time([t[0] for t in self.times])
+        self.slowest_time_s = dag.iteration_time([t[-1] for t in self.times])
+        self.max_frequency_plan = max_frequency_plan(dag, options, self.p_blk)
+        self.max_frequency_time_s = self.max_frequency_plan.iteration_time_s
+
+    def plan(self, levels: Sequence[int]) -> Plan:
+        return _make_plan(self.dag, self.p_blk, [opts[k] for opts, k in zip(self.opts, levels, strict=True)])
+
+    def _best_step(self, node: int, level: int, room: float) -> tuple[float, int]:
+        """Best (effective energy saved per added second, new level) among slow-downs that fit in `room`."""
+        times, costs = self.times[node], self.costs[node]
+        t0, c0 = times[level], costs[level]
+        best_ratio, best_level = 0.0, -1
+        for k in range(level + 1, len(times)):
+            dt = times[k] - t0
+            if dt > room:
+                break
+            ratio = (c0 - costs[k]) / dt
+            if ratio > best_ratio:
+                best_ratio, best_level = ratio, k
+        return best_ratio, best_level
+
+    def slow_down(self, levels: list[int], target_time_s: float) -> None:
+        """Greedily slow nodes down in place, keeping the iteration within `target_time_s`."""
+        dag, times = self.dag, self.times
+        n = len(dag)
+        preds = [dag.predecessors(v) for v in range(n)]
+        succs = [dag.successors(v) for v in range(n)]
+        tol = target_time_s * _REL_TOL
+        d = [times[v][levels[v]] for v in range(n)]
+        es = dag.earliest_start(d)
+        ls = [0.0] * n  # latest start
+        for v in range(n - 1, -1, -1):
+            ls[v] = min((ls[w] for w in succs[v]), default=target_time_s) - d[v]
+
+        heap: list[tuple[float, int, int]] = []
+        for v in range(n):
+            ratio, k = self._best_step(v, levels[v], ls[v] - es[v] + tol)
+            if k >= 0:
+                heap.append((-ratio, v, levels[v]))
+        heapq.heapify(heap)
+
+        steps = 0
+        while heap:
+            neg_ratio, v, level = heapq.heappop(heap)
+            if level != levels[v]:
+                continue
+            ratio, k = self._best_step(v, level, ls[v] - es[v] + tol)
+            if k < 0:
+                continue
+            if ratio < -neg_ratio:  # The slack shrank since this entry was pushed; requeue at its new rank.
+                heapq.heappush(heap, (-ratio, v, level))
+                continue
+            delta = times[v][k] - d[v]
+            d[v] = times[v][k]
+            levels[v] = k
+            steps += 1
+            self._push_forward(v, es, d, succs, preds)
+            ls[v] -= delta
+            self._push_backward(v, ls, d, preds)
+            ratio, k = self._best_step(v, levels[v], ls[v] - es[v] + tol)
+            if k >= 0:
+                heapq.heappush(heap, (-ratio, v, levels[v]))
+        logger.debug("Slowed down %d steps for target %.6g s.", steps, target_time_s)
+
+    @staticmethod
+    def _push_forward(v: int, es: list[float], d: list[float], succs: Sequence[Sequence[int]], preds: Sequence[Sequence[int]]) -> None:
+        """Raise earliest starts downstream of `v` after `d[v]` grew (nodes are in topological order)."""
+        todo = [v]
+        while todo:
+            u = heapq.heappop(todo)
+            finish = es[u] + d[u]
+            for w in succs[u]:
+                if finish > es[w]:
+                    es[w] = finish
+                    heapq.heappush(todo, w)
+
+    @staticmethod
+    def _push_backward(v: int, ls: list[float], d: list[float], preds: Sequence[Sequence[int]]) -> None:
+        """Lower latest starts upstream of `v` after `ls[v]` fell."""
+        todo = [-v]
+        while todo:
+            u = -heapq.heappop(todo)
+            for p in preds[u]:
+                start = ls[u] - d[p]
+                if start < ls[p]:
+                    ls[p] = start
+                    heapq.heappush(todo, -p)

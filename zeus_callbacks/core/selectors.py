@@ -1,0 +1,140 @@
+"""Objectives that pick the best operating point from time and energy measurements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "PowerLimitMeasurement",
+    "OptimumSelector",
+    "Time",
+    "Energy",
+    "ZeusCost",
+    "MaxSlowdownConstraint",
+]
+
+
+@dataclass(frozen=True)
+class PowerLimitMeasurement:
+    """Time and energy measured at one power limit (summed over every GPU of the job)."""
+
+    power_limit: int  # W, as in Zeus.
+    energy: float  # J
+    time: float  # s
+
+
+class OptimumSelector(ABC):
+    """Base class of the objectives: lower `score` is better.
+
+    Subclasses implement `score`, vectorised over candidates, so that the same objective serves the
+    power-limit optimizer (a handful of measurements) and the planners (millions of candidates).
+    """
+
+    @abstractmethod
+    def score(
+        self,
+        time_s: np.ndarray,
+        energy_j: np.ndarray,
+        max_power_w: float,
+        reference_time_s: float,
+    ) -> np.ndarray:
+        """Cost of each candidate; `np.inf` marks an infeasible one.
+
+        Args:
+            time_s: Time of each candidate.
+            energy_j: Energy of each candidate (all GPUs of the job).
+            max_power_w: The job's maximum power: the sum of every GPU's maximum power limit.
+            reference_time_s: Time of the reference operating point (every GPU at its maximum power limit).
+        """
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None) -> int:
+        """The power limit (W) of the best measurement.
+
+        `max_power_w` is the job's maximum power (sum over GPUs); it defaults to the largest measured
+        power limit, which is right for one GPU only.
+        """
+        if not measurements:
+            raise ValueError(f"`{type(self).__name__}.select` needs at least one measurement; got none.")
+        top = max(measurements, key=lambda m: m.power_limit)
+        time_s = np.array([m.time for m in measurements], dtype=float)
+        energy_j = np.array([m.energy for m in measurements], dtype=float)
+        scores = self.score(time_s, energy_j, float(max_power_w or top.power_limit), top.time)
+        if not np.isfinite(scores).any():
+            return top.power_limit
+        best = float(np.min(scores))
+        # Ties (flat curves) go to the higher power limit: the same cost for less risk of slowdown.
+        tied = [m for m, s in zip(measurements, scores, strict=True) if s <= best]
+        return max(m.power_limit for m in tied)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+class Time(OptimumSelector):
+    """The fastest operating point."""
+
+    def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
+        return np.asarray(time_s, dtype=float)
+
+
+class Energy(OptimumSelector):
+    """The operating point that uses the least energy."""
+
+    def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
+        return np.asarray(energy_j, dtype=float)
+
+
+class ZeusCost(OptimumSelector):
+    """Zeus's time-energy cost: `eta * energy + (1 - eta) * max_power * time`.
+
+    Args:
+        eta_knob: Weight of energy against time, in [0, 1].
+        world_size: Kept for Zeus compatibility. The optimizer passes the job's summed maximum power,
+            so the value is only used by `select` calls that do not.
+
+    Raises:
+        ValueError: `eta_knob` outside [0, 1] or `world_size` < 1.
+    """
+
+    def __init__(self, eta_knob: float, world_size: int = 1) -> None:
+        if not 0.0 <= eta_knob <= 1.0:
+            raise ValueError(f"`ZeusCost(eta_knob={eta_knob!r})`: eta_knob must be in [0, 1].")
+        if world_size < 1:
+            raise ValueError(f"`ZeusCost(world_size={world_size!r})`: world_size must be at least 1.")
+        self.eta_knob = float(eta_knob)
+        self.world_size = int(world_size)
+
+    def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
+        return self.eta_knob * np.asarray(energy_j, dtype=float) + (1.0 - self.eta_knob) * max_power_w * np.asarray(
+            time_s, dtype=float
+        )
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None) -> int:  # noqa: D102
+        if max_power_w is None and measurements:
+            max_power_w = max(m.power_limit for m in measurements) * self.world_size
+        return super().select(measurements, max_power_w)
+
+
+class MaxSlowdownConstraint(OptimumSelector):
+    """The least energy among operating points at most `factor` times slower than the reference.
+
+    Args:
+        factor: The largest allowed slowdown against every GPU at its maximum power limit, >= 1.
+
+    Raises:
+        ValueError: `factor` < 1.
+    """
+
+    def __init__(self, factor: float) -> None:
+        if not factor >= 1.0:
+            raise ValueError(f"`MaxSlowdownConstraint(factor={factor!r})`: factor must be >= 1.0 (1.1 = 10% slower).")
+        self.factor = float(factor)
+
+    def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
+        time_s = np.asarray(time_s, dtype=float)
+        return np.where(time_s <= self.factor * reference_time_s, np.asarray(energy_j, dtype=float), np.inf)

@@ -1,0 +1,478 @@
+"""Simulated GPUs driven by measured traces: state that outlives the process, energy, speed, faults."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import mmap
+import os
+import random
+import struct
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from zeus_callbacks.sim.specs import GPUSpec, spec_for
+from zeus_callbacks.sim.traces import Trace, load_trace, shipped_trace
+
+__all__ = ["SimulatedGPU", "SimulatedSystem", "Faults", "VirtualClock", "parse_spec"]
+
+# Persistent per-GPU state: a small file of float64 fields, mapped into memory so that reads cost
+# about a microsecond and every process on the "node" sees the same GPU, as with a real one.
+_FIELDS = (
+    "power_limit_mw",
+    "sm_lock_min_mhz",
+    "sm_lock_max_mhz",
+    "persistence",
+    "energy_mj",
+    "updated_at",
+    "version",
+    "mem_locked",
+    "last_power_w",
+    "last_power_at",
+)
+_IDX = {name: i for i, name in enumerate(_FIELDS)}
+_FMT = f"<{len(_FIELDS)}d"
+_SIZE = struct.calcsize(_FMT)
+
+
+class VirtualClock:
+    """A clock that only moves when simulated work runs (offline what-if runs)."""
+
+    def __init__(self, start: float = 1_000.0) -> None:
+        self._now = start
+
+    def now(self) -> float:
+        """Current virtual time (s)."""
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward."""
+        self._now += max(0.0, seconds)
+
+
+@dataclass
+class Faults:
+    """Faults injected into one simulated GPU."""
+
+    no_permission: bool = False
+    not_supported: frozenset[str] = frozenset()  # subset of {"power", "clocks", "persistence"}
+    lost_after_calls: int | None = None
+    no_energy_counter: bool = False
+    mig: bool = False
+
+
+class _State:
+    """Field access over a mapped file (shared) or a bytearray (in-memory)."""
+
+    def __init__(self, path: Path | None, initial: dict[str, float]) -> None:
+        self.path = path
+        if path is None:
+            self._buf: mmap.mmap | bytearray = bytearray(_SIZE)
+            self._fd = None
+            self._write_all(initial)
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fresh = os.fstat(fd).st_size < _SIZE
+            if fresh:
+                os.ftruncate(fd, _SIZE)
+            self._buf = mmap.mmap(fd, _SIZE)
+            if fresh:
+                self._write_all(initial)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        self._fd = fd
+
+    def _write_all(self, values: dict[str, float]) -> None:
+        struct.pack_into(_FMT, self._buf, 0, *(float(values.get(n, 0.0)) for n in _FIELDS))
+
+    def get(self, name: str) -> float:
+        return struct.unpack_from("<d", self._buf, 8 * _IDX[name])[0]
+
+    def set(self, name: str, value: float) -> None:
+        struct.pack_into("<d", self._buf, 8 * _IDX[name], float(value))
+
+    def lock(self) -> _Lock:
+        return _Lock(self._fd)
+
+
+class _Lock:
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    def __enter__(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+class SimulatedGPU:
+    """One simulated GPU: a trace-driven model of speed and power under power limits and SM clocks.
+
+    Speed: the host's CPU time between two synchronisation points stands for the GPU's work at the
+    maximum power limit; at the synchronisation the GPU "catches up" by sleeping so that the work takes
+    `relative_time` as long, so any timer sees the slowdown. Energy: busy time at the traced power,
+    the rest at idle power, accumulated in a counter that persists across processes.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        spec: GPUSpec,
+        trace: Trace,
+        uuid: str,
+        state_path: Path | None,
+        clock: VirtualClock | None,
+        noise: float,
+        seed: int,
+        faults: Faults,
+    ) -> None:
+        self.index = index
+        self.spec = spec
+        self.trace = trace
+        self.uuid = uuid
+        self.faults = faults
+        self.noise = noise
+        self._clock = clock
+        self._rng = random.Random(seed * 1_000_003 + index)
+        self._calls = 0
+        self._state = _State(
+            state_path,
+            {
+                "power_limit_mw": trace.max_power_limit_w * 1000,
+                "persistence": 0.0,
+                "energy_mj": 0.0,
+                "updated_at": self.now(),
+            },
+        )
+        self._op_version = -1.0
+        self._op = (1.0, trace.power(trace.max_power_limit_w))
+        self._last_sync = self.now()
+        self._last_cpu = time.process_time()
+        self._mutex = threading.Lock()
+
+    # -- time -------------------------------------------------------------------------------------
+    def now(self) -> float:
+        """The simulator's clock: wall time, or virtual time for offline runs."""
+        return self._clock.now() if self._clock is not None else time.time()
+
+    @property
+    def virtual(self) -> bool:
+        """Whether this GPU runs on a virtual clock."""
+        return self._clock is not None
+
+    # -- faults -----------------------------------------------------------------------------------
+    def count_call(self) -> bool:
+        """Count one NVML call; True once the GPU has fallen off the bus."""
+        self._calls += 1
+        lost = self.faults.lost_after_calls
+        return lost is not None and self._calls > lost
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def power_limit_mw(self) -> int:
+        """The power limit in force (mW)."""
+        return int(self._state.get("power_limit_mw"))
+
+    def set_power_limit_mw(self, value: int) -> None:
+        """Change the power limit (already validated by the NVML layer)."""
+        self._account_idle()
+        with self._state.lock():
+            self._state.set("power_limit_mw", value)
+            self._state.set("version", self._state.get("version") + 1)
+
+    @property
+    def persistence(self) -> bool:
+        """Persistence mode."""
+        return bool(self._state.get("persistence"))
+
+    def set_persistence(self, enabled: bool) -> None:
+        """Change persistence mode."""
+        self._state.set("persistence", 1.0 if enabled else 0.0)
+
+    @property
+    def locked_sm_clocks_mhz(self) -> tuple[int, int] | None:
+        """The locked SM clock range, or None when not locked."""
+        hi = self._state.get("sm_lock_max_mhz")
+        return None if hi <= 0 else (int(self._state.get("sm_lock_min_mhz")), int(hi))
+
+    def lock_sm_clocks(self, min_mhz: int, max_mhz: int) -> None:
+        """Lock the SM clock into a range."""
+        self._account_idle()
+        with self._state.lock():
+            self._state.set("sm_lock_min_mhz", min_mhz)
+            self._state.set("sm_lock_max_mhz", max_mhz)
+            self._state.set("version", self._state.get("version") + 1)
+
+    def reset_sm_clocks(self) -> None:
+        """Unlock the SM clock."""
+        self.lock_sm_clocks(0, 0)
+
+    @property
+    def memory_clocks_locked(self) -> bool:
+        """Whether memory clocks are locked."""
+        return bool(self._state.get("mem_locked"))
+
+    def set_memory_clocks_locked(self, locked: bool) -> None:
+        """Record a memory clock lock (memory clocks do not change the traced model)."""
+        self._state.set("mem_locked", 1.0 if locked else 0.0)
+
+    # -- physics ----------------------------------------------------------------------------------
+    def operating_point(self) -> tuple[float, float]:
+        """(relative time of work vs the maximum limit, busy power in W) for the current state."""
+        version = self._state.get("version")
+        if version != self._op_version:
+            self._op = self._compute_operating_point(self.power_limit_mw / 1000, self.locked_sm_clocks_mhz)
+            self._op_version = version
+        return self._op
+
+    def _compute_operating_point(self, pl_w: float, locked: tuple[int, int] | None) -> tuple[float, float]:
+        tr = self.trace
+        rel = tr.relative_time(pl_w)
+        power = tr.power(pl_w)
+        if locked is None:
+            return rel, power
+        # A clock cap moves the GPU along the same time/power curve a power cap does: time scales as
+        # 1/f, and each traced limit corresponds to the clock f_max / relative_time it achieves.
+        f_max = self.spec.max_sm_clock_mhz
+        mono = tr.monotone_relative_time()
+        f_pl = f_max / float(np.interp(pl_w, tr.power_limits_w, mono))
+        f = min(float(locked[1]), f_pl)
+        if f >= f_pl:
+            return rel, power
+        f_low = f_max / float(mono[0])
+        if f >= f_low:
+            # Find the lowest traced limit that runs at clock f (mono is non-increasing in the limit).
+            eq_pl = float(np.interp(f_max / f, mono[::-1], tr.power_limits_w[::-1]))
+            return f_max / f, tr.power(eq_pl)
+        # Below every traced limit: dynamic power ~ f^3 above a static floor.
+        p_low = tr.power(tr.min_power_limit_w)
+        idle = self.spec.idle_power_w
+        return f_max / f, idle + (p_low - idle) * (f / f_low) ** 3
+
+    def _noisy(self, value: float) -> float:
+        if self.noise <= 0:
+            return value
+        return value * min(1.5, max(0.5, self._rng.gauss(1.0, self.noise)))
+
+    # -- energy -----------------------------------------------------------------------------------
+    def energy_mj(self) -> float:
+        """The energy counter (mJ): accounted energy plus idle power since the last update."""
+        st = self._state
+        return st.get("energy_mj") + self.spec.idle_power_w * 1000 * max(0.0, self.now() - st.get("updated_at"))
+
+    def power_mw(self) -> float:
+        """Instantaneous power draw (mW): the last busy interval's power if recent, else idle."""
+        st = self._state
+        if self.now() - st.get("last_power_at") < 0.5:
+            return st.get("last_power_w") * 1000
+        return self.spec.idle_power_w * 1000
+
+    def _add(self, start: float, end: float, energy_j: float) -> None:
+        st = self._state
+        with st.lock():
+            updated = st.get("updated_at")
+            gap = max(0.0, start - updated) * self.spec.idle_power_w
+            st.set("energy_mj", st.get("energy_mj") + 1000 * (gap + energy_j))
+            st.set("updated_at", max(updated, end))
+            if end > start:
+                st.set("last_power_w", energy_j / (end - start))
+                st.set("last_power_at", end)
+
+    def _account_idle(self) -> None:
+        """Settle the counter before a state change so that past energy uses the old operating point."""
+        if not self.virtual:
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        """Wait for the work issued since the last synchronisation (real-clock mode)."""
+        if self.virtual:
+            return
+        with self._mutex:
+            start = self._last_sync
+            now = time.time()
+            cpu = time.process_time()
+            busy = min(max(0.0, cpu - self._last_cpu), max(0.0, now - start))
+            rel, power = self.operating_point()
+            rel, power = self._noisy(rel), self._noisy(power)
+            extra = busy * (rel - 1.0)
+            if extra > 0:
+                time.sleep(extra)
+            end = time.time()
+            busy_span = busy + max(0.0, extra)
+            idle_span = max(0.0, (end - start) - busy_span)
+            self._add(start, end, busy_span * power + idle_span * self.spec.idle_power_w)
+            self._last_sync = end
+            self._last_cpu = time.process_time()
+
+    def busy_time(self, work_s: float) -> tuple[float, float]:
+        """(time, power) of `work_s` seconds of work-at-maximum-limit at the current state, with noise."""
+        rel, power = self.operating_point()
+        return work_s * self._noisy(rel), self._noisy(power)
+
+    def run_virtual(self, start: float, busy_s: float, power_w: float, span_s: float) -> None:
+        """Account one virtual interval: `busy_s` at `power_w`, then idle until `span_s`."""
+        idle = max(0.0, span_s - busy_s) * self.spec.idle_power_w
+        self._add(start, start + span_s, busy_s * power_w + idle)
+
+
+def _uuid_for(system_id: str, index: int) -> str:
+    h = hashlib.sha1(f"{system_id}/{index}".encode()).hexdigest()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+@dataclass
+class GPUGroup:
+    """`COUNT*KIND[:WORKLOAD][@TRACE_FILE]` of a simulation spec."""
+
+    kind: str
+    count: int = 1
+    workload: str | None = None
+    trace_file: str | None = None
+
+    def trace(self) -> Trace:
+        if self.trace_file:
+            return load_trace(self.trace_file, self.workload or "", gpu_model=self.kind)
+        return shipped_trace(spec_for(self.kind).kind, self.workload)
+
+
+def parse_spec(spec: str) -> list[GPUGroup]:
+    """Parse `ZEUS_CALLBACKS_SIMULATE`: comma-separated `[COUNT*]KIND[:WORKLOAD][@TRACE_FILE]` groups.
+
+    Examples: `a40`, `4*a40:imagenet/resnet50/256`, `a10g,t4`, `2*v100:resnet50`,
+    `a40:mydata/mynet/64@/data/my_profile.csv`.
+    """
+    groups = []
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        count = 1
+        if "*" in item:
+            n, item = item.split("*", 1)
+            if not n.strip().isdigit() or int(n) < 1:
+                raise ValueError(f"Simulation spec {spec!r}: {raw!r} needs a positive count before '*'.")
+            count = int(n)
+        trace_file = None
+        if "@" in item:
+            item, trace_file = item.split("@", 1)
+        kind, _, workload = item.partition(":")
+        spec_for(kind)  # validates the kind
+        groups.append(GPUGroup(kind.strip().lower(), count, workload or None, trace_file))
+    if not groups:
+        raise ValueError(f"Simulation spec {spec!r} names no GPU; e.g. ZEUS_CALLBACKS_SIMULATE=a40.")
+    return groups
+
+
+def parse_faults(text: str) -> dict[int | None, Faults]:
+    """Parse `ZEUS_CALLBACKS_SIM_FAULTS`: `;`-separated `NAME[=VALUE][@GPU_INDEX]`.
+
+    Names: `no_permission`, `not_supported=power|clocks|persistence` (repeatable), `lost_after=N`
+    (NVML calls), `no_energy_counter`, `mig`. Without `@GPU_INDEX` a fault applies to every GPU.
+    """
+    out: dict[int | None, Faults] = {}
+    for raw in filter(None, (t.strip() for t in text.replace(",", ";").split(";"))):
+        item, _, where = raw.partition("@")
+        name, _, value = item.partition("=")
+        target = int(where) if where else None
+        f = out.setdefault(target, Faults())
+        if name == "no_permission":
+            f.no_permission = True
+        elif name == "not_supported":
+            f.not_supported = f.not_supported | {value or "clocks"}
+        elif name == "lost_after":
+            f.lost_after_calls = int(value)
+        elif name == "no_energy_counter":
+            f.no_energy_counter = True
+        elif name == "mig":
+            f.mig = True
+        else:
+            raise ValueError(
+                f"Unknown simulated fault {name!r} in {text!r}. Known: no_permission, not_supported=WHAT, "
+                "lost_after=N, no_energy_counter, mig."
+            )
+    return out
+
+
+def _merge(a: Faults | None, b: Faults | None) -> Faults:
+    a, b = a or Faults(), b or Faults()
+    return Faults(
+        no_permission=a.no_permission or b.no_permission,
+        not_supported=a.not_supported | b.not_supported,
+        lost_after_calls=b.lost_after_calls if b.lost_after_calls is not None else a.lost_after_calls,
+        no_energy_counter=a.no_energy_counter or b.no_energy_counter,
+        mig=a.mig or b.mig,
+    )
+
+
+@dataclass
+class SimulatedSystem:
+    """A node of simulated GPUs built from a spec string."""
+
+    spec: str
+    noise: float = 0.0
+    seed: int = 0
+    faults: str = ""
+    state_dir: str | None = None  # None: a per-user directory under the temp dir; "" : in memory only
+    virtual_clock: bool = False
+    gpus: list[SimulatedGPU] = field(init=False)
+    clock: VirtualClock | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        groups = parse_spec(self.spec)
+        faults = parse_faults(self.faults)
+        self.clock = VirtualClock() if self.virtual_clock else None
+        system_id = hashlib.sha1(self.spec.encode()).hexdigest()[:12]
+        directory = self.state_path()
+        self.gpus = []
+        for g in groups:
+            spec, trace = spec_for(g.kind), g.trace()
+            for _ in range(g.count):
+                i = len(self.gpus)
+                self.gpus.append(
+                    SimulatedGPU(
+                        index=i,
+                        spec=spec,
+                        trace=trace,
+                        uuid=_uuid_for(system_id, i),
+                        state_path=None if directory is None else directory / f"gpu{i}.state",
+                        clock=self.clock,
+                        noise=self.noise,
+                        seed=self.seed,
+                        faults=_merge(faults.get(None), faults.get(i)),
+                    )
+                )
+
+    def state_path(self) -> Path | None:
+        """Directory where this node's GPU state lives (None when kept in memory)."""
+        if self.state_dir == "":
+            return None
+        base = Path(self.state_dir) if self.state_dir else Path(tempfile.gettempdir()) / f"zeus_callbacks-sim-{os.getuid()}"
+        return base / hashlib.sha1(self.spec.encode()).hexdigest()[:12]
+
+    def run_step(self, work_s: float | dict[int, float]) -> float:
+        """Virtual clock only: run one synchronous step of work on every GPU; returns its duration (s).
+
+        `work_s` is the work of each GPU in seconds at its maximum power limit (one value for all, or per
+        GPU index). The step lasts as long as the slowest GPU; the others idle until it ends.
+        """
+        if self.clock is None:
+            raise RuntimeError("run_step needs a virtual clock: SimulatedSystem(..., virtual_clock=True).")
+        per = work_s if isinstance(work_s, dict) else {g.index: float(work_s) for g in self.gpus}
+        start = self.clock.now()
+        runs = {i: self.gpus[i].busy_time(w) for i, w in per.items()}
+        span = max((t for t, _ in runs.values()), default=0.0)
+        for i, (t, p) in runs.items():
+            self.gpus[i].run_virtual(start, t, p, span)
+        self.clock.advance(span)
+        return span
