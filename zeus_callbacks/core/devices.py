@@ -236,6 +236,16 @@ class GPUs(Sequence[GPU]):
         for i in indices:
             self._gpus[i].synchronize()
 
+    def step_boundary(self, indices: Sequence[int]) -> None:
+        """Mark the end of a training step.
+
+        A real GPU needs nothing here. A simulated one synchronises, standing in for the bounded launch
+        queue that stops a real host from running more than about a step ahead of its GPU; without it
+        the simulated slowdown would only show at the next explicit synchronisation.
+        """
+        if self.simulated:
+            self.synchronize(indices)
+
 
 def _visible_nvml_indices(nvml: ModuleType, count: int) -> list[int]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -41,12 +41,6 @@ class Measurement:
         return sum(self.gpu_energy.values())
 
 
-@dataclass
-class _Window:
-    start: float
-    counters_mj: list[int]
-
-
 class _PowerSampler:
     """Samples power of GPUs without an energy counter in the background and integrates it."""
 
@@ -159,7 +153,7 @@ class ZeusMonitor:
         sampled = [g for g in devices if not g.supports_energy_counter]
         self._sampled_indices = [g.index for g in sampled]
         self._sampler = _PowerSampler(sampled, self._clock, power_sample_interval_s) if sampled else None
-        self._windows: dict[str, _Window] = {}
+        self._windows: dict[str, tuple[float, list[int]]] = {}  # key -> (start, counters mJ)
         self._log: TextIO | None = None
         if log_file is not None:
             path = Path(log_file)
@@ -175,15 +169,19 @@ class ZeusMonitor:
         try:
             return [read(h) for read, h in self._read]
         except Exception as e:
-            nvml = self._counter[0].nvml
-            if isinstance(e, nvml.NVMLError):
-                raise _translate(nvml, e, "Reading the energy counter", "a monitored GPU") from None
-            raise
+            raise self._read_error(e) from None
+
+    def _read_error(self, e: Exception) -> Exception:
+        nvml = self._counter[0].nvml
+        if isinstance(e, nvml.NVMLError):
+            return _translate(nvml, e, "Reading the energy counter", "a monitored GPU")
+        return e
 
     def sync(self) -> None:
         """Wait for the work queued on the monitored GPUs."""
         self.gpus.synchronize(self.gpu_indices)
 
+    # begin_window/end_window are the hot path (called every step): plain tuples and inlined reads.
     def begin_window(self, key: str, sync_execution: bool = True) -> None:
         """Open the window `key`.
 
@@ -194,7 +192,12 @@ class ZeusMonitor:
             raise ValueError(f"Measurement window {key!r} is already open; end it before beginning it again.")
         if sync_execution:
             self.gpus.synchronize(self.gpu_indices)
-        self._windows[key] = _Window(self._clock(), self._counters())
+        start = self._clock()
+        try:
+            counters = [read(h) for read, h in self._read]
+        except Exception as e:
+            raise self._read_error(e) from None
+        self._windows[key] = (start, counters)
 
     def end_window(self, key: str, sync_execution: bool = True, cancel: bool = False) -> Measurement:
         """Close the window `key` and return its time and energy (zeros when `cancel`, and not logged).
@@ -203,7 +206,7 @@ class ZeusMonitor:
             ValueError: no window named `key` is open.
         """
         try:
-            window = self._windows.pop(key)
+            start, before = self._windows.pop(key)
         except KeyError:
             raise ValueError(
                 f"Measurement window {key!r} was not begun (open: {sorted(self._windows)})."
@@ -211,19 +214,19 @@ class ZeusMonitor:
         if sync_execution:
             self.gpus.synchronize(self.gpu_indices)
         if cancel:
-            return Measurement(0.0, {i: 0.0 for i in self.gpu_indices}, simulated=self.simulated)
+            return Measurement(0.0, dict.fromkeys(self.gpu_indices, 0.0), None, None, self.simulated)
         end = self._clock()
-        counters = self._counters()
-        energy = {
-            i: (c1 - c0) / 1000.0
-            for i, c0, c1 in zip(self._counter_indices, window.counters_mj, counters, strict=True)
-        }
+        try:
+            after = [read(h) for read, h in self._read]
+        except Exception as e:
+            raise self._read_error(e) from None
+        energy = {i: (c1 - c0) / 1000.0 for i, c0, c1 in zip(self._counter_indices, before, after)}  # noqa: B905
         if self._sampler is not None:
-            energy.update(zip(self._sampled_indices, self._sampler.energy_j(window.start, end), strict=True))
-        m = Measurement(end - window.start, energy, simulated=self.simulated)
+            energy.update(zip(self._sampled_indices, self._sampler.energy_j(start, end), strict=True))
+        m = Measurement(end - start, energy, None, None, self.simulated)
         if self._log is not None:
             values = ",".join(str(energy[i]) for i in self.gpu_indices)
-            self._log.write(f"{window.start},{key},{m.time},{values}\n")
+            self._log.write(f"{start},{key},{m.time},{values}\n")
             self._log.flush()
         return m
 

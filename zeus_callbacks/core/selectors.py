@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,14 +26,15 @@ class PowerLimitMeasurement:
     time: float  # s
 
 
-class OptimumSelector(ABC):
+class OptimumSelector:
     """Base class of the objectives: lower `score` is better.
 
-    Subclasses implement `score`, vectorised over candidates, so that the same objective serves the
-    power-limit optimizer (a handful of measurements) and the planners (millions of candidates).
+    Subclasses implement `score`, vectorised over candidates and non-decreasing in time and in energy,
+    so that the same objective serves the power-limit optimizer (a handful of measurements, with early
+    pruning) and the planners (millions of candidates). A Zeus-style subclass that overrides only
+    `select` still works with the power-limit optimizer, which then sweeps every power limit.
     """
 
-    @abstractmethod
     def score(
         self,
         time_s: np.ndarray,
@@ -50,6 +50,12 @@ class OptimumSelector(ABC):
             max_power_w: The job's maximum power: the sum of every GPU's maximum power limit.
             reference_time_s: Time of the reference operating point (every GPU at its maximum power limit).
         """
+        raise NotImplementedError(f"{type(self).__name__} implements only `select`.")
+
+    @classmethod
+    def has_score(cls) -> bool:
+        """Whether this selector implements the vectorised `score`."""
+        return cls.score is not OptimumSelector.score
 
     def select(self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None) -> int:
         """The power limit (W) of the best measurement.

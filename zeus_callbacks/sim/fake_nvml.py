@@ -38,6 +38,11 @@ def system() -> SimulatedSystem | None:
     return _system
 
 
+def _nvmlGetFunctionPointer(name: str):  # noqa: N802
+    """Present because Zeus checks for it to tell the official bindings from an unofficial `pynvml`."""
+    raise _err(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+
 def _err(code: int) -> _real.NVMLError:
     return _real.NVMLError(code)
 

@@ -38,6 +38,38 @@ _FIELDS = (
 _IDX = {name: i for i, name in enumerate(_FIELDS)}
 _FMT = f"<{len(_FIELDS)}d"
 _SIZE = struct.calcsize(_FMT)
+# The energy counter and its timestamp are adjacent, so the hot read is one unpack.
+_ENERGY = struct.Struct("<2d")
+_ENERGY_OFFSET = 8 * _IDX["energy_mj"]
+assert _IDX["updated_at"] == _IDX["energy_mj"] + 1
+
+
+class _HostWait:
+    """How long the host has waited in simulated synchronisations since it last did CPU work.
+
+    GPUs work in parallel: while the host waits for one GPU, the others keep working on the work queued
+    before, so synchronising several GPUs in a row takes as long as the slowest, not the sum.
+    """
+
+    _CPU_EPS_S = 0.002  # CPU time the host may spend between the synchronisations of one batch
+
+    def __init__(self) -> None:
+        self._cpu_mark = float("-inf")
+        self._waited_s = 0.0
+
+    def credit(self, cpu_s: float) -> float:
+        """Time already waited since the host's last CPU work (0 once it did more work)."""
+        return self._waited_s if cpu_s - self._cpu_mark < self._CPU_EPS_S else 0.0
+
+    def add(self, cpu_before_s: float, waited_s: float, cpu_after_s: float) -> None:
+        """Record a wait of `waited_s` that began at process CPU time `cpu_before_s`."""
+        if cpu_before_s - self._cpu_mark >= self._CPU_EPS_S:
+            self._waited_s = 0.0
+        self._waited_s += waited_s
+        self._cpu_mark = cpu_after_s
+
+
+_HOST_WAIT = _HostWait()
 
 
 class VirtualClock:
@@ -159,6 +191,7 @@ class SimulatedGPU:
         self._op = (1.0, trace.power(trace.max_power_limit_w))
         self._last_sync = self.now()
         self._last_cpu = time.process_time()
+        self._busy_until = 0.0
         self._mutex = threading.Lock()
 
     # -- time -------------------------------------------------------------------------------------
@@ -268,15 +301,30 @@ class SimulatedGPU:
     # -- energy -----------------------------------------------------------------------------------
     def energy_mj(self) -> float:
         """The energy counter (mJ): accounted energy plus idle power since the last update."""
-        st = self._state
-        return st.get("energy_mj") + self.spec.idle_power_w * 1000 * max(0.0, self.now() - st.get("updated_at"))
+        energy, updated = _ENERGY.unpack_from(self._state._buf, _ENERGY_OFFSET)
+        now = time.time() if self._clock is None else self._clock.now()
+        return energy + self.spec.idle_power_w * 1000 * max(0.0, now - updated)
 
     def power_mw(self) -> float:
-        """Instantaneous power draw (mW): the last busy interval's power if recent, else idle."""
+        """Instantaneous power draw (mW).
+
+        While this process has work queued on the GPU (host CPU time since the last synchronisation, or
+        a synchronisation still catching up) the GPU draws its busy power in proportion; otherwise the
+        last busy interval's power if recent (from any process), else idle.
+        """
         st = self._state
-        if self.now() - st.get("last_power_at") < 0.5:
-            return st.get("last_power_w") * 1000
-        return self.spec.idle_power_w * 1000
+        now = self.now()
+        idle = self.spec.idle_power_w
+        shared = st.get("last_power_w") if now - st.get("last_power_at") < 0.5 else idle
+        if self.virtual:
+            return shared * 1000
+        _, busy_power = self.operating_point()
+        if now < self._busy_until:
+            return busy_power * 1000
+        span = now - self._last_sync
+        busy = min(max(0.0, time.process_time() - self._last_cpu), span)
+        local = idle + (busy_power - idle) * (busy / span) if span > 0 else idle
+        return max(local, shared) * 1000
 
     def _add(self, start: float, end: float, energy_j: float) -> None:
         st = self._state
@@ -305,11 +353,15 @@ class SimulatedGPU:
             busy = min(max(0.0, cpu - self._last_cpu), max(0.0, now - start))
             rel, power = self.operating_point()
             rel, power = self._noisy(rel), self._noisy(power)
-            extra = busy * (rel - 1.0)
+            gpu_busy = busy * rel
+            # Time the host already spent waiting for other GPUs counts: this GPU worked meanwhile.
+            extra = gpu_busy - busy - _HOST_WAIT.credit(cpu)
             if extra > 0:
+                self._busy_until = now + extra
                 time.sleep(extra)
+                _HOST_WAIT.add(cpu, time.time() - now, time.process_time())
             end = time.time()
-            busy_span = busy + max(0.0, extra)
+            busy_span = min(gpu_busy, end - start)
             idle_span = max(0.0, (end - start) - busy_span)
             self._add(start, end, busy_span * power + idle_span * self.spec.idle_power_w)
             self._last_sync = end

@@ -245,7 +245,11 @@ def _make_plan(dag: PipelineDAG, p_blk: Sequence[float], chosen: Sequence[Freque
 
 
 class _Problem:
-    """Per-node Pareto options and the greedy slow-down; `levels[i]` indexes node `i`'s options."""
+    """Per-node Pareto options (index `levels[v]`, fastest first) and the slack-based search over them.
+
+    The search state is `levels`, durations `d`, earliest starts `es` and latest starts `ls` against the
+    deadline; a node's slack is `ls[v] - es[v]`, and lengthening it by at most that keeps the deadline.
+    """
 
     def __init__(self, dag: PipelineDAG, options: OptionTable, p_blk_w: float | Sequence[float]) -> None:
         _check_options(dag, options)
@@ -254,7 +258,12 @@ class _Problem:
         by_type = {key: pareto_options(opts, self.p_blk[key[0]]) for key, opts in options.items()}
         self.opts = [by_type[i.stage, i.kind] for i in dag.instructions]
         self.times = [[o.time_s for o in opts] for opts in self.opts]
-        self.costs = [[o.energy_j - self.p_blk[i.stage] * o.time_s for o in opts] for i, opts in zip(dag.instructions, self.opts, strict=True)]
+        self.costs = [
+            [o.energy_j - self.p_blk[inst.stage] * o.time_s for o in opts]
+            for inst, opts in zip(dag.instructions, self.opts, strict=True)
+        ]
+        self.preds = [dag.predecessors(v) for v in range(len(dag))]
+        self.succs = [dag.successors(v) for v in range(len(dag))]
         self.fastest_time_s = dag.iteration_time([t[0] for t in self.times])
         self.slowest_time_s = dag.iteration_time([t[-1] for t in self.times])
         self.max_frequency_plan = max_frequency_plan(dag, options, self.p_blk)
@@ -263,9 +272,59 @@ class _Problem:
     def plan(self, levels: Sequence[int]) -> Plan:
         return _make_plan(self.dag, self.p_blk, [opts[k] for opts, k in zip(self.opts, levels, strict=True)])
 
-    def _best_step(self, node: int, level: int, room: float) -> tuple[float, int]:
-        """Best (effective energy saved per added second, new level) among slow-downs that fit in `room`."""
-        times, costs = self.times[node], self.costs[node]
+    def optimize(self, levels: list[int], target_time_s: float, max_passes: int = 8) -> None:
+        """Improve `levels` in place under the deadline: greedy slow-down, then exchange passes.
+
+        An exchange speeds one slowed node up by one level (or back to its fastest option), freezes it, and
+        greedily hands the freed slack to the others; it is kept only if the effective energy drops. This
+        repairs the greedy's classic mistake of spending slack shared by several paths on one node.
+        """
+        n = len(levels)
+        self.deadline = target_time_s
+        self.tol = target_time_s * _REL_TOL
+        self.levels = levels
+        self.d = [self.times[v][levels[v]] for v in range(n)]
+        self.es = [0.0] * n
+        self.ls = [0.0] * n
+        self._forward(range(n))
+        self._backward(range(n))
+        self._fill(range(n), frozen=-1)
+        for _ in range(max_passes):
+            improved = False
+            for v in range(n):
+                for k in sorted({levels[v] - 1, 0}, reverse=True):
+                    if k >= 0 and k != levels[v] and self._exchange(v, k):
+                        improved = True
+                        break
+            if not improved:
+                break
+
+    def _cost(self, v: int, level: int) -> float:
+        return self.costs[v][level]
+
+    def _exchange(self, v: int, level: int) -> bool:
+        saved = (self.levels[:], self.d[:], self.es[:], self.ls[:])
+        gain = self.costs[v][self.levels[v]] - self.costs[v][level]  # negative: speeding up costs energy
+        touched = self._set_level(v, level)
+        gain += self._fill(touched, frozen=v)
+        if gain > 1e-12 * (1 + abs(self.costs[v][level])):
+            return True
+        self.levels[:], self.d[:], self.es[:], self.ls[:] = saved
+        return False
+
+    def _set_level(self, v: int, level: int) -> set[int]:
+        """Change node `v`'s option and refresh the schedule; returns nodes whose slack changed."""
+        self.levels[v] = level
+        self.d[v] = self.times[v][level]
+        touched = self._forward(self.succs[v])
+        touched |= self._backward([v])
+        touched.add(v)
+        return touched
+
+    def _best_step(self, v: int) -> tuple[float, int]:
+        """Best (effective energy saved per added second, level) among slow-downs within `v`'s slack."""
+        times, costs, level = self.times[v], self.costs[v], self.levels[v]
+        room = self.ls[v] - self.es[v] + self.tol
         t0, c0 = times[level], costs[level]
         best_ratio, best_level = 0.0, -1
         for k in range(level + 1, len(times)):
@@ -277,69 +336,57 @@ class _Problem:
                 best_ratio, best_level = ratio, k
         return best_ratio, best_level
 
-    def slow_down(self, levels: list[int], target_time_s: float) -> None:
-        """Greedily slow nodes down in place, keeping the iteration within `target_time_s`."""
-        dag, times = self.dag, self.times
-        n = len(dag)
-        preds = [dag.predecessors(v) for v in range(n)]
-        succs = [dag.successors(v) for v in range(n)]
-        tol = target_time_s * _REL_TOL
-        d = [times[v][levels[v]] for v in range(n)]
-        es = dag.earliest_start(d)
-        ls = [0.0] * n  # latest start
-        for v in range(n - 1, -1, -1):
-            ls[v] = min((ls[w] for w in succs[v]), default=target_time_s) - d[v]
+    def _fill(self, candidates: Iterable[int], frozen: int) -> float:
+        """Greedily slow down nodes (all but `frozen`), best saving per second first; returns energy saved.
 
-        heap: list[tuple[float, int, int]] = []
-        for v in range(n):
-            ratio, k = self._best_step(v, levels[v], ls[v] - es[v] + tol)
-            if k >= 0:
-                heap.append((-ratio, v, levels[v]))
+        Slack only shrinks while filling, so a queued priority can only be too high: a popped entry is
+        re-checked and re-queued at its current value when it dropped.
+        """
+        heap = []
+        for v in candidates:
+            if v != frozen:
+                ratio, k = self._best_step(v)
+                if k >= 0:
+                    heap.append((-ratio, v, self.levels[v]))
         heapq.heapify(heap)
-
-        steps = 0
+        saved = 0.0
         while heap:
             neg_ratio, v, level = heapq.heappop(heap)
-            if level != levels[v]:
+            if level != self.levels[v]:
                 continue
-            ratio, k = self._best_step(v, level, ls[v] - es[v] + tol)
+            ratio, k = self._best_step(v)
             if k < 0:
                 continue
-            if ratio < -neg_ratio:  # The slack shrank since this entry was pushed; requeue at its new rank.
+            if ratio < -neg_ratio:
                 heapq.heappush(heap, (-ratio, v, level))
                 continue
-            delta = times[v][k] - d[v]
-            d[v] = times[v][k]
-            levels[v] = k
-            steps += 1
-            self._push_forward(v, es, d, succs, preds)
-            ls[v] -= delta
-            self._push_backward(v, ls, d, preds)
-            ratio, k = self._best_step(v, levels[v], ls[v] - es[v] + tol)
+            saved += self.costs[v][level] - self.costs[v][k]
+            self._set_level(v, k)
+            ratio, k = self._best_step(v)
             if k >= 0:
-                heapq.heappush(heap, (-ratio, v, levels[v]))
-        logger.debug("Slowed down %d steps for target %.6g s.", steps, target_time_s)
+                heapq.heappush(heap, (-ratio, v, self.levels[v]))
+        return saved
 
-    @staticmethod
-    def _push_forward(v: int, es: list[float], d: list[float], succs: Sequence[Sequence[int]], preds: Sequence[Sequence[int]]) -> None:
-        """Raise earliest starts downstream of `v` after `d[v]` grew (nodes are in topological order)."""
-        todo = [v]
+    def _forward(self, start: Iterable[int]) -> set[int]:
+        """Recompute earliest starts from `start` downstream (node numbers are topological)."""
+        es, d, preds, succs = self.es, self.d, self.preds, self.succs
+        todo = list(set(start))
+        heapq.heapify(todo)
+        queued = set(todo)
+        changed = set()
         while todo:
-            u = heapq.heappop(todo)
-            finish = es[u] + d[u]
-            for w in succs[u]:
-                if finish > es[w]:
-                    es[w] = finish
+            v = heapq.heappop(todo)
+            new = max((es[u] + d[u] for u in preds[v]), default=0.0)
+            if new != es[v] or v in changed or not changed:
+                if new != es[v]:
+                    es[v] = new
+                    changed.add(v)
+            for w in succs[v]:
+                if w not in queued and (v in changed or len(queued) == 0):
+                    pass
+            # Successors must be revisited whenever v's finish time may have moved.
+            for w in succs[v]:
+                if w not in queued:
+                    queued.add(w)
                     heapq.heappush(todo, w)
-
-    @staticmethod
-    def _push_backward(v: int, ls: list[float], d: list[float], preds: Sequence[Sequence[int]]) -> None:
-        """Lower latest starts upstream of `v` after `ls[v]` fell."""
-        todo = [-v]
-        while todo:
-            u = -heapq.heappop(todo)
-            for p in preds[u]:
-                start = ls[u] - d[p]
-                if start < ls[p]:
-                    ls[p] = start
-                    heapq.heappush(todo, -p)
+        return changed

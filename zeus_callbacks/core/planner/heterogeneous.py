@@ -34,6 +34,8 @@ COST_MODELS = ("sync", "zeus2")
 ZEUS2_METHODS = ("naive", "heuristic", "baseline")
 # Below this many (split, power-limit) candidates the search is exhaustive; above it, coarse-to-fine.
 _EXHAUSTIVE_BUDGET = 4_000_000
+# Candidates of the coarse grid that starts the coarse-to-fine search.
+_COARSE_BUDGET = 1_000_000
 # Candidates evaluated per vectorised chunk, and splits kept between refinement levels.
 _CHUNK = 2_000_000
 _TOP_K = 8
@@ -396,7 +398,7 @@ def _search(types, global_batch, granularity, objective, max_power_w, ref_time):
     if math.prod(sizes) * n_limits <= _EXHAUSTIVE_BUDGET:
         evaluate(grid([np.arange(t.lo, t.hi + 1, granularity) for t in free]), exact=True)
     else:
-        target = max(1.0, _EXHAUSTIVE_BUDGET / 4 / n_limits)
+        target = max(1.0, _COARSE_BUDGET / n_limits)
         step = max(1, math.ceil((math.prod(sizes) / target) ** (1 / len(free))))
         axes = [np.unique(np.r_[np.arange(t.lo, t.hi + 1, step * granularity), t.hi]) for t in free]
         centers = evaluate(grid(axes), exact=False, keep=_TOP_K)

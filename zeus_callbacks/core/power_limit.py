@@ -1,0 +1,393 @@
+"""GlobalPowerLimitOptimizer: profile GPU power limits during real training, pick the best, keep it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.errors import GPUError
+from zeus_callbacks.core.gpu_state import guard
+from zeus_callbacks.core.monitor import ZeusMonitor
+from zeus_callbacks.core.power_limit_profile import ProfileContext, load_profile, save_profile
+from zeus_callbacks.core.power_limit_search import (
+    SEARCHES,
+    PowerLimitStats,
+    best_power_limit,
+    choose_power_limit,
+    clearly_worse,
+    next_power_limit,
+    power_limit_grid,
+)
+from zeus_callbacks.core.selectors import OptimumSelector, ZeusCost
+
+__all__ = ["GlobalPowerLimitOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+_WINDOW = "__GlobalPowerLimitOptimizer_step"
+
+
+@dataclass
+class _Waiting:
+    steps_left: int
+
+
+@dataclass
+class _Warmup:
+    power_limit_w: int
+    steps_left: int
+
+
+@dataclass
+class _Profiling:
+    power_limit_w: int
+    target_steps: int
+    stats: PowerLimitStats
+    steps_done: int = 0
+
+
+@dataclass
+class _Done:
+    power_limit_w: int
+
+
+@dataclass
+class _Inactive:
+    reason: str
+
+
+_Phase = _Waiting | _Warmup | _Profiling | _Done | _Inactive
+
+
+class GlobalPowerLimitOptimizer:
+    """Find the best GPU power limit during training and keep it (Zeus's `GlobalPowerLimitOptimizer`).
+
+    Each power limit is profiled over whole training steps (step begin to step end, so evaluation,
+    logging and checkpointing between steps are not charged to it), after `warmup_steps` steps at that
+    limit. Under torch.distributed every rank measures its own GPU; energy is summed and time maxed over
+    ranks, so every rank reaches the same decision at the same step. Every change goes through the
+    process's GPU-state guard and is undone at `on_train_end`, at exit, on exceptions and on signals.
+
+    Args:
+        monitor: The `ZeusMonitor` measuring this process's GPU(s).
+        optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
+        wait_steps: Steps to let pass before profiling starts.
+        warmup_steps: Steps run at each power limit before it is measured (0 allowed).
+        profile_steps: Steps measured at each power limit.
+        pl_step: Stride between profiled power limits (W); the minimum limit is always profiled.
+        profile_path: JSON file of the profile: loaded if it exists (a complete one skips profiling, a
+            partial one resumes it), written (by rank 0) as profiling goes.
+        search: "adaptive" (default, profiles fewer limits using the cost curve's shape) or "sweep"
+            (every limit, as Zeus).
+
+    Raises:
+        ValueError: a bad argument; the message names it.
+
+    Example::
+
+        monitor = ZeusMonitor(gpu_indices=[local_rank])
+        plo = GlobalPowerLimitOptimizer(monitor, MaxSlowdownConstraint(1.1))
+        for epoch in range(epochs):
+            for batch in loader:
+                plo.on_step_begin()
+                train_step(batch)
+                plo.on_step_end()
+            plo.on_epoch_end()
+        plo.on_train_end()
+    """
+
+    def __init__(
+        self,
+        monitor: ZeusMonitor,
+        optimum_selector: OptimumSelector | None = None,
+        wait_steps: int = 1,
+        warmup_steps: int = 10,
+        profile_steps: int = 40,
+        pl_step: int = 25,
+        profile_path: str | Path | None = None,
+        search: str = "adaptive",
+    ) -> None:
+        def bad(name: str, value: Any, want: str) -> ValueError:
+            return ValueError(f"`GlobalPowerLimitOptimizer({name}={value!r})`: {want}.")
+
+        if wait_steps < 0:
+            raise bad("wait_steps", wait_steps, "must be >= 0")
+        if warmup_steps < 0:
+            raise bad("warmup_steps", warmup_steps, "must be >= 0")
+        if profile_steps < 1:
+            raise bad("profile_steps", profile_steps, "must be >= 1")
+        if pl_step <= 0:
+            raise bad("pl_step", pl_step, "must be a positive number of watts")
+        if search not in SEARCHES:
+            raise bad("search", search, f"must be one of {SEARCHES}")
+        if optimum_selector is not None and not isinstance(optimum_selector, OptimumSelector):
+            raise bad("optimum_selector", optimum_selector, "must be an OptimumSelector (Time(), Energy(), ...)")
+        self.monitor = monitor
+        self.optimum_selector = optimum_selector or ZeusCost(eta_knob=0.5)
+        self.wait_steps = wait_steps
+        self.warmup_steps = warmup_steps
+        self.profile_steps = profile_steps
+        self.short_steps = max(2, -(-profile_steps // 4)) if search == "adaptive" else profile_steps
+        self.pl_step = int(pl_step)
+        self.profile_path = Path(profile_path) if profile_path is not None else None
+        self.search = search
+        self._gpus = [monitor.gpus[i] for i in monitor.gpu_indices]
+        self._phase: _Phase = _Waiting(wait_steps)
+        self._started = False
+        self._pending_state: dict[str, Any] | None = None
+        self.stats: dict[int, PowerLimitStats] = {}
+        self.grid: list[int] = []
+        self.num_gpus = len(self._gpus)
+        self.max_power_w = 0.0
+        self.may_set = True
+        self.profiling_steps = 0
+        self.profiling_energy_j = 0.0
+        self.power_limit_w: int | None = None
+        self._failed = False
+
+    # -- public state ---------------------------------------------------------------------------
+    @property
+    def phase(self) -> str:
+        """`waiting`, `warmup`, `profiling`, `done` or `inactive`."""
+        return type(self._phase).__name__.lstrip("_").lower()
+
+    @property
+    def optimal_power_limit_w(self) -> int | None:
+        """The chosen power limit once profiling is over."""
+        return self._phase.power_limit_w if isinstance(self._phase, _Done) else None
+
+    def metrics(self) -> dict[str, float | str]:
+        """Numbers for the trainer's loggers: current limit, phase, profiling cost, the choice."""
+        out: dict[str, float | str] = {"phase": self.phase}
+        if self.power_limit_w is not None:
+            out["power_limit_w"] = float(self.power_limit_w)
+        if self.optimal_power_limit_w is not None:
+            out["optimal_power_limit_w"] = float(self.optimal_power_limit_w)
+        out["profiling_steps"] = float(self.profiling_steps)
+        out["profiling_energy_j"] = self.profiling_energy_j
+        return out
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def on_step_begin(self) -> None:
+        """Mark the beginning of a training step."""
+        if not self._started:
+            self._start()
+        if isinstance(self._phase, (_Warmup, _Profiling)) and not self._failed:
+            try:
+                if _WINDOW in self.monitor.open_windows:
+                    self.monitor.end_window(_WINDOW, cancel=True)
+                self.monitor.begin_window(_WINDOW)
+            except GPUError as e:
+                self._gpu_failed(e)
+
+    def on_step_end(self) -> None:
+        """Mark the end of a training step."""
+        if not self._started:
+            return
+        phase = self._phase
+        if isinstance(phase, _Waiting):
+            phase.steps_left -= 1
+            if phase.steps_left <= 0:
+                self._begin_next()
+        elif isinstance(phase, _Warmup):
+            self._record_step(None)
+            phase.steps_left -= 1
+            if phase.steps_left <= 0:
+                self._phase = self._profiling(phase.power_limit_w)
+        elif isinstance(phase, _Profiling):
+            self._record_step(phase.stats)
+            phase.steps_done += 1
+            if phase.steps_done >= phase.target_steps:
+                self._decide(phase)
+        self.monitor.gpus.step_boundary(self.monitor.gpu_indices)
+
+    def on_epoch_end(self) -> None:
+        """Mark the end of an epoch. Profiling carries on across epochs: nothing is restarted."""
+
+    def on_train_end(self) -> None:
+        """Restore the GPUs' settings as they were before training."""
+        if _WINDOW in self.monitor.open_windows:
+            self.monitor.end_window(_WINDOW, cancel=True)
+        guard().restore()
+        self.power_limit_w = None
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers and strings: the finished profile and, if any, the choice."""
+        return {
+            "version": 1,
+            "optimal_power_limit_w": self.optimal_power_limit_w,
+            "stats": [s.to_dict() for s in self.stats.values()],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`: a finished profile is applied without profiling again; a partial
+        one resumes at the next power limit (the limit being profiled at the checkpoint starts over)."""
+        if state.get("version") != 1:
+            raise ValueError(f"Unknown GlobalPowerLimitOptimizer state version {state.get('version')!r}.")
+        self._pending_state = state
+        if self._started:
+            self._apply_state()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _context(self) -> ProfileContext:
+        from zeus_callbacks import __version__
+
+        lo, hi = self.grid[-1], self.grid[0]
+        return ProfileContext(self._gpus[0].name, (lo, hi), self.pl_step, self.num_gpus, self.monitor.simulated, __version__)
+
+    def _start(self) -> None:
+        self._started = True
+        constraints = {g.power_limit_constraints_mw() for g in self._gpus}
+        lo, hi = min(c[0] for c in constraints), max(c[1] for c in constraints)
+        # Every rank must profile the same grid: refuse mixed GPU models rather than guess.
+        lows = dist.all_reduce([-lo, hi, float(len(constraints) > 1)], op="max")
+        if len(constraints) > 1 or -lows[0] != lo or lows[1] != hi or lows[2]:
+            raise ValueError(
+                "GlobalPowerLimitOptimizer needs GPUs with the same power-limit range on every rank; this job mixes "
+                "GPU models. Plan per-GPU limits with `zeus-callbacks plan` (the heterogeneous planner) instead."
+            )
+        self.grid = power_limit_grid(lo / 1000, hi / 1000, self.pl_step)
+        self.num_gpus = int(dist.all_reduce([len(self._gpus)], op="sum")[0])
+        self.max_power_w = self.grid[0] * self.num_gpus
+        denied = dist.all_reduce([float(not all(g.may_change_settings() for g in self._gpus))], op="sum")[0]
+        self.may_set = denied == 0
+        if self.profile_path is not None and self.profile_path.exists():
+            stats, complete = load_profile(self.profile_path, self._context())
+            self.stats = stats
+            logger.info("Loaded %s power-limit profile from %s.", "the" if complete else "a partial", self.profile_path)
+            if complete:
+                self._finish()
+                return
+        if self._pending_state is not None:
+            self._apply_state()
+            if isinstance(self._phase, _Done):
+                return
+        if not self.may_set:
+            self._phase = _Inactive("no permission to change power limits")
+            logger.warning(
+                "GlobalPowerLimitOptimizer: this process may not change GPU power limits (needs root or "
+                "CAP_SYS_ADMIN), so it cannot profile them. Energy is still measured; with a complete "
+                "profile_path it reports the limit it would apply."
+            )
+            return
+        if self.wait_steps == 0:
+            self._begin_next()
+
+    def _apply_state(self) -> None:
+        state, self._pending_state = self._pending_state, None
+        assert state is not None
+        self.stats = {int(s["power_limit_w"]): PowerLimitStats(**s) for s in state["stats"]}
+        if state.get("optimal_power_limit_w") is not None:
+            self._phase = _Done(int(state["optimal_power_limit_w"]))
+            self._set_power_limit(self._phase.power_limit_w)
+            logger.info("Resumed at the optimal power limit %d W without profiling again.", self._phase.power_limit_w)
+
+    def _profiling(self, pl: int) -> _Profiling:
+        target = self.profile_steps if pl == self.grid[0] else self.short_steps
+        return _Profiling(pl, target, PowerLimitStats(pl))
+
+    def _begin_next(self) -> None:
+        pl = next_power_limit(self.grid, self.stats, self.optimum_selector, self.max_power_w, self.num_gpus, self.search)
+        if pl is None:
+            self._finish()
+            return
+        if not self._set_power_limit(pl):
+            return
+        logger.info("Profiling power limit %d W.", pl)
+        self._phase = _Warmup(pl, self.warmup_steps) if self.warmup_steps > 0 else self._profiling(pl)
+
+    def _record_step(self, stats: PowerLimitStats | None) -> None:
+        """Close the step's window; add it to the profiling cost, and to `stats` when measuring."""
+        self.profiling_steps += 1
+        if self._failed:
+            return
+        try:
+            m = self.monitor.end_window(_WINDOW)
+        except (GPUError, ValueError) as e:
+            self._gpu_failed(e)
+            return
+        self.profiling_energy_j += m.total_energy
+        if stats is None or m.time <= 0 or m.total_energy <= 0:
+            return  # warm-up, or a counter that did not move: not a sample
+        stats.steps += 1
+        stats.time_s += m.time
+        stats.time_sq += m.time * m.time
+        stats.energy_j += m.total_energy
+        stats.energy_sq += m.total_energy * m.total_energy
+
+    def _decide(self, phase: _Profiling) -> None:
+        s = phase.stats
+        # One pair of collectives per decision, on every rank, whatever happened to its GPU.
+        total = dist.all_reduce([s.energy_j, s.energy_sq, float(self._failed), float(s.steps == 0)], op="sum")
+        top = dist.all_reduce([s.time_s, s.time_sq, float(s.steps)], op="max")
+        if total[2] > 0:
+            self._deactivate("a GPU failed during profiling")
+            return
+        if total[3] > 0:
+            if phase.target_steps < 4 * self.profile_steps:
+                phase.target_steps += self.profile_steps  # no valid sample yet: measure longer
+                return
+            logger.warning("No valid measurement at %d W (energy counter not moving); skipping it.", s.power_limit_w)
+            self.stats[s.power_limit_w] = PowerLimitStats(s.power_limit_w, pruned=True)
+            self._after_limit()
+            return
+        merged = PowerLimitStats(s.power_limit_w, int(top[2]), top[0], total[0], top[1], total[1])
+        if phase.target_steps < self.profile_steps and self.stats:
+            ref_time = self.stats[self.grid[0]].mean_time_s
+            best = self.stats[best_power_limit(self.stats, self.optimum_selector, self.max_power_w, ref_time)]
+            if not clearly_worse(merged, best, self.optimum_selector, self.max_power_w, ref_time):
+                phase.target_steps = self.profile_steps  # a contender: measure it in full
+                return
+            merged.pruned = True
+        self.stats[s.power_limit_w] = merged
+
+        self._after_limit()
+
+    def _after_limit(self) -> None:
+        self._save(complete=False)
+        self._begin_next()
+
+    def _finish(self) -> None:
+        pl = choose_power_limit(self.stats, self.optimum_selector, self.max_power_w, self.profile_steps)
+        self._phase = _Done(pl)
+        self._save(complete=True)
+        if self.may_set:
+            self._set_power_limit(pl)
+            logger.info(
+                "Optimal power limit: %d W (%s, %d limits profiled%s).",
+                pl, self.optimum_selector, len(self.stats), ", SIMULATED GPUs" if self.monitor.simulated else "",
+            )
+        else:
+            logger.warning("Would apply power limit %d W, but this process may not change power limits.", pl)
+
+    def _save(self, complete: bool) -> None:
+        if self.profile_path is not None and dist.rank() == 0:
+            save_profile(self.profile_path, self._context(), self.stats, complete)
+
+    def _set_power_limit(self, pl: int) -> bool:
+        try:
+            for g in self._gpus:
+                g.set_power_limit_mw(pl * 1000)
+        except GPUError as e:
+            self._gpu_failed(e)
+            if not dist.is_distributed():
+                return False
+        self.power_limit_w = pl
+        return True
+
+    def _gpu_failed(self, error: Exception) -> None:
+        logger.warning("GlobalPowerLimitOptimizer: %s. Restoring the GPU and training on without it.", error)
+        self._failed = True
+        if not dist.is_distributed():
+            self._deactivate(str(error))
+
+    def _deactivate(self, reason: str) -> None:
+        self._phase = _Inactive(reason)
+        if _WINDOW in self.monitor.open_windows:
+            self.monitor.end_window(_WINDOW, sync_execution=False, cancel=True)
+        guard().restore()
+        self.power_limit_w = None
