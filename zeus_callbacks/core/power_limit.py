@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.errors import GPUError
 from zeus_callbacks.core.gpu_state import guard
@@ -124,7 +126,9 @@ class GlobalPowerLimitOptimizer:
         if search not in SEARCHES:
             raise bad("search", search, f"must be one of {SEARCHES}")
         if optimum_selector is not None and not isinstance(optimum_selector, OptimumSelector):
-            raise bad("optimum_selector", optimum_selector, "must be an OptimumSelector (Time(), Energy(), ...)")
+            raise bad(
+                "optimum_selector", optimum_selector, "must be an OptimumSelector (Time(), Energy(), ...)"
+            )
         self.monitor = monitor
         self.optimum_selector = optimum_selector or ZeusCost(eta_knob=0.5)
         self.wait_steps = wait_steps
@@ -168,6 +172,55 @@ class GlobalPowerLimitOptimizer:
             out["optimal_power_limit_w"] = float(self.optimal_power_limit_w)
         out["profiling_steps"] = float(self.profiling_steps)
         out["profiling_energy_j"] = self.profiling_energy_j
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """The profile as plain data: one row per profiled limit, the choice, and the saving against the
+        maximum limit (by the measurements; labelled `simulated` when the GPUs are)."""
+        rows = []
+        ref = self.stats.get(self.grid[0]) if self.grid else None
+        ref_time = ref.mean_time_s if ref is not None and ref.steps else float("nan")
+        for pl in sorted(self.stats, reverse=True):
+            s = self.stats[pl]
+            if not s.steps:
+                continue
+            m = s.measurement(self.profile_steps)
+            cost = (
+                float(
+                    self.optimum_selector.score(
+                        np.array([m.time]),
+                        np.array([m.energy]),
+                        self.max_power_w,
+                        ref_time * self.profile_steps,
+                    )[0]
+                )
+                if self.optimum_selector.has_score()
+                else float("nan")
+            )
+            rows.append(
+                {
+                    "power_limit_w": pl,
+                    "time_per_step_s": s.mean_time_s,
+                    "energy_per_step_j": s.mean_energy_j,
+                    "cost": cost,
+                    "steps": s.steps,
+                    "pruned": s.pruned,
+                }
+            )
+        out: dict[str, Any] = {
+            "selector": repr(self.optimum_selector),
+            "search": self.search,
+            "simulated": self.monitor.simulated,
+            "num_gpus": self.num_gpus,
+            "power_limits": rows,
+            "optimal_power_limit_w": self.optimal_power_limit_w,
+            "profiling_steps": self.profiling_steps,
+            "profiling_energy_j": self.profiling_energy_j,
+        }
+        best = self.stats.get(self.optimal_power_limit_w or -1)
+        if ref is not None and ref.steps and best is not None and best.steps:
+            out["energy_saved_pct"] = 100 * (1 - best.mean_energy_j / ref.mean_energy_j)
+            out["time_lost_pct"] = 100 * (best.mean_time_s / ref.mean_time_s - 1)
         return out
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -237,7 +290,9 @@ class GlobalPowerLimitOptimizer:
         from zeus_callbacks import __version__
 
         lo, hi = self.grid[-1], self.grid[0]
-        return ProfileContext(self._gpus[0].name, (lo, hi), self.pl_step, self.num_gpus, self.monitor.simulated, __version__)
+        return ProfileContext(
+            self._gpus[0].name, (lo, hi), self.pl_step, self.num_gpus, self.monitor.simulated, __version__
+        )
 
     def _start(self) -> None:
         self._started = True
@@ -258,7 +313,11 @@ class GlobalPowerLimitOptimizer:
         if self.profile_path is not None and self.profile_path.exists():
             stats, complete = load_profile(self.profile_path, self._context())
             self.stats = stats
-            logger.info("Loaded %s power-limit profile from %s.", "the" if complete else "a partial", self.profile_path)
+            logger.info(
+                "Loaded %s power-limit profile from %s.",
+                "the" if complete else "a partial",
+                self.profile_path,
+            )
             if complete:
                 self._finish()
                 return
@@ -284,14 +343,18 @@ class GlobalPowerLimitOptimizer:
         if state.get("optimal_power_limit_w") is not None:
             self._phase = _Done(int(state["optimal_power_limit_w"]))
             self._set_power_limit(self._phase.power_limit_w)
-            logger.info("Resumed at the optimal power limit %d W without profiling again.", self._phase.power_limit_w)
+            logger.info(
+                "Resumed at the optimal power limit %d W without profiling again.", self._phase.power_limit_w
+            )
 
     def _profiling(self, pl: int) -> _Profiling:
         target = self.profile_steps if pl == self.grid[0] else self.short_steps
         return _Profiling(pl, target, PowerLimitStats(pl))
 
     def _begin_next(self) -> None:
-        pl = next_power_limit(self.grid, self.stats, self.optimum_selector, self.max_power_w, self.num_gpus, self.search)
+        pl = next_power_limit(
+            self.grid, self.stats, self.optimum_selector, self.max_power_w, self.num_gpus, self.search
+        )
         if pl is None:
             self._finish()
             return
@@ -331,7 +394,9 @@ class GlobalPowerLimitOptimizer:
             if phase.target_steps < 4 * self.profile_steps:
                 phase.target_steps += self.profile_steps  # no valid sample yet: measure longer
                 return
-            logger.warning("No valid measurement at %d W (energy counter not moving); skipping it.", s.power_limit_w)
+            logger.warning(
+                "No valid measurement at %d W (energy counter not moving); skipping it.", s.power_limit_w
+            )
             self.stats[s.power_limit_w] = PowerLimitStats(s.power_limit_w, pruned=True)
             self._after_limit()
             return
@@ -359,7 +424,10 @@ class GlobalPowerLimitOptimizer:
             self._set_power_limit(pl)
             logger.info(
                 "Optimal power limit: %d W (%s, %d limits profiled%s).",
-                pl, self.optimum_selector, len(self.stats), ", SIMULATED GPUs" if self.monitor.simulated else "",
+                pl,
+                self.optimum_selector,
+                len(self.stats),
+                ", SIMULATED GPUs" if self.monitor.simulated else "",
             )
         else:
             logger.warning("Would apply power limit %d W, but this process may not change power limits.", pl)

@@ -31,7 +31,9 @@ class ProfileContext:
         return f"{self.num_gpus} x {self.gpu_model}{sim}, {lo}-{hi} W in {self.pl_step_w} W steps"
 
 
-def save_profile(path: Path, context: ProfileContext, stats: dict[int, PowerLimitStats], complete: bool) -> None:
+def save_profile(
+    path: Path, context: ProfileContext, stats: dict[int, PowerLimitStats], complete: bool
+) -> None:
     """Write the profile atomically (a partial one too, so a preempted job resumes)."""
     data = {
         "format": _FORMAT,
@@ -55,7 +57,9 @@ def load_profile(path: Path, context: ProfileContext) -> tuple[dict[int, PowerLi
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"Cannot read the power-limit profile {str(path)!r}: {e}. Delete it to profile again.") from e
+        raise ValueError(
+            f"Cannot read the power-limit profile {str(path)!r}: {e}. Delete it to profile again."
+        ) from e
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         raise ValueError(
             f"{str(path)!r} is not a zeus_callbacks power-limit profile (a Zeus profile lacks what it was measured "

@@ -89,9 +89,7 @@ def power_limit_grid(min_w: float, max_w: float, step_w: int) -> list[int]:
     return grid
 
 
-def _score(
-    selector: OptimumSelector, t: float, e: float, max_power_w: float, ref_time: float
-) -> float:
+def _score(selector: OptimumSelector, t: float, e: float, max_power_w: float, ref_time: float) -> float:
     return float(selector.score(np.array([t]), np.array([e]), max_power_w, ref_time)[0])
 
 
@@ -126,7 +124,10 @@ def best_power_limit(
 ) -> int:
     """The limit with the lowest cost by mean step time and energy (ties go to the higher limit)."""
     valid = [s for s in stats.values() if s.steps > 0 and not s.pruned]
-    scores = [(_score(selector, s.mean_time_s, s.mean_energy_j, max_power_w, ref_time), -s.power_limit_w) for s in valid]
+    scores = [
+        (_score(selector, s.mean_time_s, s.mean_energy_j, max_power_w, ref_time), -s.power_limit_w)
+        for s in valid
+    ]
     return -min(scores)[1]
 
 

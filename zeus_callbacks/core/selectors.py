@@ -116,9 +116,9 @@ class ZeusCost(OptimumSelector):
         self.world_size = int(world_size)
 
     def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
-        return self.eta_knob * np.asarray(energy_j, dtype=float) + (1.0 - self.eta_knob) * max_power_w * np.asarray(
-            time_s, dtype=float
-        )
+        return self.eta_knob * np.asarray(energy_j, dtype=float) + (
+            1.0 - self.eta_knob
+        ) * max_power_w * np.asarray(time_s, dtype=float)
 
     def select(self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None) -> int:  # noqa: D102
         if max_power_w is None and measurements:
@@ -138,7 +138,9 @@ class MaxSlowdownConstraint(OptimumSelector):
 
     def __init__(self, factor: float) -> None:
         if not factor >= 1.0:
-            raise ValueError(f"`MaxSlowdownConstraint(factor={factor!r})`: factor must be >= 1.0 (1.1 = 10% slower).")
+            raise ValueError(
+                f"`MaxSlowdownConstraint(factor={factor!r})`: factor must be >= 1.0 (1.1 = 10% slower)."
+            )
         self.factor = float(factor)
 
     def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102

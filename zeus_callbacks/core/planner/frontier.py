@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from zeus_callbacks.core.planner.pipeline_dag import Instruction, PipelineDAG, build_dag
@@ -167,7 +167,7 @@ def solve(
             f"{problem.fastest_time_s:.6g} s."
         )
     levels = [0] * len(problem.dag)
-    problem.slow_down(levels, max(target, problem.fastest_time_s))
+    problem.optimize(levels, max(target, problem.fastest_time_s))
     return problem.plan(levels)
 
 
@@ -197,7 +197,7 @@ def frontier(
     levels = [0] * len(problem.dag)
     plans = []
     for target in targets:
-        problem.slow_down(levels, target)
+        problem.optimize(levels, target)
         plans.append(problem.plan(levels))
     kept: list[Plan] = []
     for plan in sorted(plans, key=lambda p: (p.iteration_time_s, p.energy_j)):
@@ -296,11 +296,9 @@ class _Problem:
                     if k >= 0 and k != levels[v] and self._exchange(v, k):
                         improved = True
                         break
+            self._fill(range(n), frozen=-1)
             if not improved:
                 break
-
-    def _cost(self, v: int, level: int) -> float:
-        return self.costs[v][level]
 
     def _exchange(self, v: int, level: int) -> bool:
         saved = (self.levels[:], self.d[:], self.es[:], self.ls[:])
@@ -368,25 +366,42 @@ class _Problem:
         return saved
 
     def _forward(self, start: Iterable[int]) -> set[int]:
-        """Recompute earliest starts from `start` downstream (node numbers are topological)."""
+        """Recompute earliest starts from `start` downstream; returns the nodes that moved.
+
+        Node numbers are topological, so popping the smallest first settles each node once.
+        """
         es, d, preds, succs = self.es, self.d, self.preds, self.succs
         todo = list(set(start))
-        heapq.heapify(todo)
         queued = set(todo)
+        heapq.heapify(todo)
         changed = set()
         while todo:
             v = heapq.heappop(todo)
-            new = max((es[u] + d[u] for u in preds[v]), default=0.0)
-            if new != es[v] or v in changed or not changed:
-                if new != es[v]:
-                    es[v] = new
-                    changed.add(v)
-            for w in succs[v]:
-                if w not in queued and (v in changed or len(queued) == 0):
-                    pass
-            # Successors must be revisited whenever v's finish time may have moved.
-            for w in succs[v]:
-                if w not in queued:
-                    queued.add(w)
-                    heapq.heappush(todo, w)
+            new = max([es[u] + d[u] for u in preds[v]], default=0.0)
+            if new != es[v]:
+                es[v] = new
+                changed.add(v)
+                for w in succs[v]:
+                    if w not in queued:
+                        queued.add(w)
+                        heapq.heappush(todo, w)
+        return changed
+
+    def _backward(self, start: Iterable[int]) -> set[int]:
+        """Recompute latest starts from `start` upstream; returns the nodes that moved."""
+        ls, d, preds, succs = self.ls, self.d, self.preds, self.succs
+        todo = [-v for v in set(start)]
+        queued = {-v for v in todo}
+        heapq.heapify(todo)
+        changed = set()
+        while todo:
+            v = -heapq.heappop(todo)
+            new = min([ls[w] for w in succs[v]], default=self.deadline) - d[v]
+            if new != ls[v]:
+                ls[v] = new
+                changed.add(v)
+                for u in preds[v]:
+                    if u not in queued:
+                        queued.add(u)
+                        heapq.heappush(todo, -u)
         return changed

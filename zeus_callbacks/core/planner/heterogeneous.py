@@ -38,7 +38,7 @@ _EXHAUSTIVE_BUDGET = 4_000_000
 _COARSE_BUDGET = 1_000_000
 # Candidates evaluated per vectorised chunk, and splits kept between refinement levels.
 _CHUNK = 2_000_000
-_TOP_K = 8
+_TOP_K = 16
 
 
 @dataclass(frozen=True)
