@@ -494,9 +494,10 @@ def _zeus2_fit(profile: GPUProfile, batch: np.ndarray) -> tuple[np.ndarray, np.n
     window_time = profile.time_s * profile.steps_per_window
     power = profile.average_power_w
     x = profile.batch_sizes.astype(float)
-    b = np.asarray(batch, dtype=float)
-    time_s = np.stack([np.polyval(np.polyfit(x, row, 2), b) for row in window_time])
-    power_w = np.stack([np.polyval(np.polyfit(x, row, 2), b) for row in power])
+    # One least-squares fit per power limit (the rows), all at once; then the polynomials at every batch size.
+    coeffs = np.polyfit(x, np.vstack([window_time, power]).T, 2)
+    values = (np.vander(np.asarray(batch, dtype=float), 3) @ coeffs).T
+    time_s, power_w = values[: len(window_time)], values[len(window_time) :]
     return np.maximum(time_s, 0.0), np.maximum(power_w, 0.0)
 
 
