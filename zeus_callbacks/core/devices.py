@@ -148,9 +148,26 @@ class GPU:
             )
         from zeus_callbacks.core.gpu_state import guard
 
-        guard().before_change(self, "power_limit")
+        recorded = guard().before_change(self, "power_limit")
         if self.power_limit_mw() != value_mw:
-            self._call("Setting the power limit", self.nvml.nvmlDeviceSetPowerManagementLimit, int(value_mw))
+            self._change(
+                recorded,
+                "power_limit",
+                "Setting the power limit",
+                self.nvml.nvmlDeviceSetPowerManagementLimit,
+                int(value_mw),
+            )
+
+    def _change(self, recorded: bool, knob: str, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Make a journaled change; a refused first change leaves no journal entry behind."""
+        try:
+            self._call(what, fn, *args)
+        except (GPUNoPermissionError, GPUNotSupportedError):
+            if recorded:
+                from zeus_callbacks.core.gpu_state import guard
+
+                guard().discard(self, knob)
+            raise
 
     # -- persistence --------------------------------------------------------------------------
     def persistence_mode(self) -> bool:
@@ -162,9 +179,11 @@ class GPU:
         """Turn persistence mode on or off (restored at the end)."""
         from zeus_callbacks.core.gpu_state import guard
 
-        guard().before_change(self, "persistence")
+        recorded = guard().before_change(self, "persistence")
         mode = self.nvml.NVML_FEATURE_ENABLED if enabled else self.nvml.NVML_FEATURE_DISABLED
-        self._call("Setting persistence mode", self.nvml.nvmlDeviceSetPersistenceMode, mode)
+        self._change(
+            recorded, "persistence", "Setting persistence mode", self.nvml.nvmlDeviceSetPersistenceMode, mode
+        )
 
     # -- clocks -------------------------------------------------------------------------------
     def supported_memory_clocks_mhz(self) -> list[int]:
@@ -181,8 +200,15 @@ class GPU:
         """Lock the SM clock into [min_mhz, max_mhz] (reset at the end)."""
         from zeus_callbacks.core.gpu_state import guard
 
-        guard().before_change(self, "sm_clocks")
-        self._call("Locking SM clocks", self.nvml.nvmlDeviceSetGpuLockedClocks, int(min_mhz), int(max_mhz))
+        recorded = guard().before_change(self, "sm_clocks")
+        self._change(
+            recorded,
+            "sm_clocks",
+            "Locking SM clocks",
+            self.nvml.nvmlDeviceSetGpuLockedClocks,
+            int(min_mhz),
+            int(max_mhz),
+        )
 
     def reset_sm_clocks(self) -> None:
         """Unlock the SM clock."""

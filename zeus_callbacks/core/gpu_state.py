@@ -79,7 +79,9 @@ def _apply(gpu: GPU, entry: JournalEntry) -> None:
     nvml, handle = gpu.nvml, gpu.handle
     try:
         if entry.knob == "power_limit":
-            nvml.nvmlDeviceSetPowerManagementLimit(handle, int(entry.original))
+            # Already back (restored by another process, or never changed): nothing to do, no permission needed.
+            if nvml.nvmlDeviceGetPowerManagementLimit(handle) != int(entry.original):
+                nvml.nvmlDeviceSetPowerManagementLimit(handle, int(entry.original))
         elif entry.knob == "sm_clocks":
             nvml.nvmlDeviceResetGpuLockedClocks(handle)
         elif entry.knob == "persistence":
@@ -105,13 +107,13 @@ class GPUStateGuard:
         self._path = None if directory is None else directory / f"{self._pid}-{_start_time(self._pid)}.json"
 
     # -- recording ------------------------------------------------------------------------------
-    def before_change(self, gpu: GPU, knob: str) -> None:
-        """Record `knob`'s current value on `gpu` unless this process already did."""
+    def before_change(self, gpu: GPU, knob: str) -> bool:
+        """Record `knob`'s current value on `gpu` unless this process already did; True if recorded now."""
         if knob not in _KNOBS:
             raise ValueError(f"Unknown GPU setting {knob!r}; expected one of {_KNOBS}.")
         with self._lock:
             if (gpu.uuid, knob) in self._entries:
-                return
+                return False
             original: Any = None
             if knob == "power_limit":
                 original = gpu.power_limit_mw()
@@ -121,6 +123,13 @@ class GPUStateGuard:
             self._gpus[gpu.uuid] = gpu
             self._write()
             self._install()
+            return True
+
+    def discard(self, gpu: GPU, knob: str) -> None:
+        """Forget a record made for a change that was refused (so nothing is to be restored)."""
+        with self._lock:
+            if self._entries.pop((gpu.uuid, knob), None) is not None:
+                self._write()
 
     @property
     def entries(self) -> list[JournalEntry]:
@@ -131,10 +140,10 @@ class GPUStateGuard:
     def _write(self) -> None:
         if self._path is None:
             return
-        self._path.parent.mkdir(parents=True, exist_ok=True)
         if not self._entries:
             self._path.unlink(missing_ok=True)
             return
+        self._path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._path.with_suffix(".tmp")
         data = {"pid": self._pid, "start": _start_time(self._pid), "entries": [asdict(e) for e in self._entries.values()]}
         with tmp.open("w") as f:

@@ -149,7 +149,8 @@ class ZeusMonitor:
         devices = [self.gpus[i] for i in self.gpu_indices]
         self._counter = [g for g in devices if g.supports_energy_counter]
         self._counter_indices = [g.index for g in self._counter]
-        self._read = [(g.nvml.nvmlDeviceGetTotalEnergyConsumption, g.handle) for g in self._counter]
+        self._read_energy = self.gpus.nvml.nvmlDeviceGetTotalEnergyConsumption
+        self._handles = [g.handle for g in self._counter]
         sampled = [g for g in devices if not g.supports_energy_counter]
         self._sampled_indices = [g.index for g in sampled]
         self._sampler = _PowerSampler(sampled, self._clock, power_sample_interval_s) if sampled else None
@@ -167,7 +168,7 @@ class ZeusMonitor:
 
     def _counters(self) -> list[int]:
         try:
-            return [read(h) for read, h in self._read]
+            return list(map(self._read_energy, self._handles))
         except Exception as e:
             raise self._read_error(e) from None
 
@@ -194,7 +195,7 @@ class ZeusMonitor:
             self.gpus.synchronize(self.gpu_indices)
         start = self._clock()
         try:
-            counters = [read(h) for read, h in self._read]
+            counters = list(map(self._read_energy, self._handles))
         except Exception as e:
             raise self._read_error(e) from None
         self._windows[key] = (start, counters)
@@ -217,7 +218,7 @@ class ZeusMonitor:
             return Measurement(0.0, dict.fromkeys(self.gpu_indices, 0.0), None, None, self.simulated)
         end = self._clock()
         try:
-            after = [read(h) for read, h in self._read]
+            after = list(map(self._read_energy, self._handles))
         except Exception as e:
             raise self._read_error(e) from None
         energy = {i: (c1 - c0) / 1000.0 for i, c0, c1 in zip(self._counter_indices, before, after)}  # noqa: B905

@@ -308,16 +308,18 @@ class SimulatedGPU:
     def power_mw(self) -> float:
         """Instantaneous power draw (mW).
 
-        While this process has work queued on the GPU (host CPU time since the last synchronisation, or
-        a synchronisation still catching up) the GPU draws its busy power in proportion; otherwise the
-        last busy interval's power if recent (from any process), else idle.
+        The higher of this process's work queued on the GPU (busy power in proportion to the host CPU
+        time since the last synchronisation; full busy power while a synchronisation catches up) and
+        another process's recent work on it (the average power of its last interval); else idle power.
         """
         st = self._state
         now = self.now()
         idle = self.spec.idle_power_w
-        shared = st.get("last_power_w") if now - st.get("last_power_at") < 0.5 else idle
+        last_at = st.get("last_power_at")
         if self.virtual:
-            return shared * 1000
+            return (st.get("last_power_w") if now - last_at < 0.5 else idle) * 1000
+        # Another process's recent work (this process's own syncs are covered by the local estimate).
+        shared = st.get("last_power_w") if now - last_at < 0.5 and last_at > self._last_sync else idle
         _, busy_power = self.operating_point()
         if now < self._busy_until:
             return busy_power * 1000
@@ -333,7 +335,7 @@ class SimulatedGPU:
             gap = max(0.0, start - updated) * self.spec.idle_power_w
             st.set("energy_mj", st.get("energy_mj") + 1000 * (gap + energy_j))
             st.set("updated_at", max(updated, end))
-            if end > start:
+            if end - start >= 0.01:  # a shorter interval's average is mostly noise
                 st.set("last_power_w", energy_j / (end - start))
                 st.set("last_power_at", end)
 

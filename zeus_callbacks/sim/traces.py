@@ -101,7 +101,11 @@ def _load_nsdi23(path: Path, key: str, gpu: str) -> Trace:
             pts = rows.setdefault(r["optimizer"], {})
             pts[float(r["power_limit"])] = (float(r["time_per_epoch"]), float(r["average_power"]))
     if not rows:
-        raise ValueError(f"Workload {key!r} is not in {path}. Known: {', '.join(_nsdi23_keys(path)[:12])}, ...")
+        known = _nsdi23_keys(path)
+        # The keys of the same dataset/network first: those are what a typo most likely meant.
+        near = [k for k in known if k.startswith("/".join(parts[:2]) + "/")] or known
+        more = ", ..." if len(near) > 12 else ""
+        raise ValueError(f"Workload {key!r} is not in {path}. Known: {', '.join(near[:12])}{more}")
     if len(rows) > 1:
         raise ValueError(f"Workload {key!r} in {path.name} has optimizers {sorted(rows)}: add /OPTIMIZER to the key.")
     opt, pts = next(iter(rows.items()))

@@ -88,7 +88,9 @@ class Frontier:
         feasible = [p for p in self.plans if p.iteration_time_s <= target * (1 + _REL_TOL)]
         if not feasible:
             fastest = self.plans[0].iteration_time_s
-            raise ValueError(f"No plan meets the target of {target:.6g} s; the fastest takes {fastest:.6g} s.")
+            raise ValueError(
+                f"No plan meets the target of {target:.6g} s; the fastest takes {fastest:.6g} s."
+            )
         return min(feasible, key=lambda p: p.energy_j)
 
 
@@ -139,7 +141,9 @@ def max_frequency_plan(
     dag = _as_dag(dag)
     _check_options(dag, options)
     top = {key: max(opts, key=lambda o: o.frequency_mhz) for key, opts in options.items()}
-    return _make_plan(dag, _per_stage(p_blk_w, dag.num_stages), [top[i.stage, i.kind] for i in dag.instructions])
+    return _make_plan(
+        dag, _per_stage(p_blk_w, dag.num_stages), [top[i.stage, i.kind] for i in dag.instructions]
+    )
 
 
 def solve(
@@ -193,7 +197,13 @@ def frontier(
         raise ValueError(f"`frontier(num_points={num_points})` needs at least 2 points.")
     problem = _Problem(_as_dag(dag), options, p_blk_w)
     lo, hi = problem.fastest_time_s, problem.slowest_time_s
-    targets = sorted({lo, problem.max_frequency_time_s, *(lo + (hi - lo) * k / (num_points - 1) for k in range(num_points))})
+    targets = sorted(
+        {
+            lo,
+            problem.max_frequency_time_s,
+            *(lo + (hi - lo) * k / (num_points - 1) for k in range(num_points)),
+        }
+    )
     levels = [0] * len(problem.dag)
     plans = []
     for target in targets:
@@ -211,7 +221,9 @@ def _as_dag(dag: PipelineDAG | Sequence[Sequence[Instruction]]) -> PipelineDAG:
 
 
 def _per_stage(p_blk_w: float | Sequence[float], num_stages: int) -> list[float]:
-    values = [float(p_blk_w)] * num_stages if isinstance(p_blk_w, int | float) else [float(p) for p in p_blk_w]
+    values = (
+        [float(p_blk_w)] * num_stages if isinstance(p_blk_w, int | float) else [float(p) for p in p_blk_w]
+    )
     if len(values) != num_stages:
         raise ValueError(f"`p_blk_w` has {len(values)} values for {num_stages} stages.")
     if any(not p >= 0 for p in values):
@@ -226,7 +238,9 @@ def _check_options(dag: PipelineDAG, options: OptionTable) -> None:
             raise ValueError(f"No profiled options for stage {key[0]} {key[1]}.")
         for o in opts:
             if not (o.time_s > 0 and o.energy_j >= 0):
-                raise ValueError(f"Stage {key[0]} {key[1]}: invalid option {o} (needs time > 0, energy >= 0).")
+                raise ValueError(
+                    f"Stage {key[0]} {key[1]}: invalid option {o} (needs time > 0, energy >= 0)."
+                )
 
 
 def _make_plan(dag: PipelineDAG, p_blk: Sequence[float], chosen: Sequence[FrequencyOption]) -> Plan:

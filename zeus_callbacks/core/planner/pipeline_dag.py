@@ -46,7 +46,9 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int) -> list[li
         ValueError: On an unknown schedule or a non-positive size.
     """
     if kind not in SCHEDULES:
-        raise ValueError(f"`build_schedule(kind={kind!r})` is not a known schedule. Expected one of {SCHEDULES}.")
+        raise ValueError(
+            f"`build_schedule(kind={kind!r})` is not a known schedule. Expected one of {SCHEDULES}."
+        )
     if num_stages < 1 or num_microbatches < 1:
         raise ValueError(
             f"`build_schedule(num_stages={num_stages}, num_microbatches={num_microbatches})` needs both >= 1."
