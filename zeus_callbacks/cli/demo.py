@@ -1,0 +1,374 @@
+"""`zeus-callbacks demo`: HF Trainer fine-tunes a tiny LM while the power-limit optimizer profiles a (simulated) GPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from zeus_callbacks.core.selectors import Energy, MaxSlowdownConstraint, OptimumSelector, Time, ZeusCost
+
+SELECTORS = ("zeus-cost", "energy", "time", "max-slowdown")
+GPU_KINDS = ("a40", "v100", "a10g", "t4")
+STEPS_AFTER_CHOICE = 10  # steps trained at the chosen limit before the demo stops
+_WAIT_STEPS = 5  # the first steps of a run are slow (allocation, caches): not charged to the maximum limit
+_SEQ_LEN = 64
+_BATCH = 8
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `demo` subcommand."""
+    parser = subparsers.add_parser(
+        "demo",
+        help="watch the power-limit optimizer pick a limit while HF Trainer fine-tunes a tiny LM (simulated GPU)",
+        description=(
+            "Fine-tune a tiny causal LM (built from a config, on a generated corpus) with HF Trainer on the CPU "
+            "while HFGlobalPowerLimitOptimizer profiles the power limits of a simulated GPU, then report every "
+            "profiled limit and the choice. Nothing on this machine changes unless --real is given."
+        ),
+    )
+    parser.add_argument("--gpu", choices=GPU_KINDS, help="simulated GPU model (default a40)")
+    parser.add_argument(
+        "--real",
+        action="store_true",
+        help="use this machine's GPU 0 instead: changes its power limit (needs root)",
+    )
+    parser.add_argument(
+        "--workload", metavar="KEY", help="traced workload of the simulated GPU (default: its own)"
+    )
+    parser.add_argument(
+        "--selector", choices=SELECTORS, default="zeus-cost", help="objective (default zeus-cost)"
+    )
+    parser.add_argument("--eta", type=float, default=0.5, help="energy weight of zeus-cost (default 0.5)")
+    parser.add_argument(
+        "--max-slowdown", type=float, default=1.1, help="slowdown bound of max-slowdown (default 1.1)"
+    )
+    parser.add_argument("--noise", type=float, default=0.02, help="simulated run-to-run noise (default 0.02)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model, the corpus and the noise")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=300,
+        help=f"most training steps (default 300); the demo stops {STEPS_AFTER_CHOICE} steps after the choice",
+    )
+    parser.add_argument(
+        "--warmup-steps", type=int, default=3, help="warm-up steps per power limit (default 3)"
+    )
+    parser.add_argument(
+        "--profile-steps", type=int, default=12, help="measured steps per power limit (default 12)"
+    )
+    parser.add_argument(
+        "--pl-step", type=int, default=25, help="stride between power limits in W (default 25)"
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="plot time and energy per step against the power limit"
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train, profile, report; 2 on bad input."""
+    try:
+        selector = _selector(args)
+        if args.real and (args.gpu or args.workload):
+            raise ValueError("--real uses this machine's GPU: drop --gpu/--workload")
+        if args.steps < 1:
+            raise ValueError(f"--steps {args.steps}: must be at least 1")
+    except ValueError as e:
+        print(f"zeus-callbacks demo: {e}", file=sys.stderr)
+        return 2
+    progress = sys.stderr if args.json else sys.stdout
+    from zeus_callbacks import sim
+
+    tmp_state = None
+    if not args.real:
+        spec = f"{args.gpu or 'a40'}" + (f":{args.workload}" if args.workload else "")
+        # A fresh node (at its maximum limit) unless the user chose where simulated GPUs live.
+        state_dir = os.environ.get("ZEUS_CALLBACKS_SIM_STATE_DIR")
+        if not state_dir:
+            tmp_state = tempfile.TemporaryDirectory(prefix="zeus-callbacks-demo-sim-")
+        try:
+            sim.simulate(
+                spec,
+                noise=args.noise,
+                seed=args.seed,
+                state_dir=state_dir or tmp_state.name,
+                export_env=False,
+            )
+        except (ValueError, FileNotFoundError) as e:
+            print(f"zeus-callbacks demo: {e}", file=sys.stderr)
+            if tmp_state is not None:
+                tmp_state.cleanup()
+            return 2
+    try:
+        with tempfile.TemporaryDirectory(prefix="zeus-callbacks-demo-") as tmp:
+            report = _train(args, selector, Path(tmp), progress)
+    finally:
+        if not args.real:
+            sim.disable()  # restores what the run changed, if anything is left
+            if tmp_state is not None:
+                tmp_state.cleanup()
+    if args.plot:
+        plot(report, args.plot)
+        print(f"Plot written to {args.plot}.", file=progress)
+    print(json.dumps(_plain(report), indent=1) if args.json else table(report))
+    return 0 if report["optimal_power_limit_w"] is not None else 1
+
+
+def _selector(args: argparse.Namespace) -> OptimumSelector:
+    if args.selector == "zeus-cost":
+        return ZeusCost(args.eta)
+    if args.selector == "max-slowdown":
+        return MaxSlowdownConstraint(args.max_slowdown)
+    return Energy() if args.selector == "energy" else Time()
+
+
+def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: TextIO) -> dict[str, Any]:
+    import torch
+    import transformers
+    from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
+
+    from zeus_callbacks import sim
+    from zeus_callbacks.core.monitor import ZeusMonitor
+    from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer
+
+    transformers.logging.set_verbosity_error()
+    monitor = ZeusMonitor(gpu_indices=[0])
+    plo = HFGlobalPowerLimitOptimizer(
+        monitor,
+        selector,
+        wait_steps=_WAIT_STEPS,
+        warmup_steps=args.warmup_steps,
+        profile_steps=args.profile_steps,
+        pl_step=args.pl_step,
+    )
+    label = "SIMULATED" if monitor.simulated else "measured"
+    name = monitor.gpus[0].name
+    system = sim.active()
+    workload = system.gpus[0].trace.workload if system is not None else None
+    if workload is not None:
+        print(f"SIMULATED {name} (traced workload {workload}); a tiny GPT-2 trains on the CPU.", file=out)
+    training_args = TrainingArguments(
+        output_dir=str(tmp / "trainer"),
+        max_steps=args.steps,
+        per_device_train_batch_size=_BATCH,
+        learning_rate=1e-3,
+        use_cpu=not args.real,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=args.seed,
+    )
+    trainer = Trainer(
+        model=tiny_model(args.seed),
+        args=training_args,
+        train_dataset=ToyCorpus(args.seed),
+        callbacks=[plo, _progress_callback(plo, out, label)],
+    )
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    print(f"Profiling power limits with {selector!r} ({label}):", file=out)
+    threads = torch.get_num_threads()
+    # The simulator counts the host's CPU time as GPU work: one thread keeps that close to wall time.
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    try:
+        trainer.train()
+    finally:
+        plo.optimizer.on_train_end()  # done by the trainer already, unless training raised
+        torch.set_num_threads(threads)
+    report = plo.optimizer.report()
+    report.update(
+        gpu=name,
+        workload=workload,
+        training_steps=trainer.state.global_step,
+        wall_time_s=time.perf_counter() - started,
+    )
+    if report["optimal_power_limit_w"] is None:
+        print(
+            f"zeus-callbacks demo: no choice after {args.steps} steps (phase {report['phase']}); raise --steps.",
+            file=sys.stderr,
+        )
+    return report
+
+
+def tiny_model(seed: int):
+    """A 2-layer GPT-2 over bytes, built from a config (nothing downloaded)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=_SEQ_LEN, bos_token_id=10, eos_token_id=10
+    )
+    return GPT2LMHeadModel(config)
+
+
+class ToyCorpus:
+    """Byte-level blocks of generated English-like sentences, as `{"input_ids", "labels"}` samples."""
+
+    _WORDS = (
+        "the gpu trains a small model while the optimizer lowers its power limit and measures time and energy "
+        "per step then keeps the limit with the lowest cost"
+    ).split()
+
+    def __init__(self, seed: int = 0, num_blocks: int = 4096) -> None:
+        import torch
+
+        rng = random.Random(seed)
+        text = "\n".join(
+            " ".join(rng.choice(self._WORDS) for _ in range(rng.randint(4, 12)))
+            for _ in range(num_blocks * 8)
+        )
+        data = torch.tensor(list(text.encode()), dtype=torch.long)
+        self._blocks = data[: len(data) // _SEQ_LEN * _SEQ_LEN].view(-1, _SEQ_LEN)[:num_blocks]
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"input_ids": self._blocks[i], "labels": self._blocks[i]}
+
+
+def _progress_callback(plo, out: TextIO, label: str):
+    """A callback (built here so that transformers is imported only when the demo runs) that prints each
+    power limit as its profile finishes and stops training a few steps after the choice."""
+    from transformers import TrainerCallback
+
+    class Progress(TrainerCallback):
+        def __init__(self, plo, out: TextIO, label: str) -> None:
+            self._optimizer = plo.optimizer
+            self._out = out
+            self._label = label
+            self._seen: set[int] = set()
+            self._done_at: int | None = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            opt = self._optimizer
+            if len(opt.stats) != len(self._seen):
+                for row in opt.report()["power_limits"]:
+                    if row["power_limit_w"] not in self._seen:
+                        self._seen.add(row["power_limit_w"])
+                        print(f"  {_row_text(row)}  ({self._label})", file=self._out, flush=True)
+            if opt.phase == "inactive":
+                control.should_training_stop = True
+            elif opt.phase == "done":
+                if self._done_at is None:
+                    self._done_at = state.global_step
+                    print(
+                        f"  -> chose {opt.optimal_power_limit_w} W at step {state.global_step}",
+                        file=self._out,
+                    )
+                if state.global_step - self._done_at >= STEPS_AFTER_CHOICE:
+                    control.should_training_stop = True
+
+    return Progress(plo, out, label)
+
+
+def _row_text(row: dict[str, Any]) -> str:
+    kind = "pruned" if row["pruned"] else "full"
+    return (
+        f"{row['power_limit_w']:>4} W  {1000 * row['time_per_step_s']:8.1f} ms/step  "
+        f"{row['energy_per_step_j']:8.2f} J/step  {row['steps']:>3} steps  {kind}"
+    )
+
+
+def table(report: dict[str, Any]) -> str:
+    """The report as text: every profiled limit, the choice, and the saving against the maximum limit."""
+    sim = report["simulated"]
+    label = " (SIMULATED)" if sim else ""
+    lines = []
+    if sim:
+        lines.append("SIMULATED GPU: every figure below is a simulation, not a measurement.")
+    lines.append(
+        f"GPU: {report['num_gpus']} x {report['gpu']}{label}"
+        + (f", traced workload {report['workload']}" if report.get("workload") else "")
+    )
+    lines.append(f"Selector: {report['selector']}; search: {report['search']}")
+    header = ["", "power limit", "time/step", "energy/step", "cost", "steps", "profile"]
+    rows = [header]
+    for r in report["power_limits"]:
+        chosen = r["power_limit_w"] == report["optimal_power_limit_w"]
+        rows.append(
+            [
+                "*" if chosen else "",
+                f"{r['power_limit_w']} W",
+                f"{1000 * r['time_per_step_s']:.1f} ms",
+                f"{r['energy_per_step_j']:.2f} J",
+                "n/a" if math.isnan(r["cost"]) else f"{r['cost']:.4g}",
+                str(r["steps"]),
+                "pruned" if r["pruned"] else "full",
+            ]
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    for row in rows:
+        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    pl = report["optimal_power_limit_w"]
+    if pl is None:
+        lines.append(f"No power limit chosen (phase: {report['phase']}).")
+    else:
+        top = max(r["power_limit_w"] for r in report["power_limits"])
+        applied = "" if report["applied"] else f", not applied: {report.get('inactive_reason', 'inactive')}"
+        lines.append(f"Chosen power limit: {pl} W{label}{applied}.")
+        if "energy_saved_pct" in report:
+            lines.append(
+                f"Against the maximum limit ({top} W): energy saved {report['energy_saved_pct']:.1f}%, "
+                f"time lost {report['time_lost_pct']:.1f}%{label}."
+            )
+    lines.append(
+        f"Profiling cost: {report['profiling_steps']} steps, {report['profiling_energy_j']:.1f} J{label}; "
+        f"{report['training_steps']} training steps in {report['wall_time_s']:.1f} s."
+    )
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str | Path) -> None:
+    """Time and energy per step against the power limit, the choice marked (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(report["power_limits"], key=lambda r: r["power_limit_w"])
+    pls = [r["power_limit_w"] for r in rows]
+    fig, (ax_t, ax_e) = plt.subplots(2, 1, sharex=True, figsize=(6, 6))
+    for ax, key, scale, unit in (
+        (ax_t, "time_per_step_s", 1000, "time/step (ms)"),
+        (ax_e, "energy_per_step_j", 1, "energy/step (J)"),
+    ):
+        ys = [scale * r[key] for r in rows]
+        ax.plot(pls, ys, "-", color="tab:blue", alpha=0.5)
+        for r, y in zip(rows, ys, strict=True):
+            ax.plot(r["power_limit_w"], y, "o", color="tab:blue", fillstyle="none" if r["pruned"] else "full")
+        ax.set_ylabel(unit)
+        if report["optimal_power_limit_w"] is not None:
+            ax.axvline(report["optimal_power_limit_w"], color="tab:green", linestyle="--", label="chosen")
+    ax_e.set_xlabel("power limit (W)")
+    ax_t.legend(loc="best", title="hollow: pruned")
+    title = f"{report['gpu']}: {report['selector']}"
+    if report["simulated"]:
+        title = f"SIMULATED {title}"
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe: NaN and infinities become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
