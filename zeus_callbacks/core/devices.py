@@ -247,6 +247,8 @@ class GPUs(Sequence[GPU]):
         clock = getattr(system, "clock", None)
         self.clock: Callable[[], float] = clock.now if clock is not None else time.time
         self.virtual_clock = clock is not None
+        # Settings left by dead processes that discovery put back (`zeus-callbacks restore` reports them).
+        self.repaired: list[Any] = []
 
     def __getitem__(self, index):  # type: ignore[override]
         return self._gpus[index]
@@ -347,7 +349,7 @@ def get_gpus() -> GPUs:
             _gpus = GPUs(nvml, simulated=system is not None)
             from zeus_callbacks.core.gpu_state import guard
 
-            guard().repair_dead_runs(_gpus)
+            _gpus.repaired = guard().repair_dead_runs(_gpus)
         return _gpus
 
 

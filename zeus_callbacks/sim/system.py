@@ -325,7 +325,8 @@ class SimulatedGPU:
             return busy_power * 1000
         span = now - self._last_sync
         busy = min(max(0.0, time.process_time() - self._last_cpu), span)
-        local = idle + (busy_power - idle) * (busy / span) if span > 0 else idle
+        # Right after a synchronisation the ratio of two tiny spans is noise: average over >= 10 ms.
+        local = idle + (busy_power - idle) * busy / max(span, 0.01)
         return max(local, shared) * 1000
 
     def _add(self, start: float, end: float, energy_j: float) -> None:

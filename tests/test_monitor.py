@@ -1,0 +1,182 @@
+"""ZeusMonitor on simulated GPUs: windows, errors, the CSV log, and energy/time against the traces."""
+
+from __future__ import annotations
+
+import csv
+import time
+
+import pytest
+
+from zeus_callbacks import Measurement, ZeusMonitor
+from zeus_callbacks.sim import load_trace
+
+
+def test_nested_and_overlapping_windows(sim_gpus, burn_cpu):
+    sim_gpus("2*a40")
+    monitor = ZeusMonitor()
+    # a = [0, 2], b = [1, 3], c = [0, 3], d = [1, 2]: counters make a + b = c + d.
+    monitor.begin_window("a")
+    monitor.begin_window("c")
+    burn_cpu(0.02)
+    monitor.begin_window("b")
+    monitor.begin_window("d")
+    assert monitor.open_windows == ["a", "c", "b", "d"]
+    burn_cpu(0.02)
+    d = monitor.end_window("d")
+    a = monitor.end_window("a")
+    burn_cpu(0.02)
+    b = monitor.end_window("b")
+    c = monitor.end_window("c")
+    assert monitor.open_windows == []
+    assert c.time >= a.time >= d.time > 0 and c.time >= b.time >= d.time
+    assert a.time + b.time == pytest.approx(c.time + d.time, abs=2e-3)
+    for i in (0, 1):
+        assert c.gpu_energy[i] >= a.gpu_energy[i] >= d.gpu_energy[i] > 0
+        assert a.gpu_energy[i] + b.gpu_energy[i] == pytest.approx(c.gpu_energy[i] + d.gpu_energy[i], abs=0.1)
+    assert c.total_energy == pytest.approx(sum(c.gpu_energy.values()))
+
+
+def test_window_errors_and_cancel(sim_gpus):
+    sim_gpus("a40")
+    monitor = ZeusMonitor()
+    monitor.begin_window("step")
+    with pytest.raises(ValueError, match="'step' is already open"):
+        monitor.begin_window("step")
+    with pytest.raises(ValueError, match=r"'epoch' was not begun \(open: \['step'\]\)"):
+        monitor.end_window("epoch")
+    m = monitor.end_window("step", cancel=True)
+    assert (m.time, m.gpu_energy, m.total_energy) == (0.0, {0: 0.0}, 0.0)
+    assert m.simulated
+    with pytest.raises(ValueError, match="was not begun"):
+        monitor.end_window("step")
+    monitor.begin_window("step")  # a cancelled window can be begun again
+    assert monitor.end_window("step").time > 0
+
+
+def test_constructor_errors(sim_gpus):
+    sim_gpus("2*a40")
+    with pytest.raises(
+        ValueError, match=r"`ZeusMonitor\(gpu_indices=\[0, 2\]\)`: \[2\] not among the 2 visible"
+    ):
+        ZeusMonitor(gpu_indices=[0, 2])
+    with pytest.raises(ValueError, match="sync_execution_with='jax'"):
+        ZeusMonitor(sync_execution_with="jax")
+
+
+def test_subset_of_gpus(sim_gpus):
+    sim_gpus("4*a40")
+    monitor = ZeusMonitor(gpu_indices=[3, 1])
+    monitor.begin_window("w")
+    m = monitor.end_window("w")
+    assert list(m.gpu_energy) == [3, 1]
+    assert isinstance(m, Measurement) and m.simulated and m.cpu_energy is None and m.dram_energy is None
+
+
+def test_csv_log_in_zeus_format(sim_gpus, tmp_path, burn_cpu):
+    sim_gpus("2*a40")
+    log = tmp_path / "logs" / "energy.csv"
+    monitor = ZeusMonitor(log_file=log)
+    results = {}
+    for pl in (300, 200):
+        key = f"__GlobalPowerLimitOptimizer_{pl}"
+        for g in monitor.gpus:
+            g.set_power_limit_mw(pl * 1000)
+        monitor.begin_window(key)
+        burn_cpu(0.03)
+        results[key] = monitor.end_window(key)
+    monitor.begin_window("cancelled")
+    monitor.end_window("cancelled", cancel=True)
+    monitor.close()
+    lines = log.read_text().splitlines()
+    assert lines[0] == "start_time,window_name,elapsed_time,gpu0_energy,gpu1_energy"
+    rows = list(csv.DictReader(lines))
+    assert [r["window_name"] for r in rows] == list(results)
+    for r in rows:
+        m = results[r["window_name"]]
+        assert float(r["elapsed_time"]) == m.time
+        assert float(r["gpu0_energy"]) == m.gpu_energy[0] and float(r["gpu1_energy"]) == m.gpu_energy[1]
+        assert abs(float(r["start_time"]) - time.time()) < 60
+    # The log is what Zeus's power-limit optimizer writes, so it is a trace the simulator can load.
+    assert list(load_trace(log, gpu_model="a40").power_limits_w) == [200.0, 300.0]
+
+
+def _window_at(monitor: ZeusMonitor, power_limit_w: int, burn_cpu, work_s: float = 0.1):
+    """(time, energy of GPU 0, measurement) of `work_s` of work, with the wall time that other processes
+    took from this one on a shared CPU (and the idle energy the GPU drew meanwhile) taken out."""
+    for g in monitor.gpus:
+        g.set_power_limit_mw(power_limit_w * 1000)
+    monitor.begin_window("w")
+    cpu0 = time.process_time()
+    wall = burn_cpu(work_s)
+    cpu = time.process_time() - cpu0
+    m = monitor.end_window("w")
+    # Wall time lost to other processes on this machine is not the simulated GPU's doing.
+    stolen = max(0.0, wall - cpu)
+    idle_w = monitor.gpus[0].handle.spec.idle_power_w
+    return m.time - stolen, m.gpu_energy[0] - idle_w * stolen, m
+
+
+def test_energy_and_time_follow_the_trace(sim_gpus, burn_cpu):
+    system = sim_gpus("a40:imagenet/resnet50/256")
+    tr = system.gpus[0].trace
+    monitor = ZeusMonitor()
+    t_hi, e_hi, m_hi = _window_at(monitor, 300, burn_cpu)
+    t_lo, e_lo, m_lo = _window_at(monitor, 100, burn_cpu)
+    assert m_hi.simulated and m_lo.simulated
+    assert t_lo / t_hi == pytest.approx(tr.relative_time(100), rel=0.15)  # 2.76x slower
+    assert e_lo / e_hi == pytest.approx(tr.relative_energy(100), rel=0.12)  # 1.42x the energy
+    assert e_hi == pytest.approx(0.1 * tr.power(300), rel=0.25)
+    # The valley: 200 W uses less energy than either end for the same work.
+    t_mid, e_mid, _ = _window_at(monitor, 200, burn_cpu)
+    assert e_mid < e_hi and e_mid < e_lo
+    assert e_mid / e_hi == pytest.approx(tr.relative_energy(200), rel=0.12)
+
+
+def test_virtual_clock_windows_are_exact(sim_gpus):
+    system = sim_gpus("2*a40", virtual_clock=True)
+    tr = system.gpus[0].trace
+    monitor = ZeusMonitor()
+    assert monitor.gpus.virtual_clock
+    monitor.gpus[1].set_power_limit_mw(150_000)
+    monitor.begin_window("step")
+    system.run_step(1.0)
+    m = monitor.end_window("step")
+    rel = tr.relative_time(150)
+    assert m.time == pytest.approx(rel)
+    idle = system.gpus[0].spec.idle_power_w
+    assert m.gpu_energy[0] == pytest.approx(tr.power(300) + (rel - 1) * idle, abs=2e-3)
+    assert m.gpu_energy[1] == pytest.approx(rel * tr.power(150), abs=2e-3)
+
+
+def test_power_sampling_fallback_integrates_sensibly(sim_gpus, burn_cpu):
+    sim_gpus("2*a40", faults="no_energy_counter@1")
+    monitor = ZeusMonitor(power_sample_interval_s=0.005)
+    try:
+        monitor.begin_window("busy")
+        burn_cpu(0.1)
+        busy = monitor.end_window("busy")
+        monitor.begin_window("idle")
+        time.sleep(0.1)
+        idle = monitor.end_window("idle")
+    finally:
+        monitor.close()
+    # GPU 0 has the counter, GPU 1 (same work) is sampled: they agree.
+    assert busy.gpu_energy[1] == pytest.approx(busy.gpu_energy[0], rel=0.3)
+    idle_w = 30.0
+    assert idle.gpu_energy[1] == pytest.approx(idle_w * idle.time, rel=0.3)
+    assert idle.gpu_energy[0] == pytest.approx(idle_w * idle.time, rel=0.3)
+    assert busy.gpu_energy[1] > 2 * idle.gpu_energy[1]
+
+
+def test_power_sampling_of_a_slowed_gpu(sim_gpus, burn_cpu):
+    system = sim_gpus("a40", faults="no_energy_counter")
+    monitor = ZeusMonitor(power_sample_interval_s=0.005)
+    try:
+        monitor.gpus[0].set_power_limit_mw(100_000)
+        _, _, m = _window_at(monitor, 100, burn_cpu, 0.05)
+    finally:
+        monitor.close()
+    tr = system.gpus[0].trace
+    # While the host waits for the slow GPU, the GPU is busy at its traced power, and sampling sees it.
+    expected = 0.05 * tr.relative_time(100) * tr.power(100)
+    assert m.gpu_energy[0] == pytest.approx(expected, rel=0.35)

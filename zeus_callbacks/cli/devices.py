@@ -1,0 +1,128 @@
+"""`zeus-callbacks devices`: the GPUs this process sees (real or simulated) and what it may do with them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from zeus_callbacks.core.devices import GPU, get_gpus
+from zeus_callbacks.core.errors import GPUError, MIGNotSupportedError, NVMLUnavailableError
+
+NO_GPU_MESSAGE = (
+    "No NVIDIA GPU or driver found. To use simulated GPUs, set ZEUS_CALLBACKS_SIMULATE=a40 "
+    "(or v100, a10g, t4; e.g. ZEUS_CALLBACKS_SIMULATE='4*a40')."
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `devices` subcommand."""
+    parser = subparsers.add_parser(
+        "devices",
+        help="list the GPUs (real or simulated) and their power limits, clocks and permissions",
+        description="List the GPUs this process sees (after CUDA_VISIBLE_DEVICES), real or simulated.",
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON list, one object per GPU")
+    parser.set_defaults(func=run)
+
+
+def _or_none(fn, *args) -> Any:
+    """The value, or None where the GPU does not support the query."""
+    try:
+        return fn(*args)
+    except GPUError:
+        return None
+
+
+def describe(gpu: GPU) -> dict[str, Any]:
+    """What `devices` reports about one GPU, in plain numbers (W, MHz)."""
+    constraints = _or_none(gpu.power_limit_constraints_mw)
+    current = _or_none(gpu.power_limit_mw)
+    default = _or_none(gpu.default_power_limit_mw)
+    clocks = _or_none(gpu.supported_sm_clocks_mhz)
+    return {
+        "index": gpu.index,
+        "nvml_index": gpu.nvml_index,
+        "name": gpu.name,
+        "uuid": gpu.uuid,
+        "simulated": gpu.simulated,
+        "energy_counter": gpu.supports_energy_counter,
+        "power_limit_w": None if current is None else current / 1000,
+        "min_power_limit_w": None if constraints is None else constraints[0] / 1000,
+        "max_power_limit_w": None if constraints is None else constraints[1] / 1000,
+        "default_power_limit_w": None if default is None else default / 1000,
+        "min_sm_clock_mhz": min(clocks) if clocks else None,
+        "max_sm_clock_mhz": max(clocks) if clocks else None,
+        "may_change_settings": gpu.may_change_settings(),
+    }
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    header = [
+        "GPU",
+        "NVML",
+        "name",
+        "kind",
+        "energy counter",
+        "power limit W",
+        "min-max W",
+        "default W",
+        "SM clock MHz",
+        "may change",
+    ]
+    lines = [header]
+    for r in rows:
+        lines.append(
+            [
+                _fmt(r["index"]),
+                _fmt(r["nvml_index"]),
+                r["name"],
+                "SIMULATED" if r["simulated"] else "real",
+                _fmt(r["energy_counter"]),
+                _fmt(r["power_limit_w"]),
+                f"{_fmt(r['min_power_limit_w'])}-{_fmt(r['max_power_limit_w'])}",
+                _fmt(r["default_power_limit_w"]),
+                f"{_fmt(r['min_sm_clock_mhz'])}-{_fmt(r['max_sm_clock_mhz'])}",
+                _fmt(r["may_change_settings"]),
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the GPUs; 1 when there is no GPU and no simulation (or a MIG device is selected)."""
+    try:
+        gpus = get_gpus()
+    except NVMLUnavailableError:
+        print(NO_GPU_MESSAGE, file=sys.stderr)
+        return 1
+    except MIGNotSupportedError as e:
+        print(e, file=sys.stderr)
+        return 1
+    rows = [describe(g) for g in gpus]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if gpus.simulated:
+        print("SIMULATED GPUs (ZEUS_CALLBACKS_SIMULATE): every figure they report is a simulation.")
+    if not rows:
+        print("No GPU is visible to this process (check CUDA_VISIBLE_DEVICES).")
+        return 0
+    print(_table(rows))
+    if not all(r["may_change_settings"] for r in rows):
+        print("Changing power limits or clocks needs root or CAP_SYS_ADMIN; measuring works without.")
+    return 0

@@ -1,0 +1,122 @@
+"""`zeus-callbacks measure -- CMD ...`: the time and GPU energy of a command, per GPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from zeus_callbacks.cli.devices import NO_GPU_MESSAGE
+from zeus_callbacks.core.errors import MIGNotSupportedError, NVMLUnavailableError
+from zeus_callbacks.core.monitor import Measurement, ZeusMonitor
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `measure` subcommand."""
+    parser = subparsers.add_parser(
+        "measure",
+        help="run a command and report its time and energy per GPU",
+        description=(
+            "Run CMD as a child process (same environment, so a simulated node is shared through its state "
+            "files) and report the elapsed time and each GPU's energy over its run. Exits with CMD's code."
+        ),
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line at the end")
+    parser.add_argument(
+        "--gpus", metavar="I,J", help="GPU indices to measure (after CUDA_VISIBLE_DEVICES; default: all)"
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
+    parser.set_defaults(func=run)
+
+
+def result(command: list[str], returncode: int, m: Measurement) -> dict[str, Any]:
+    """The report as plain numbers (s, J, W)."""
+    return {
+        "command": command,
+        "returncode": returncode,
+        "simulated": m.simulated,
+        "time_s": m.time,
+        "gpu_energy_j": {str(i): e for i, e in m.gpu_energy.items()},
+        "total_energy_j": m.total_energy,
+    }
+
+
+def _table(res: dict[str, Any], names: dict[int, str]) -> str:
+    lines = []
+    if res["simulated"]:
+        lines.append("SIMULATED GPUs: these figures are a simulation, not a measurement.")
+    lines.append(f"command: {shlex.join(res['command'])}  (exit code {res['returncode']})")
+    lines.append(f"time: {res['time_s']:.3f} s")
+    t = res["time_s"]
+    rows = [["GPU", "name", "energy J", "average power W"]]
+    for i, e in res["gpu_energy_j"].items():
+        rows.append([i, names[int(i)], f"{e:.3f}", f"{e / t:.1f}" if t > 0 else "n/a"])
+    total = res["total_energy_j"]
+    rows.append(["all", "", f"{total:.3f}", f"{total / t:.1f}" if t > 0 else "n/a"])
+    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _exit_code(returncode: int) -> int:
+    """The child's exit code; a child killed by signal N exits 128+N, as in a shell."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _wait(child: subprocess.Popen) -> int:
+    """Wait for the child; Ctrl-C reaches it through the terminal and SIGTERM is passed on, so that the
+    report still comes after it ends."""
+    if threading.current_thread() is not threading.main_thread():
+        return child.wait()
+    previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous_term = signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
+    try:
+        return child.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous_int)
+        signal.signal(signal.SIGTERM, previous_term)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command inside a measurement window; returns the command's exit code."""
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print(
+            "zeus-callbacks measure: give the command after `--`, e.g. `zeus-callbacks measure -- python train.py`.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        indices = None if args.gpus is None else [int(i) for i in args.gpus.split(",") if i.strip()]
+        monitor = ZeusMonitor(gpu_indices=indices)
+    except NVMLUnavailableError:
+        print(NO_GPU_MESSAGE, file=sys.stderr)
+        return 1
+    except (MIGNotSupportedError, ValueError) as e:
+        print(f"zeus-callbacks measure: {e}", file=sys.stderr)
+        return 2
+    # The child does the GPU work, so this process does not synchronise (that would set up CUDA here).
+    monitor.begin_window("command", sync_execution=False)
+    try:
+        child = subprocess.Popen(command)
+    except OSError as e:
+        monitor.end_window("command", sync_execution=False, cancel=True)
+        print(f"zeus-callbacks measure: cannot run {command[0]!r}: {e}", file=sys.stderr)
+        return 127
+    returncode = _wait(child)
+    m = monitor.end_window("command", sync_execution=False)
+    monitor.close()
+    res = result(command, returncode, m)
+    if args.json:
+        print(json.dumps(res), flush=True)
+    else:
+        names = {g.index: g.name for g in monitor.gpus}
+        print(_table(res, names), flush=True)
+    return _exit_code(returncode)
