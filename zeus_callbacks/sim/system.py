@@ -178,6 +178,9 @@ class SimulatedGPU:
         self._clock = clock
         self._rng = random.Random(seed * 1_000_003 + index)
         self._calls = 0
+        self._idle_mw = spec.idle_power_w * 1000
+        # Reads that no injected fault can touch skip the fault checks (the monitor's hot path).
+        self.plain_reads = faults.lost_after_calls is None and not faults.no_energy_counter
         self._state = _State(
             state_path,
             {
@@ -303,7 +306,7 @@ class SimulatedGPU:
         """The energy counter (mJ): accounted energy plus idle power since the last update."""
         energy, updated = _ENERGY.unpack_from(self._state._buf, _ENERGY_OFFSET)
         now = time.time() if self._clock is None else self._clock.now()
-        return energy + self.spec.idle_power_w * 1000 * max(0.0, now - updated)
+        return energy + self._idle_mw * max(0.0, now - updated)
 
     def power_mw(self) -> float:
         """Instantaneous power draw (mW).
