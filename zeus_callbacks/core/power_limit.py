@@ -17,9 +17,9 @@ from zeus_callbacks.core.power_limit_profile import ProfileContext, load_profile
 from zeus_callbacks.core.power_limit_search import (
     SEARCHES,
     PowerLimitStats,
-    best_power_limit,
     choose_power_limit,
-    clearly_worse,
+    measurement_verdict,
+    min_measured_steps,
     next_power_limit,
     power_limit_grid,
 )
@@ -46,9 +46,8 @@ class _Warmup:
 @dataclass
 class _Profiling:
     power_limit_w: int
-    target_steps: int
     stats: PowerLimitStats
-    steps_done: int = 0
+    steps_done: int = 0  # valid samples or not
 
 
 @dataclass
@@ -59,6 +58,7 @@ class _Done:
 @dataclass
 class _Inactive:
     reason: str
+    power_limit_w: int | None = None  # the choice it would apply, when a complete profile gave one
 
 
 _Phase = _Waiting | _Warmup | _Profiling | _Done | _Inactive
@@ -69,21 +69,25 @@ class GlobalPowerLimitOptimizer:
 
     Each power limit is profiled over whole training steps (step begin to step end, so evaluation,
     logging and checkpointing between steps are not charged to it), after `warmup_steps` steps at that
-    limit. Under torch.distributed every rank measures its own GPU; energy is summed and time maxed over
-    ranks, so every rank reaches the same decision at the same step. Every change goes through the
-    process's GPU-state guard and is undone at `on_train_end`, at exit, on exceptions and on signals.
+    limit. The adaptive search measures each limit only until it is clearly worse than the best so far
+    or its cost is known to about 1% (between `profile_steps // 8` and `profile_steps` steps; see
+    `power_limit_search`), and stops descending once lower limits only get worse. Profiling carries on
+    across epochs. Under torch.distributed every rank measures its own GPU; each measured step's energy
+    is summed and its time maxed over ranks, so every rank reaches the same decision at the same step.
+    Every change goes through the process's GPU-state guard and is undone at `on_train_end`, at exit, on
+    exceptions and on signals.
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s).
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
         wait_steps: Steps to let pass before profiling starts.
         warmup_steps: Steps run at each power limit before it is measured (0 allowed).
-        profile_steps: Steps measured at each power limit.
+        profile_steps: Steps measured at each power limit (the most, for the adaptive search).
         pl_step: Stride between profiled power limits (W); the minimum limit is always profiled.
         profile_path: JSON file of the profile: loaded if it exists (a complete one skips profiling, a
             partial one resumes it), written (by rank 0) as profiling goes.
-        search: "adaptive" (default, profiles fewer limits using the cost curve's shape) or "sweep"
-            (every limit, as Zeus).
+        search: "adaptive" (default: each limit measured only as long as needed, the descent cut
+            short once lower limits only get worse) or "sweep" (every limit for `profile_steps`, as Zeus).
 
     Raises:
         ValueError: a bad argument; the message names it.
@@ -134,7 +138,7 @@ class GlobalPowerLimitOptimizer:
         self.wait_steps = wait_steps
         self.warmup_steps = warmup_steps
         self.profile_steps = profile_steps
-        self.short_steps = max(2, -(-profile_steps // 4)) if search == "adaptive" else profile_steps
+        self.min_steps = min_measured_steps(profile_steps) if search == "adaptive" else profile_steps
         self.pl_step = int(pl_step)
         self.profile_path = Path(profile_path) if profile_path is not None else None
         self.search = search
@@ -160,8 +164,8 @@ class GlobalPowerLimitOptimizer:
 
     @property
     def optimal_power_limit_w(self) -> int | None:
-        """The chosen power limit once profiling is over."""
-        return self._phase.power_limit_w if isinstance(self._phase, _Done) else None
+        """The chosen power limit once profiling is over (also when this process may not apply it)."""
+        return self._phase.power_limit_w if isinstance(self._phase, (_Done, _Inactive)) else None
 
     def metrics(self) -> dict[str, float | str]:
         """Numbers for the trainer's loggers: current limit, phase, profiling cost, the choice."""
@@ -212,11 +216,15 @@ class GlobalPowerLimitOptimizer:
             "search": self.search,
             "simulated": self.monitor.simulated,
             "num_gpus": self.num_gpus,
+            "phase": self.phase,
             "power_limits": rows,
             "optimal_power_limit_w": self.optimal_power_limit_w,
+            "applied": isinstance(self._phase, _Done),
             "profiling_steps": self.profiling_steps,
             "profiling_energy_j": self.profiling_energy_j,
         }
+        if isinstance(self._phase, _Inactive):
+            out["inactive_reason"] = self._phase.reason
         best = self.stats.get(self.optimal_power_limit_w or -1)
         if ref is not None and ref.steps and best is not None and best.steps:
             out["energy_saved_pct"] = 100 * (1 - best.mean_energy_j / ref.mean_energy_j)
@@ -248,13 +256,10 @@ class GlobalPowerLimitOptimizer:
         elif isinstance(phase, _Warmup):
             self._record_step(None)
             phase.steps_left -= 1
-            if phase.steps_left <= 0:
-                self._phase = self._profiling(phase.power_limit_w)
+            if phase.steps_left <= 0 and self._phase is phase:
+                self._phase = _Profiling(phase.power_limit_w, PowerLimitStats(phase.power_limit_w))
         elif isinstance(phase, _Profiling):
-            self._record_step(phase.stats)
-            phase.steps_done += 1
-            if phase.steps_done >= phase.target_steps:
-                self._decide(phase)
+            self._record_step(phase)
         self.monitor.gpus.step_boundary(self.monitor.gpu_indices)
 
     def on_epoch_end(self) -> None:
@@ -323,7 +328,7 @@ class GlobalPowerLimitOptimizer:
                 return
         if self._pending_state is not None:
             self._apply_state()
-            if isinstance(self._phase, _Done):
+            if not isinstance(self._phase, _Waiting):
                 return
         if not self.may_set:
             self._phase = _Inactive("no permission to change power limits")
@@ -341,15 +346,11 @@ class GlobalPowerLimitOptimizer:
         assert state is not None
         self.stats = {int(s["power_limit_w"]): PowerLimitStats(**s) for s in state["stats"]}
         if state.get("optimal_power_limit_w") is not None:
-            self._phase = _Done(int(state["optimal_power_limit_w"]))
-            self._set_power_limit(self._phase.power_limit_w)
+            self._settle(int(state["optimal_power_limit_w"]))
             logger.info(
-                "Resumed at the optimal power limit %d W without profiling again.", self._phase.power_limit_w
+                "Resumed with the optimal power limit %d W without profiling again.",
+                self._phase.power_limit_w,
             )
-
-    def _profiling(self, pl: int) -> _Profiling:
-        target = self.profile_steps if pl == self.grid[0] else self.short_steps
-        return _Profiling(pl, target, PowerLimitStats(pl))
 
     def _begin_next(self) -> None:
         pl = next_power_limit(
@@ -361,55 +362,62 @@ class GlobalPowerLimitOptimizer:
         if not self._set_power_limit(pl):
             return
         logger.info("Profiling power limit %d W.", pl)
-        self._phase = _Warmup(pl, self.warmup_steps) if self.warmup_steps > 0 else self._profiling(pl)
+        if self.warmup_steps > 0:
+            self._phase = _Warmup(pl, self.warmup_steps)
+        else:
+            self._phase = _Profiling(pl, PowerLimitStats(pl))
 
-    def _record_step(self, stats: PowerLimitStats | None) -> None:
-        """Close the step's window; add it to the profiling cost, and to `stats` when measuring."""
+    def _record_step(self, phase: _Profiling | None) -> None:
+        """Close the step's window and add it to the profiling cost; when measuring, add the job's step
+        (energy summed, time maxed over ranks) to the limit's samples and decide whether to go on."""
         self.profiling_steps += 1
-        if self._failed:
+        m = None
+        if not self._failed:
+            try:
+                m = self.monitor.end_window(_WINDOW)
+                self.profiling_energy_j += m.total_energy
+            except (GPUError, ValueError) as e:
+                self._gpu_failed(e)
+        if phase is None or (self._phase is not phase and not dist.is_distributed()):
             return
-        try:
-            m = self.monitor.end_window(_WINDOW)
-        except (GPUError, ValueError) as e:
-            self._gpu_failed(e)
+        t, e = (m.time, m.total_energy) if m is not None else (0.0, 0.0)
+        # One pair of collectives per measured step, on every rank, whatever happened to its GPU.
+        total = dist.all_reduce([e, float(self._failed), float(t <= 0 or e <= 0)], op="sum")
+        top = dist.all_reduce([t], op="max")
+        if total[1] > 0:
+            self._deactivate("a GPU failed during profiling")
             return
-        self.profiling_energy_j += m.total_energy
-        if stats is None or m.time <= 0 or m.total_energy <= 0:
-            return  # warm-up, or a counter that did not move: not a sample
-        stats.steps += 1
-        stats.time_s += m.time
-        stats.time_sq += m.time * m.time
-        stats.energy_j += m.total_energy
-        stats.energy_sq += m.total_energy * m.total_energy
+        if total[2] == 0:  # a counter that did not move (or a step with no work) is not a sample
+            phase.stats.add(top[0], total[0])
+        phase.steps_done += 1
+        self._decide(phase)
 
     def _decide(self, phase: _Profiling) -> None:
         s = phase.stats
-        # One pair of collectives per decision, on every rank, whatever happened to its GPU.
-        total = dist.all_reduce([s.energy_j, s.energy_sq, float(self._failed), float(s.steps == 0)], op="sum")
-        top = dist.all_reduce([s.time_s, s.time_sq, float(s.steps)], op="max")
-        if total[2] > 0:
-            self._deactivate("a GPU failed during profiling")
-            return
-        if total[3] > 0:
-            if phase.target_steps < 4 * self.profile_steps:
-                phase.target_steps += self.profile_steps  # no valid sample yet: measure longer
-                return
-            logger.warning(
-                "No valid measurement at %d W (energy counter not moving); skipping it.", s.power_limit_w
+        if self.search == "sweep" or not self.optimum_selector.has_score():
+            verdict = "measured" if s.steps >= self.profile_steps else "more"
+        else:
+            verdict = measurement_verdict(
+                s,
+                self.stats,
+                self.optimum_selector,
+                self.max_power_w,
+                self.stats.get(self.grid[0], s),
+                self.min_steps,
+                self.profile_steps,
             )
-            self.stats[s.power_limit_w] = PowerLimitStats(s.power_limit_w, pruned=True)
-            self._after_limit()
+        if verdict == "more" and phase.steps_done >= 4 * self.profile_steps:
+            verdict = "measured"  # the counter barely moves: settle for what was measured
+        if verdict == "more":
             return
-        merged = PowerLimitStats(s.power_limit_w, int(top[2]), top[0], total[0], top[1], total[1])
-        if phase.target_steps < self.profile_steps and self.stats:
-            ref_time = self.stats[self.grid[0]].mean_time_s
-            best = self.stats[best_power_limit(self.stats, self.optimum_selector, self.max_power_w, ref_time)]
-            if not clearly_worse(merged, best, self.optimum_selector, self.max_power_w, ref_time):
-                phase.target_steps = self.profile_steps  # a contender: measure it in full
-                return
-            merged.pruned = True
-        self.stats[s.power_limit_w] = merged
-
+        if not s.steps:
+            logger.warning(
+                "No valid measurement at %d W in %d steps (energy counter not moving); skipping it.",
+                s.power_limit_w,
+                phase.steps_done,
+            )
+        s.pruned = verdict == "pruned" or not s.steps
+        self.stats[s.power_limit_w] = s
         self._after_limit()
 
     def _after_limit(self) -> None:
@@ -417,20 +425,36 @@ class GlobalPowerLimitOptimizer:
         self._begin_next()
 
     def _finish(self) -> None:
-        pl = choose_power_limit(self.stats, self.optimum_selector, self.max_power_w, self.profile_steps)
-        self._phase = _Done(pl)
-        self._save(complete=True)
-        if self.may_set:
-            self._set_power_limit(pl)
-            logger.info(
-                "Optimal power limit: %d W (%s, %d limits profiled%s).",
-                pl,
-                self.optimum_selector,
-                len(self.stats),
-                ", SIMULATED GPUs" if self.monitor.simulated else "",
+        try:
+            pl = choose_power_limit(self.stats, self.optimum_selector, self.max_power_w, self.profile_steps)
+        except ValueError:
+            logger.warning(
+                "GlobalPowerLimitOptimizer: no power limit could be measured; leaving the GPU as it was."
             )
-        else:
-            logger.warning("Would apply power limit %d W, but this process may not change power limits.", pl)
+            self._deactivate("no power limit could be measured")
+            return
+        self._save(complete=True)
+        self._settle(pl)
+        logger.info(
+            "Optimal power limit: %d W (%s, %d limits profiled%s).",
+            pl,
+            self.optimum_selector,
+            len(self.stats),
+            ", SIMULATED GPUs" if self.monitor.simulated else "",
+        )
+
+    def _settle(self, pl: int) -> None:
+        """Apply the choice, or, without permission, only report it."""
+        if self.may_set:
+            self._phase = _Done(pl)
+            self._set_power_limit(pl)
+            return
+        self._phase = _Inactive("no permission to change power limits", pl)
+        logger.warning(
+            "GlobalPowerLimitOptimizer: this process may not change GPU power limits (needs root or CAP_SYS_ADMIN); "
+            "it would apply %d W. Energy is still measured.",
+            pl,
+        )
 
     def _save(self, complete: bool) -> None:
         if self.profile_path is not None and dist.rank() == 0:

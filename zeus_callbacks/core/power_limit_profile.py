@@ -65,13 +65,18 @@ def load_profile(path: Path, context: ProfileContext) -> tuple[dict[int, PowerLi
             f"{str(path)!r} is not a zeus_callbacks power-limit profile (a Zeus profile lacks what it was measured "
             "on). Pass another profile_path, or delete the file to profile again."
         )
-    raw = dict(data["context"])
-    raw["power_limit_range_w"] = tuple(raw["power_limit_range_w"])
-    saved = ProfileContext(**raw)
+    try:
+        raw = dict(data["context"])
+        raw["power_limit_range_w"] = tuple(raw["power_limit_range_w"])
+        saved = ProfileContext(**raw)
+        stats = {int(m["power_limit_w"]): PowerLimitStats(**m) for m in data["measurements"]}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"The power-limit profile {str(path)!r} is corrupted ({type(e).__name__}: {e}). Delete it to profile again."
+        ) from None
     if saved != context:
         raise ValueError(
             f"The power-limit profile {str(path)!r} was measured on {saved.describe()}, but this job runs on "
             f"{context.describe()}. Pass another profile_path, or delete the file to profile again."
         )
-    stats = {int(m["power_limit_w"]): PowerLimitStats(**m) for m in data["measurements"]}
     return stats, bool(data.get("complete"))

@@ -1,0 +1,141 @@
+"""`zeus-callbacks simulate` on shipped traces and on a user's own files (in each supported format)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zeus_callbacks import sim
+from zeus_callbacks.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _sim_off():
+    yield
+    sim.disable()
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["simulate", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_shipped_trace_text(capsys):
+    rc, out, _ = run_cli(capsys, "--workload", "imagenet/resnet50/256", "--selector", "zeus-cost")
+    assert rc == 0
+    assert "SIMULATED a40" in out and "chosen power limit:" in out and "(simulated)" in out
+    assert "by the trace" in out and "by the measurements" in out
+
+
+def test_json_fields(capsys):
+    rc, out, _ = run_cli(
+        capsys, "--gpu", "v100", "--selector", "max-slowdown", "--max-slowdown", "1.2", "--json"
+    )
+    assert rc == 0
+    r = json.loads(out)
+    for key in (
+        "simulated",
+        "gpu",
+        "workload",
+        "selector",
+        "optimal_power_limit_w",
+        "profiling_steps",
+        "profiling_energy_j",
+        "energy_saved_pct_true",
+        "time_lost_pct_true",
+        "energy_saved_pct_measured",
+        "time_lost_pct_measured",
+        "power_limits",
+    ):
+        assert key in r, key
+    assert (
+        r["simulated"] is True and r["gpu"] == "v100" and r["selector"] == "MaxSlowdownConstraint(factor=1.2)"
+    )
+    assert r["power_limit_range_w"] == [100, 250]
+    assert r["time_lost_pct_true"] <= 20 * 1.01
+
+
+def test_sweep_takes_more_steps_than_adaptive(capsys):
+    steps = {}
+    for search in ("sweep", "adaptive"):
+        rc, out, _ = run_cli(capsys, "--search", search, "--json", "--seed", "3")
+        assert rc == 0
+        steps[search] = json.loads(out)["profiling_steps"]
+    assert steps["sweep"] == 9 * 50 and steps["adaptive"] <= steps["sweep"] / 2
+
+
+def _nsdi23(path: Path) -> Path:
+    rows = ["dataset,network,batch_size,optimizer,power_limit,time_per_epoch,average_power"]
+    for pl, t, p in [(150, 130.0, 140.0), (200, 110.0, 180.0), (250, 101.0, 215.0), (300, 100.0, 240.0)]:
+        rows.append(f"mydata,mynet,64,adam,{pl},{t},{p}")
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _zeus2(path: Path) -> Path:
+    pts = [(100, 1.3, 150.0), (200, 1.05, 230.0), (300, 1.0, 280.0)]
+    path.write_text(json.dumps({"64": [{"power_limit": pl, "time": t, "energy": t * p} for pl, t, p in pts]}))
+    return path
+
+
+def _monitor_csv(path: Path) -> Path:
+    rows = ["start_time,window_name,elapsed_time,gpu0_energy"]
+    for i, (pl, t, p) in enumerate(
+        [(250, 20.0, 220.0), (200, 21.0, 180.0), (150, 25.0, 140.0), (100, 33.0, 100.0)]
+    ):
+        rows.append(f"{1000 + 30 * i},__GlobalPowerLimitOptimizer_{pl},{t},{t * p}")
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "name", "workload", "gpu", "expect_range"),
+    [
+        (_nsdi23, "summary_power_mine.csv", "mydata/mynet/64", None, [150, 300]),
+        (_zeus2, "my_a10g_profile.json", "64", None, [100, 300]),
+        (_monitor_csv, "V100+mynet+gpu0.csv", None, None, [100, 250]),
+        (_nsdi23, "mine.csv", "mydata/mynet/64/adam", "a40", [150, 300]),
+    ],
+)
+def test_user_files(tmp_path: Path, capsys, make, name, workload, gpu, expect_range):
+    path = make(tmp_path / name)
+    argv = ["--trace", str(path), "--selector", "energy", "--json"]
+    argv += ["--workload", workload] if workload else []
+    argv += ["--gpu", gpu] if gpu else []
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["power_limit_range_w"] == expect_range and r["simulated"] is True
+    assert r["gpu"] == {"my_a10g_profile.json": "a10g", "V100+mynet+gpu0.csv": "v100"}.get(name, "a40")
+    assert expect_range[0] <= r["optimal_power_limit_w"] <= expect_range[1]
+    assert r["energy_saved_pct_true"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trace", "/does/not/exist.csv"], "does not exist"),
+        (["--workload", "no/such/workload"], "is not in"),
+        (["--gpu", "t4", "--workload", "12345"], "Batch size '12345'"),
+        (["--noise", "-1"], "--noise"),
+        (["--pl-step", "0"], "--pl-step"),
+    ],
+)
+def test_errors_are_one_line_exit_2(capsys, argv, message):
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert message in err and err.startswith("zeus-callbacks simulate:") and err.count("\n") == 1
+
+
+def test_unreadable_files_exit_2(tmp_path: Path, capsys):
+    bad_header = tmp_path / "weird.csv"
+    bad_header.write_text("a,b,c\n1,2,3\n")
+    rc, _, err = run_cli(capsys, "--trace", str(bad_header))
+    assert rc == 2 and "Cannot tell the format" in err
+    bad_json = tmp_path / "broken.json"
+    bad_json.write_text("{nope")
+    rc, _, err = run_cli(capsys, "--trace", str(bad_json), "--workload", "64")
+    assert rc == 2 and err.count("\n") == 1
