@@ -8,42 +8,51 @@ import logging
 import sys
 from collections.abc import Sequence
 
-# Subcommand modules under `zeus_callbacks.cli`; each defines `register(subparsers)`, which adds its parser
-# and sets `func=run` where `run(args) -> int`.
-_COMMANDS = (
-    "devices",
-    "measure",
-    "restore",
-    "demo",
-    "simulate",
-    "profile",
-    "plan",
-    "pipeline_plan",
-)
+# Subcommand name -> (module under `zeus_callbacks.cli`, one-line help). Each module defines
+# `register(subparsers)`, which adds its parser and sets `func=run` where `run(args) -> int`. Only the
+# module of the command being run is imported: the command starts fast, and one command's missing
+# optional dependency never breaks another.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("demo", "watch the power-limit optimizer pick a limit while HF Trainer fine-tunes a tiny LM"),
+    "devices": ("devices", "list the GPUs (real or simulated), their power limits, clocks and permissions"),
+    "measure": ("measure", "run a command and report its time and energy per GPU"),
+    "restore": ("restore", "restore GPU settings left changed by a process that died hard"),
+    "simulate": ("simulate", "run the power-limit optimizer on a SIMULATED GPU built from a profile file"),
+    "profile": ("profile", "profile a training script over batch sizes and power limits (Zeus² JSON)"),
+    "plan": ("plan", "plan local batch sizes and power limits for heterogeneous GPUs"),
+    "pipeline-plan": ("pipeline_plan", "plan per-instruction SM frequencies of a pipeline (Perseus)"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every available subcommand."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser: the full one of `command`, and a help line for every other subcommand."""
     parser = argparse.ArgumentParser(
         prog="zeus-callbacks",
         description="Measure and cut the GPU energy of deep-learning training (real or simulated GPUs).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMANDS:
-        try:
-            module = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:  # a subcommand not built yet in this checkout
-            if e.name == f"{__name__}.{name}":
-                continue
-            raise
-        module.register(sub)
+    for name, (module, help_text) in _COMMANDS.items():
+        if name == command:
+            importlib.import_module(f"{__name__}.{module}").register(sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
     return parser
+
+
+def _command_in(argv: Sequence[str]) -> str | None:
+    for arg in argv:
+        if arg == "--":
+            return None
+        if not arg.startswith("-"):
+            return arg if arg in _COMMANDS else None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `zeus-callbacks` command."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_command_in(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
