@@ -1,0 +1,84 @@
+"""Find the best GPU power limit in an Accelerate training loop, on simulated GPUs (CPU only, < 1 minute).
+
+    python examples/accelerate/train_power_limit.py
+    accelerate launch --cpu --num_processes 2 examples/accelerate/train_power_limit.py
+    torchrun --standalone --nproc_per_node 2 examples/accelerate/train_power_limit.py
+
+Every process measures its own simulated GPU (`ZEUS_CALLBACKS_SIMULATE`, default `2*a40`); the optimizer
+sums energy over processes and applies one limit on all of them at the same step. With `--state DIR`,
+the run ends with `accelerator.save_state(DIR)`, and a run that finds DIR resumes from it at the chosen
+power limit without profiling again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", "2*a40")  # before any GPU is discovered
+
+from accelerate import Accelerator  # noqa: E402
+
+from zeus_callbacks import MaxSlowdownConstraint  # noqa: E402
+from zeus_callbacks.accelerate import PowerLimitOptimizerHelper, local_gpu_index  # noqa: E402
+from zeus_callbacks.core.devices import get_gpus  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--epochs", type=int, default=16)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--state", type=Path, help="directory for accelerator.save_state / load_state")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.gradient_accumulation_steps)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4096, 256)
+    loader = DataLoader(TensorDataset(x, x[:, :1] * 2 + 1), batch_size=256, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    with PowerLimitOptimizerHelper(
+        accelerator, MaxSlowdownConstraint(1.1), wait_steps=5, warmup_steps=2, profile_steps=8
+    ) as plo:
+        if args.state is not None and args.state.exists():
+            accelerator.load_state(args.state)  # restores the profile: no profiling again
+        for _ in range(args.epochs):
+            for inputs, targets in loader:
+                with plo.step(), accelerator.accumulate(model):
+                    loss = torch.nn.functional.mse_loss(model(inputs), targets)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            plo.epoch_end()
+        if args.state is not None:
+            accelerator.save_state(args.state)
+        core = plo.optimizer
+        chosen = core.optimal_power_limit_w
+        in_force = core.power_limit_w
+
+    gpu = local_gpu_index(accelerator)
+    print(
+        f"process {accelerator.process_index} (simulated GPU {gpu}): optimal power limit {chosen} W "
+        f"(in force at the end: {in_force} W) after {core.profiling_steps} profiling steps; "
+        f"GPU restored to {get_gpus()[gpu].power_limit_mw() // 1000} W",
+        flush=True,
+    )
+    if accelerator.is_main_process:
+        for row in core.report()["power_limits"]:
+            print(
+                f"  {row['power_limit_w']:>4} W: {row['time_per_step_s'] * 1000:7.2f} ms/step, "
+                f"{row['energy_per_step_j']:7.2f} J/step{'  (pruned)' if row['pruned'] else ''}"
+            )
+
+
+if __name__ == "__main__":
+    main()

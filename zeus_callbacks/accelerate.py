@@ -1,0 +1,124 @@
+"""Helpers that drive the core power-limit optimizer from Accelerate training loops (or plain ones)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from zeus_callbacks.core.monitor import ZeusMonitor
+from zeus_callbacks.core.power_limit import GlobalPowerLimitOptimizer
+from zeus_callbacks.core.selectors import OptimumSelector
+
+if TYPE_CHECKING:  # pragma: no cover
+    from accelerate import Accelerator
+
+__all__ = ["PowerLimitOptimizerHelper", "prepare_power_limit_optimizer", "local_gpu_index"]
+
+
+def local_gpu_index(accelerator: Accelerator | None = None) -> int:
+    """The GPU of this process: the accelerator's CUDA device, else its local process index (which, on CPU
+    runs with simulated GPUs, picks one simulated GPU per process), else `LOCAL_RANK`, else 0."""
+    if accelerator is None:
+        return int(os.environ.get("LOCAL_RANK", 0))
+    device = accelerator.device
+    if device.type == "cuda" and device.index is not None:
+        return device.index
+    return accelerator.local_process_index
+
+
+def prepare_power_limit_optimizer(
+    accelerator: Accelerator | None,
+    optimum_selector: OptimumSelector | None = None,
+    **kwargs: Any,
+) -> GlobalPowerLimitOptimizer:
+    """A `GlobalPowerLimitOptimizer` on this process's GPU, registered for the accelerator's checkpoints.
+
+    The optimizer measures the GPU given by `local_gpu_index(accelerator)` and is registered with
+    `accelerator.register_for_checkpointing`, so `accelerator.save_state()` stores its profile (plain
+    numbers) and `accelerator.load_state()` restores it: a resumed run applies the chosen limit without
+    profiling again. Drive it with `on_step_begin`/`on_step_end`/`on_epoch_end`/`on_train_end` yourself,
+    or use `PowerLimitOptimizerHelper`.
+
+    Args:
+        accelerator: The run's `Accelerator`; None for a plain loop (GPU from `LOCAL_RANK`, no registration).
+        optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
+        **kwargs: `GlobalPowerLimitOptimizer`'s other arguments (`wait_steps`, `warmup_steps`,
+            `profile_steps`, `pl_step`, `profile_path`, `search`).
+
+    Raises:
+        ValueError: A bad argument; the message names it.
+    """
+    monitor = ZeusMonitor(gpu_indices=[local_gpu_index(accelerator)])
+    optimizer = GlobalPowerLimitOptimizer(monitor, optimum_selector, **kwargs)
+    if accelerator is not None:
+        accelerator.register_for_checkpointing(optimizer)
+    return optimizer
+
+
+class PowerLimitOptimizerHelper:
+    """Find the best GPU power limit in an Accelerate loop with three calls: a `with` around training,
+    `step()` around each batch, `epoch_end()` after each epoch.
+
+    Which loop event drives which core call: entering `step()` at the first micro-batch of an optimizer
+    step → `on_step_begin`; leaving it at the micro-batch where `accelerator.sync_gradients` (the one
+    whose backward pass feeds the optimizer step under `accelerator.accumulate`) → `on_step_end`;
+    `epoch_end()` → `on_epoch_end`; leaving the `with` block, normally or by an exception →
+    `on_train_end`, which restores the GPU's settings. Without an accelerator every `step()` is a step.
+
+    Args:
+        accelerator: The run's `Accelerator`, or None for a plain loop.
+        optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
+        **kwargs: `GlobalPowerLimitOptimizer`'s other arguments.
+
+    Raises:
+        ValueError: A bad argument; the message names it.
+
+    Example::
+
+        accelerator = Accelerator(gradient_accumulation_steps=2)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        with PowerLimitOptimizerHelper(accelerator, MaxSlowdownConstraint(1.1)) as plo:
+            for epoch in range(epochs):
+                for batch in loader:
+                    with plo.step(), accelerator.accumulate(model):
+                        accelerator.backward(model(batch).loss)
+                        opt.step()
+                        opt.zero_grad()
+                plo.epoch_end()
+        print(plo.optimizer.optimal_power_limit_w)
+    """
+
+    def __init__(
+        self, accelerator: Accelerator | None, optimum_selector: OptimumSelector | None = None, **kwargs: Any
+    ) -> None:
+        self._accelerator = accelerator
+        self._optimizer = prepare_power_limit_optimizer(accelerator, optimum_selector, **kwargs)
+        self._in_step = False
+
+    @property
+    def optimizer(self) -> GlobalPowerLimitOptimizer:
+        """The core optimizer: `phase`, `optimal_power_limit_w`, `metrics()`, `report()`."""
+        return self._optimizer
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Wrap one batch (micro-batch under gradient accumulation) of training."""
+        if not self._in_step:
+            self._optimizer.on_step_begin()
+            self._in_step = True
+        yield
+        if self._accelerator is None or self._accelerator.sync_gradients:
+            self._optimizer.on_step_end()
+            self._in_step = False
+
+    def epoch_end(self) -> None:
+        """Mark the end of an epoch."""
+        self._optimizer.on_epoch_end()
+
+    def __enter__(self) -> PowerLimitOptimizerHelper:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._optimizer.on_train_end()
