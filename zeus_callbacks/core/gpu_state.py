@@ -259,5 +259,9 @@ def reset() -> None:
     global _guard
     with _guard_lock:
         old, _guard = _guard, None
-    if old is not None and old._pid == os.getpid() and old.entries:
-        old.restore()
+    if old is not None and old._pid == os.getpid():
+        if old.entries:
+            old.restore()
+        # What could not be restored stays in the journal on disk for the next discovery or
+        # `zeus-callbacks restore`; the replaced guard's GPUs are gone, so it must not retry at exit.
+        atexit.unregister(old.restore)

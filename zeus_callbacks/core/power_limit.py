@@ -266,11 +266,18 @@ class GlobalPowerLimitOptimizer:
         """Mark the end of an epoch. Profiling carries on across epochs: nothing is restarted."""
 
     def on_train_end(self) -> None:
-        """Restore the GPUs' settings as they were before training."""
+        """Restore the GPUs' settings as they were before training.
+
+        The optimizer can drive another training run afterwards: a finished choice is applied again at
+        its first step, and a limit whose profiling was interrupted is profiled again from its warm-up.
+        """
         if _WINDOW in self.monitor.open_windows:
             self.monitor.end_window(_WINDOW, cancel=True)
         guard().restore()
         self.power_limit_w = None
+        self._started = False
+        if isinstance(self._phase, (_Warmup, _Profiling)):
+            self._phase = _Waiting(self.wait_steps)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -315,6 +322,11 @@ class GlobalPowerLimitOptimizer:
         self.max_power_w = self.grid[0] * self.num_gpus
         denied = dist.all_reduce([float(not all(g.may_change_settings() for g in self._gpus))], op="sum")[0]
         self.may_set = denied == 0
+        if isinstance(self._phase, _Done):  # a later run of the same optimizer
+            self._settle(self._phase.power_limit_w)
+            return
+        if isinstance(self._phase, _Inactive):
+            return
         if self.profile_path is not None and self.profile_path.exists():
             stats, complete = load_profile(self.profile_path, self._context())
             self.stats = stats
@@ -338,7 +350,7 @@ class GlobalPowerLimitOptimizer:
                 "profile_path it reports the limit it would apply."
             )
             return
-        if self.wait_steps == 0:
+        if isinstance(self._phase, _Waiting) and self._phase.steps_left <= 0:
             self._begin_next()
 
     def _apply_state(self) -> None:
@@ -466,8 +478,10 @@ class GlobalPowerLimitOptimizer:
                 g.set_power_limit_mw(pl * 1000)
         except GPUError as e:
             self._gpu_failed(e)
-            if not dist.is_distributed():
-                return False
+            # Under torch.distributed the other ranks carry on until the next decision, which deactivates
+            # every rank together; this rank's limit is not in force, so it reports none.
+            self.power_limit_w = None
+            return dist.is_distributed()
         self.power_limit_w = pl
         return True
 

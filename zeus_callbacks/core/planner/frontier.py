@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from zeus_callbacks.core.planner.pipeline_dag import Instruction, PipelineDAG, build_dag
@@ -41,6 +41,8 @@ OptionTable = Mapping[tuple[int, str], Sequence["FrequencyOption"]]
 
 # Relative tolerance on the target time, to absorb floating-point rounding of sums of durations.
 _REL_TOL = 1e-9
+# Ejections cost far more than exchanges; they matter with coarse options, typical of small test DAGs.
+_EJECT_MAX_NODES = 96
 
 
 @dataclass(frozen=True)
@@ -151,14 +153,22 @@ def solve(
     options: OptionTable,
     p_blk_w: float | Sequence[float],
     target_time_s: float | None = None,
+    num_deadlines: int = 8,
+    max_passes: int = 8,
 ) -> Plan:
     """The least-energy plan found whose iteration time does not exceed `target_time_s`.
+
+    The best of one search that prices iteration time at the total blocking power, and searches that
+    minimise effective energy under `num_deadlines` deadlines spread from the fastest time to the target
+    (shorter deadlines can win: every stage burns blocking power for the whole iteration).
 
     Args:
         dag: The iteration's DAG (`build_dag`) or a per-stage schedule (`build_schedule`).
         options: Profiled options of each `(stage, kind)`.
         p_blk_w: Blocking power (W) while a stage waits: one value, or one per stage.
         target_time_s: Deadline on the iteration time; defaults to the all-max-frequency iteration time.
+        num_deadlines: Number of deadlines tried between the fastest time and the target (at least 1).
+        max_passes: Local-search passes after each greedy search (0: greedy only; more: slower, better).
 
     Raises:
         ValueError: On missing or invalid options, or a target faster than the fastest options allow.
@@ -170,9 +180,15 @@ def solve(
             f"`solve(target_time_s={target_time_s!r})` is infeasible: the fastest plan takes "
             f"{problem.fastest_time_s:.6g} s."
         )
+    target = max(target, problem.fastest_time_s)
     levels = [0] * len(problem.dag)
-    problem.optimize(levels, max(target, problem.fastest_time_s))
-    return problem.plan(levels)
+    problem.optimize(levels, target, priced=True, max_passes=max_passes)
+    plans = [problem.plan(levels)]
+    lo = problem.fastest_time_s
+    steps = max(1, num_deadlines) - 1
+    deadlines = {target, *(lo + (target - lo) * k / steps for k in range(steps))}
+    plans += problem.sweep(sorted(deadlines), max_passes=max_passes)
+    return min(plans, key=lambda p: p.energy_j)
 
 
 def frontier(
@@ -180,6 +196,7 @@ def frontier(
     options: OptionTable,
     p_blk_w: float | Sequence[float],
     num_points: int = 24,
+    max_passes: int = 0,
 ) -> Frontier:
     """The time-energy frontier, from the fastest plan to the slowest useful one.
 
@@ -192,6 +209,7 @@ def frontier(
         options: Profiled options of each `(stage, kind)`.
         p_blk_w: Blocking power (W) while a stage waits: one value, or one per stage.
         num_points: Number of targets to solve for (at least 2).
+        max_passes: Local-search passes per target (default 0: greedy only; `solve` refines one target).
     """
     if num_points < 2:
         raise ValueError(f"`frontier(num_points={num_points})` needs at least 2 points.")
@@ -204,11 +222,7 @@ def frontier(
             *(lo + (hi - lo) * k / (num_points - 1) for k in range(num_points)),
         }
     )
-    levels = [0] * len(problem.dag)
-    plans = []
-    for target in targets:
-        problem.optimize(levels, target)
-        plans.append(problem.plan(levels))
+    plans = problem.sweep(targets, max_passes=max_passes)
     kept: list[Plan] = []
     for plan in sorted(plans, key=lambda p: (p.iteration_time_s, p.energy_j)):
         if not kept or plan.energy_j < kept[-1].energy_j:
@@ -278,6 +292,7 @@ class _Problem:
         ]
         self.preds = [dag.predecessors(v) for v in range(len(dag))]
         self.succs = [dag.successors(v) for v in range(len(dag))]
+        self.sinks = [v for v in range(len(dag)) if not self.succs[v]]
         self.fastest_time_s = dag.iteration_time([t[0] for t in self.times])
         self.slowest_time_s = dag.iteration_time([t[-1] for t in self.times])
         self.max_frequency_plan = max_frequency_plan(dag, options, self.p_blk)
@@ -286,46 +301,106 @@ class _Problem:
     def plan(self, levels: Sequence[int]) -> Plan:
         return _make_plan(self.dag, self.p_blk, [opts[k] for opts, k in zip(self.opts, levels, strict=True)])
 
-    def optimize(self, levels: list[int], target_time_s: float, max_passes: int = 8) -> None:
-        """Improve `levels` in place under the deadline: greedy slow-down, then exchange passes.
+    def optimize(self, levels: list[int], target_time_s: float, priced: bool, max_passes: int) -> None:
+        """Improve `levels` in place: least energy with the iteration time within `target_time_s`.
 
-        An exchange speeds one slowed node up by one level (or back to its fastest option), freezes it, and
-        greedily hands the freed slack to the others; it is kept only if the effective energy drops. This
-        repairs the greedy's classic mistake of spending slack shared by several paths on one node.
+        A greedy slow-down (`_fill`), then passes of two local moves, each kept only if the energy drops:
+        an *exchange* speeds one node up (one level, or back to its fastest option), freezes it and greedily
+        hands the freed slack to the others, which fixes the greedy's mistake of spending slack that several
+        paths share on one node; an *ejection* slows one node down past its slack and makes room by speeding
+        up the cheapest nodes on the paths that overrun, which fixes its knapsack-like mistakes with coarse
+        options. Priced, iteration time costs the total blocking power per second, so the deadline is only
+        used where slowing down saves more than the blocking energy of a longer iteration; unpriced, the search
+        minimises the effective energy alone, as if the iteration always took the full deadline.
         """
         n = len(levels)
+        self.price = sum(self.p_blk) if priced else 0.0
         self.deadline = target_time_s
         self.tol = target_time_s * _REL_TOL
         self.levels = levels
         self.d = [self.times[v][levels[v]] for v in range(n)]
+        self.total_cost = sum(self.costs[v][levels[v]] for v in range(n))
         self.es = [0.0] * n
         self.ls = [0.0] * n
         self._forward(range(n))
         self._backward(range(n))
         self._fill(range(n), frozen=-1)
+        eject = n <= _EJECT_MAX_NODES
         for _ in range(max_passes):
-            improved = False
-            for v in range(n):
-                for k in sorted({levels[v] - 1, 0}, reverse=True):
-                    if k >= 0 and k != levels[v] and self._exchange(v, k):
-                        improved = True
-                        break
-            self._fill(range(n), frozen=-1)
-            if not improved:
+            if not (self._pass(self._exchange, slower=False) or (eject and self._pass(self._eject, slower=True))):
                 break
 
-    def _exchange(self, v: int, level: int) -> bool:
-        saved = (self.levels[:], self.d[:], self.es[:], self.ls[:])
-        gain = self.costs[v][self.levels[v]] - self.costs[v][level]  # negative: speeding up costs energy
-        touched = self._set_level(v, level)
-        gain += self._fill(touched, frozen=v)
-        if gain > 1e-12 * (1 + abs(self.costs[v][level])):
+    def _pass(self, move: Callable[[int, int], bool], slower: bool) -> bool:
+        """Try `move` on every node: one level slower (or faster), then to the slowest (or fastest) level."""
+        improved = False
+        for v in range(len(self.levels)):
+            level, last = self.levels[v], len(self.times[v]) - 1
+            targets = (level + 1, last) if slower else (level - 1, 0)
+            for k in dict.fromkeys(targets):
+                if 0 <= k <= last and k != level and move(v, k):
+                    improved = True
+                    break
+        return improved
+
+    def sweep(self, deadlines: Sequence[float], max_passes: int) -> list[Plan]:
+        """Unpriced plans for increasing deadlines, each search starting from the previous plan."""
+        levels = [0] * len(self.dag)
+        plans = []
+        for deadline in sorted(deadlines):
+            self.optimize(levels, deadline, priced=False, max_passes=max_passes)
+            plans.append(self.plan(levels))
+        return plans
+
+    def _makespan(self) -> float:
+        return max(self.es[v] + self.d[v] for v in self.sinks)
+
+    def _objective(self) -> float:
+        return self.total_cost + self.price * self._makespan()
+
+    def _snapshot(self) -> tuple:
+        return self.levels[:], self.d[:], self.es[:], self.ls[:], self.total_cost
+
+    def _restore(self, saved: tuple) -> None:
+        self.levels[:], self.d[:], self.es[:], self.ls[:], self.total_cost = saved
+
+    def _keep_if_better(self, before: float, saved: tuple) -> bool:
+        if self._objective() < before - 1e-12 * (1 + abs(before)):
             return True
-        self.levels[:], self.d[:], self.es[:], self.ls[:] = saved
+        self._restore(saved)
         return False
+
+    def _exchange(self, v: int, level: int) -> bool:
+        """Speed `v` up to `level`, refill the freed slack without `v`; keep it if the energy drops."""
+        saved, before = self._snapshot(), self._objective()
+        self._fill(self._set_level(v, level), frozen=v)
+        return self._keep_if_better(before, saved)
+
+    def _eject(self, v: int, level: int) -> bool:
+        """Slow `v` down to `level`, speeding up others until the deadline holds; keep it if the energy drops."""
+        saved, before = self._snapshot(), self._objective()
+        touched = self._set_level(v, level)
+        times, costs, levels, d, es, ls = self.times, self.costs, self.levels, self.d, self.es, self.ls
+        while True:
+            best = (float("inf"), -1, -1)
+            for u in [u for u in touched if es[u] - ls[u] > self.tol and u != v]:
+                excess = es[u] - ls[u]
+                cur = levels[u]
+                for k in range(cur):
+                    ratio = (costs[u][k] - costs[u][cur]) / min(d[u] - times[u][k], excess)
+                    if ratio < best[0]:
+                        best = (ratio, u, k)
+            if best[1] < 0:
+                break
+            touched |= self._set_level(best[1], best[2])
+        if any(es[u] - ls[u] > self.tol for u in touched):
+            self._restore(saved)
+            return False
+        self._fill(touched, frozen=-1)
+        return self._keep_if_better(before, saved)
 
     def _set_level(self, v: int, level: int) -> set[int]:
         """Change node `v`'s option and refresh the schedule; returns nodes whose slack changed."""
+        self.total_cost += self.costs[v][level] - self.costs[v][self.levels[v]]
         self.levels[v] = level
         self.d[v] = self.times[v][level]
         touched = self._forward(self.succs[v])
@@ -333,51 +408,54 @@ class _Problem:
         touched.add(v)
         return touched
 
-    def _best_step(self, v: int) -> tuple[float, int]:
-        """Best (effective energy saved per added second, level) among slow-downs within `v`'s slack."""
+    def _best_step(self, v: int, makespan: float) -> tuple[float, int]:
+        """Best (energy saved per added second, level) among slow-downs within `v`'s slack.
+
+        Energy saved is the drop in effective energy less the blocking energy of any growth of the iteration.
+        """
         times, costs, level = self.times[v], self.costs[v], self.levels[v]
         room = self.ls[v] - self.es[v] + self.tol
         t0, c0 = times[level], costs[level]
+        through = self.es[v] + self.deadline - self.ls[v]  # longest path through v
         best_ratio, best_level = 0.0, -1
         for k in range(level + 1, len(times)):
             dt = times[k] - t0
             if dt > room:
                 break
-            ratio = (c0 - costs[k]) / dt
-            if ratio > best_ratio:
-                best_ratio, best_level = ratio, k
+            saved = c0 - costs[k] - self.price * max(0.0, through + dt - makespan)
+            if saved > best_ratio * dt:
+                best_ratio, best_level = saved / dt, k
         return best_ratio, best_level
 
-    def _fill(self, candidates: Iterable[int], frozen: int) -> float:
-        """Greedily slow down nodes (all but `frozen`), best saving per second first; returns energy saved.
+    def _fill(self, candidates: Iterable[int], frozen: int) -> None:
+        """Greedily slow down nodes (all but `frozen`) within their slack, best saving per second first.
 
-        Slack only shrinks while filling, so a queued priority can only be too high: a popped entry is
-        re-checked and re-queued at its current value when it dropped.
+        Slack only shrinks while filling (and the iteration only grows), so a queued priority can only be
+        too high: a popped entry is re-checked and re-queued at its current value when it dropped.
         """
+        makespan = self._makespan()
         heap = []
         for v in candidates:
             if v != frozen:
-                ratio, k = self._best_step(v)
+                ratio, k = self._best_step(v, makespan)
                 if k >= 0:
                     heap.append((-ratio, v, self.levels[v]))
         heapq.heapify(heap)
-        saved = 0.0
         while heap:
             neg_ratio, v, level = heapq.heappop(heap)
             if level != self.levels[v]:
                 continue
-            ratio, k = self._best_step(v)
+            ratio, k = self._best_step(v, makespan)
             if k < 0:
                 continue
             if ratio < -neg_ratio:
                 heapq.heappush(heap, (-ratio, v, level))
                 continue
-            saved += self.costs[v][level] - self.costs[v][k]
             self._set_level(v, k)
-            ratio, k = self._best_step(v)
+            makespan = self._makespan()
+            ratio, k = self._best_step(v, makespan)
             if k >= 0:
                 heapq.heappush(heap, (-ratio, v, self.levels[v]))
-        return saved
 
     def _forward(self, start: Iterable[int]) -> set[int]:
         """Recompute earliest starts from `start` downstream; returns the nodes that moved.
