@@ -36,11 +36,16 @@ _LAZY = {
     "PipelineFrequencyOptimizer": "zeus_callbacks.core.pipeline_frequency",
     "HFZeusMonitor": "zeus_callbacks.huggingface",
     "HFGlobalPowerLimitOptimizer": "zeus_callbacks.huggingface",
-    "HFPipelineFrequencyOptimizer": "zeus_callbacks.huggingface",
+    "HFPipelineFrequencyOptimizer": "zeus_callbacks.huggingface_pipeline",
     "LightningZeusMonitor": "zeus_callbacks.lightning",
     "LightningGlobalPowerLimitOptimizer": "zeus_callbacks.lightning",
-    "LightningPipelineFrequencyOptimizer": "zeus_callbacks.lightning",
+    "LightningPipelineFrequencyOptimizer": "zeus_callbacks.lightning_pipeline",
     "ProfileDataLoader": "zeus_callbacks.profiling",
+    "HFEpochLog": "zeus_callbacks.profiling",
+    "LightningEpochLog": "zeus_callbacks.profiling",
+    "HeterogeneousTrainer": "zeus_callbacks.heterogeneous",
+    "HFHeterogeneousCallback": "zeus_callbacks.heterogeneous",
+    "LightningHeterogeneous": "zeus_callbacks.heterogeneous",
 }
 
 __all__ = [

@@ -76,8 +76,10 @@ class FrequencyController:
             self._closed = True
             self._pending.clear()
             self._cond.notify_all()
-        with self._nvml:  # an NVML call in flight finishes before close returns
-            pass
+        # An NVML call in flight finishes before close returns. From a signal handler the main thread may
+        # itself hold the lock (inside `set_now`): do not wait for ourselves.
+        if self._nvml.acquire(timeout=2):
+            self._nvml.release()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 

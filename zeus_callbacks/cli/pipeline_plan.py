@@ -1,0 +1,108 @@
+"""`zeus-callbacks pipeline-plan`: Perseus frequency plan of a pipeline-parallel iteration from a profile CSV."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from zeus_callbacks.core.planner.frontier import Frontier, Plan, frontier, solve
+from zeus_callbacks.core.planner.perseus_profile import read_profile
+from zeus_callbacks.core.planner.pipeline_dag import SCHEDULES, build_dag, build_schedule
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `pipeline-plan` subcommand."""
+    parser = subparsers.add_parser(
+        "pipeline-plan",
+        help="plan per-instruction SM frequencies of a pipeline-parallel iteration (Perseus)",
+        description=(
+            "Compute the time-energy frontier of one pipeline iteration from a Perseus profile CSV "
+            "(stage,instruction,frequency,time,energy) and pick the least-energy plan within a target time."
+        ),
+    )
+    parser.add_argument("--profile", required=True, metavar="CSV", help="instruction profile (Zeus/Perseus format)")
+    parser.add_argument(
+        "--p-blk", required=True, metavar="W", help="blocking power (W): one value, or a comma list per stage"
+    )
+    parser.add_argument("--stages", type=int, help="pipeline stages (default: as many as the profile has)")
+    parser.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument(
+        "--target-time", type=float, metavar="S", help="iteration time bound (default: all at max frequency)"
+    )
+    parser.add_argument("--points", type=int, default=24, help="targets on the frontier (default 24)")
+    parser.add_argument("--json", action="store_true", help="print the frontier and plan as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Solve and print; 2 on bad input."""
+    try:
+        options = read_profile(args.profile, num_stages=args.stages)
+        num_stages = args.stages or 1 + max(s for s, _ in options)
+        p_blk = [float(x) for x in str(args.p_blk).split(",")]
+        if len(p_blk) == 1:
+            p_blk *= num_stages
+        schedule = build_schedule(args.schedule, num_stages, args.microbatches)
+        dag = build_dag(schedule)
+        front = frontier(dag, options, p_blk, num_points=args.points)
+        chosen = solve(dag, options, p_blk, args.target_time)
+    except (OSError, ValueError) as e:
+        print(f"zeus-callbacks pipeline-plan: {e}", file=sys.stderr)
+        return 2
+    target = front.max_frequency.iteration_time_s if args.target_time is None else args.target_time
+    if args.json:
+        print(json.dumps(_to_dict(front, chosen, target, args.schedule), indent=2))
+    else:
+        print(_text(front, chosen, target, args.schedule))
+    return 0
+
+
+def _point(plan: Plan, ref: Plan) -> dict:
+    return {
+        "iteration_time_s": plan.iteration_time_s,
+        "energy_j": plan.energy_j,
+        "energy_saving": 1 - plan.energy_j / ref.energy_j,
+    }
+
+
+def _to_dict(front: Frontier, chosen: Plan, target: float, schedule: str) -> dict:
+    ref = front.max_frequency
+    return {
+        "schedule": schedule,
+        "num_stages": len(chosen.schedule),
+        "target_time_s": target,
+        "max_frequency": _point(ref, ref),
+        "frontier": [_point(p, ref) for p in front.plans],
+        "plan": {
+            **_point(chosen, ref),
+            "stages": [
+                [
+                    {"instruction": i.kind, "microbatch": i.microbatch, "frequency_mhz": chosen.frequencies_mhz[i]}
+                    for i in order
+                ]
+                for order in chosen.schedule
+            ],
+        },
+    }
+
+
+def _text(front: Frontier, chosen: Plan, target: float, schedule: str) -> str:
+    ref = front.max_frequency
+    lines = [
+        f"{schedule} pipeline, {len(chosen.schedule)} stages: time-energy frontier per iteration",
+        f"{'time (s)':>10}{'energy (J)':>12}{'saving':>9}",
+    ]
+    for p in front.plans:
+        lines.append(f"{p.iteration_time_s:>10.4f}{p.energy_j:>12.2f}{100 * (1 - p.energy_j / ref.energy_j):>8.2f}%")
+    lines += [
+        f"all at max frequency: {ref.iteration_time_s:.4f} s, {ref.energy_j:.2f} J",
+        f"chosen plan (target {target:.4f} s): {chosen.iteration_time_s:.4f} s, {chosen.energy_j:.2f} J, "
+        f"saving {100 * (1 - chosen.energy_j / ref.energy_j):.2f}%",
+        "SM frequency (MHz) per stage, in execution order (F/B + microbatch):",
+    ]
+    for stage, order in enumerate(chosen.schedule):
+        cells = " ".join(f"{'F' if i.kind == 'forward' else 'B'}{i.microbatch}:{chosen.frequencies_mhz[i]}" for i in order)
+        lines.append(f"  stage {stage}: {cells}")
+    return "\n".join(lines)

@@ -1,0 +1,276 @@
+"""`zeus-callbacks profile`: measure a training script over batch sizes x power limits into a Zeus² profile.
+
+Protocol with the script: the command runs once per batch size with these environment variables (see
+`zeus_callbacks.profiling.PROFILE_ENV`), and the script calls `profile_power_limits(step_fn)`, which reads
+them, measures one window per power limit and writes the result where the CLI asked:
+
+- `ZEUS_CALLBACKS_PROFILE_BATCH_SIZE`: the local batch size to train with (`profile_batch_size(default)`);
+- `ZEUS_CALLBACKS_PROFILE_POWER_LIMITS` (or `..._PL_STEP`), `..._WARMUP_STEPS`, `..._STEPS_PER_WINDOW`,
+  `..._GPU_INDEX`: what to measure;
+- `ZEUS_CALLBACKS_PROFILE_OUT`: the JSON file the run writes its windows to.
+
+On simulated GPUs (`ZEUS_CALLBACKS_SIMULATE`) a simulated GPU's response to power limits comes from the trace
+of one workload, and the shipped traces are keyed by batch size (`a10g:cifar100/shufflenetv2/256`). So that
+the simulation reflects the batch size being profiled, each run gets the spec with the workload's batch set
+to that run's batch size (the spec's workload, or the kind's default one); `--keep-sim-workload` turns this
+off. Every batch size then needs a shipped trace (a10g/t4: 32..1024 in powers of two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+from zeus_callbacks.profiling import PROFILE_ENV
+from zeus_callbacks.sim import SIMULATE_ENV, parse_spec, shipped_trace
+
+# Default workload of each simulated kind, with the batch size as the last component.
+_SIM_DEFAULT_WORKLOAD = {
+    "a10g": "cifar100/shufflenetv2/1024",
+    "t4": "cifar100/shufflenetv2/1024",
+    "a40": "imagenet/resnet50/256",
+    "v100": "imagenet/resnet50/256",
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `profile` subcommand."""
+    parser = subparsers.add_parser(
+        "profile",
+        help="profile a training script over batch sizes and power limits (Zeus² profile JSON)",
+        description=(
+            "Run a training script once per batch size; the script measures one window of steps per power "
+            "limit with `zeus_callbacks.profiling.profile_power_limits`. Writes one Zeus² profile for this "
+            "GPU type, for `zeus-callbacks plan --profile`."
+        ),
+        epilog="Example: zeus-callbacks profile --gpu-name a10 --batch-sizes 32,64,128 --output a10.json "
+        "-- python examples/heterogeneous/profile_script.py",
+    )
+    parser.add_argument("--gpu-name", required=True, help="name of this GPU type in the plan (e.g. a10)")
+    parser.add_argument(
+        "--batch-sizes", required=True, help="comma-separated local batch sizes (two or more)"
+    )
+    limits = parser.add_mutually_exclusive_group()
+    limits.add_argument("--power-limits", help="comma-separated power limits (W); default: the GPU's range")
+    limits.add_argument("--pl-step", type=int, default=25, help="stride over the GPU's range (W, default 25)")
+    parser.add_argument(
+        "--steps-per-window", type=int, default=10, help="measured steps per limit (default 10)"
+    )
+    parser.add_argument("--warmup-steps", type=int, default=5, help="unmeasured steps per limit (default 5)")
+    parser.add_argument("--gpu-index", type=int, default=0, help="GPU the script trains on (default 0)")
+    parser.add_argument("--output", required=True, help="profile JSON to write")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per run of the script")
+    parser.add_argument(
+        "--keep-sim-workload",
+        action="store_true",
+        help="simulated GPUs: keep ZEUS_CALLBACKS_SIMULATE as is for every batch size",
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Profile; 0 on success, 2 on bad input, 1 when the script failed."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
+        if len(batch_sizes) < 2:
+            raise ValueError(
+                "--batch-sizes needs at least two batch sizes (the planner interpolates between them)"
+            )
+        power_limits = _int_list(args.power_limits, "--power-limits") if args.power_limits else None
+        if args.steps_per_window < 1 or args.warmup_steps < 0:
+            raise ValueError("--steps-per-window must be >= 1 and --warmup-steps >= 0")
+        if not command:
+            raise ValueError("no training command; put it after `--`")
+        sim_specs = _sim_specs(batch_sizes, args.keep_sim_workload)
+    except ValueError as e:
+        print(f"zeus-callbacks profile: {e}", file=sys.stderr)
+        return 2
+
+    runs: dict[int, dict] = {}
+    oom_at: int | None = None
+    with tempfile.TemporaryDirectory(prefix="zeus-callbacks-profile-") as tmp:
+        for b in batch_sizes:
+            out = Path(tmp) / f"batch{b}.json"
+            env = {
+                **os.environ,
+                PROFILE_ENV["batch_size"]: str(b),
+                PROFILE_ENV["out"]: str(out),
+                PROFILE_ENV["warmup_steps"]: str(args.warmup_steps),
+                PROFILE_ENV["steps_per_window"]: str(args.steps_per_window),
+                PROFILE_ENV["gpu_index"]: str(args.gpu_index),
+                PROFILE_ENV["pl_step"]: str(args.pl_step),
+            }
+            if power_limits:
+                env[PROFILE_ENV["power_limits"]] = ",".join(map(str, power_limits))
+            if sim_specs:
+                env[SIMULATE_ENV] = sim_specs[b]
+            print(f"batch size {b}: {' '.join(command)}", file=sys.stderr)
+            try:
+                proc = subprocess.run(command, env=env, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                print(
+                    f"zeus-callbacks profile: batch size {b} ran past --timeout {args.timeout}s",
+                    file=sys.stderr,
+                )
+                return 1
+            result = json.loads(out.read_text()) if out.is_file() else None
+            if result is not None and result.get("oom"):
+                oom_at = b
+                print(f"batch size {b}: out of GPU memory; stopping at larger batch sizes", file=sys.stderr)
+                break
+            if proc.returncode != 0:
+                print(
+                    f"zeus-callbacks profile: the script exited with {proc.returncode} at batch size {b} "
+                    "(its output is above).",
+                    file=sys.stderr,
+                )
+                return 1
+            if result is None:
+                print(
+                    f"zeus-callbacks profile: the script wrote no result at batch size {b}. It must call "
+                    "`zeus_callbacks.profiling.profile_power_limits(step_fn)`.",
+                    file=sys.stderr,
+                )
+                return 1
+            runs[b] = result
+    try:
+        profile = build_profile(runs, args, command, sim_specs, oom_at)
+    except ValueError as e:
+        print(f"zeus-callbacks profile: {e}", file=sys.stderr)
+        return 1
+    path = Path(args.output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=2))
+    print(_summary(profile, path))
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated integers") from None
+    if not values or values[0] < 1:
+        raise ValueError(f"{flag} {text!r}: expected positive integers")
+    return values
+
+
+def sim_workload_for_batch(kind: str, workload: str | None, batch: int) -> str | None:
+    """The simulated workload key with its batch (last component) set to `batch`; None if it has no batch."""
+    key = workload or _SIM_DEFAULT_WORKLOAD.get(kind)
+    if key is None:
+        return None
+    parts = key.strip("/").split("/")
+    # NSDI'23 keys may end in an optimizer: DATASET/NETWORK/BATCH/OPTIMIZER.
+    at = 2 if len(parts) == 4 else len(parts) - 1
+    if len(parts) < 3 or not parts[at].isdigit():
+        return None
+    parts[at] = str(batch)
+    return "/".join(parts)
+
+
+def _sim_specs(batch_sizes: list[int], keep: bool) -> dict[int, str]:
+    """Per batch size, the simulation spec whose workloads are traced at that batch size ({} if not simulating)."""
+    spec = os.environ.get(SIMULATE_ENV)
+    if not spec:
+        return {}
+    if keep:
+        return dict.fromkeys(batch_sizes, spec)
+    groups = parse_spec(spec)
+    out = {}
+    for b in batch_sizes:
+        items = []
+        for g in groups:
+            item = f"{g.count}*{g.kind}" if g.count > 1 else g.kind
+            workload = None if g.trace_file else sim_workload_for_batch(g.kind, g.workload, b)
+            if workload is None:
+                workload = g.workload
+            else:
+                try:
+                    shipped_trace(g.kind, workload)
+                except (ValueError, FileNotFoundError) as e:
+                    raise ValueError(
+                        f"simulated {g.kind} has no trace at batch size {b} ({e}). Profile measured batch sizes, "
+                        "or pass --keep-sim-workload to simulate every batch size with one trace."
+                    ) from None
+            items.append(
+                item + (f":{workload}" if workload else "") + (f"@{g.trace_file}" if g.trace_file else "")
+            )
+        out[b] = ",".join(items)
+    return out
+
+
+def build_profile(
+    runs: dict[int, dict],
+    args: argparse.Namespace,
+    command: list[str],
+    sim_specs: dict[int, str],
+    oom_at: int | None,
+) -> dict:
+    """The Zeus² profile JSON: `{"<batch>": [{"power_limit", "energy", "time"}], "metadata": {...}}`.
+
+    Raises:
+        ValueError: fewer than two batch sizes measured, or runs that measured different power limits.
+    """
+    if len(runs) < 2:
+        raise ValueError(
+            f"only {len(runs)} batch size(s) measured{f' (out of memory at {oom_at})' if oom_at else ''}; "
+            "a profile needs two or more"
+        )
+    limit_sets = {b: sorted(w["power_limit_w"] for w in r["windows"]) for b, r in runs.items()}
+    if len({tuple(v) for v in limit_sets.values()}) != 1:
+        raise ValueError(f"the runs measured different power limits: {limit_sets}")
+    first = next(iter(runs.values()))
+    profile: dict = {
+        str(b): [
+            {"power_limit": w["power_limit_w"], "energy": w["energy_j"], "time": w["time_s"]}
+            for w in sorted(r["windows"], key=lambda w: -w["power_limit_w"])
+        ]
+        for b, r in sorted(runs.items())
+    }
+    from zeus_callbacks import __version__
+
+    metadata = {
+        "gpu": args.gpu_name,
+        "gpu_model": first["gpu_model"],
+        "steps_per_window": args.steps_per_window,
+        "warmup_steps": args.warmup_steps,
+        "power_limits": next(iter(limit_sets.values())),
+        "memory_peak_bytes": {str(b): r["memory_peak_bytes"] for b, r in sorted(runs.items())},
+        "simulated": any(r["simulated"] for r in runs.values()),
+        "command": command,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "zeus_callbacks": __version__,
+    }
+    if oom_at is not None:
+        metadata["max_batch_size"] = max(runs)
+        metadata["out_of_memory_at"] = oom_at
+    if sim_specs:
+        metadata["simulation"] = {str(b): sim_specs[b] for b in sorted(runs)}
+    profile["metadata"] = metadata
+    return profile
+
+
+def _summary(profile: dict, path: Path) -> str:
+    meta = profile["metadata"]
+    sim = ", SIMULATED" if meta["simulated"] else ""
+    lines = [
+        f"{meta['gpu']} ({meta['gpu_model']}{sim}): time (s) / energy (J) per window of {meta['steps_per_window']} steps"
+    ]
+    limits = sorted(meta["power_limits"], reverse=True)
+    lines.append(f"{'batch':>7}" + "".join(f"{str(p) + ' W':>18}" for p in limits))
+    for b in sorted((k for k in profile if k != "metadata"), key=int):
+        cells = {m["power_limit"]: m for m in profile[b]}
+        lines.append(
+            f"{b:>7}" + "".join(f"{cells[p]['time']:>9.3f}/{cells[p]['energy']:<8.1f}" for p in limits)
+        )
+    lines.append(f"written to {path}")
+    return "\n".join(lines)
