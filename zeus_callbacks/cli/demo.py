@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from zeus_callbacks.core.selectors import Energy, MaxSlowdownConstraint, OptimumSelector, Time, ZeusCost
+from zeus_callbacks.cli._options import GPU_KINDS, add_objective_arguments, objective_from_args
+from zeus_callbacks.core.selectors import OptimumSelector
 
-SELECTORS = ("zeus-cost", "energy", "time", "max-slowdown")
-GPU_KINDS = ("a40", "v100", "a10g", "t4")
 STEPS_AFTER_CHOICE = 10  # steps trained at the chosen limit before the demo stops
 _WAIT_STEPS = 5  # the first steps of a run are slow (allocation, caches): not charged to the maximum limit
 _SEQ_LEN = 64
@@ -43,13 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--workload", metavar="KEY", help="traced workload of the simulated GPU (default: its own)"
     )
-    parser.add_argument(
-        "--selector", choices=SELECTORS, default="zeus-cost", help="objective (default zeus-cost)"
-    )
-    parser.add_argument("--eta", type=float, default=0.5, help="energy weight of zeus-cost (default 0.5)")
-    parser.add_argument(
-        "--max-slowdown", type=float, default=1.1, help="slowdown bound of max-slowdown (default 1.1)"
-    )
+    add_objective_arguments(parser)
     parser.add_argument("--noise", type=float, default=0.02, help="simulated run-to-run noise (default 0.02)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, the corpus and the noise")
     parser.add_argument(
@@ -77,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train, profile, report; 2 on bad input."""
     try:
-        selector = _selector(args)
+        selector = objective_from_args(args)
         if args.real and (args.gpu or args.workload):
             raise ValueError("--real uses this machine's GPU: drop --gpu/--workload")
         if args.steps < 1:
@@ -121,14 +114,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"Plot written to {args.plot}.", file=progress)
     print(json.dumps(_plain(report), indent=1) if args.json else table(report))
     return 0 if report["optimal_power_limit_w"] is not None else 1
-
-
-def _selector(args: argparse.Namespace) -> OptimumSelector:
-    if args.selector == "zeus-cost":
-        return ZeusCost(args.eta)
-    if args.selector == "max-slowdown":
-        return MaxSlowdownConstraint(args.max_slowdown)
-    return Energy() if args.selector == "energy" else Time()
 
 
 def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: TextIO) -> dict[str, Any]:

@@ -21,7 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "(stage,instruction,frequency,time,energy) and pick the least-energy plan within a target time."
         ),
     )
-    parser.add_argument("--profile", required=True, metavar="CSV", help="instruction profile (Zeus/Perseus format)")
+    parser.add_argument(
+        "--profile", required=True, metavar="CSV", help="instruction profile (Zeus/Perseus format)"
+    )
     parser.add_argument(
         "--p-blk", required=True, metavar="W", help="blocking power (W): one value, or a comma list per stage"
     )
@@ -79,7 +81,11 @@ def _to_dict(front: Frontier, chosen: Plan, target: float, schedule: str) -> dic
             **_point(chosen, ref),
             "stages": [
                 [
-                    {"instruction": i.kind, "microbatch": i.microbatch, "frequency_mhz": chosen.frequencies_mhz[i]}
+                    {
+                        "instruction": i.kind,
+                        "microbatch": i.microbatch,
+                        "frequency_mhz": chosen.frequencies_mhz[i],
+                    }
                     for i in order
                 ]
                 for order in chosen.schedule
@@ -95,7 +101,9 @@ def _text(front: Frontier, chosen: Plan, target: float, schedule: str) -> str:
         f"{'time (s)':>10}{'energy (J)':>12}{'saving':>9}",
     ]
     for p in front.plans:
-        lines.append(f"{p.iteration_time_s:>10.4f}{p.energy_j:>12.2f}{100 * (1 - p.energy_j / ref.energy_j):>8.2f}%")
+        lines.append(
+            f"{p.iteration_time_s:>10.4f}{p.energy_j:>12.2f}{100 * (1 - p.energy_j / ref.energy_j):>8.2f}%"
+        )
     lines += [
         f"all at max frequency: {ref.iteration_time_s:.4f} s, {ref.energy_j:.2f} J",
         f"chosen plan (target {target:.4f} s): {chosen.iteration_time_s:.4f} s, {chosen.energy_j:.2f} J, "
@@ -103,6 +111,8 @@ def _text(front: Frontier, chosen: Plan, target: float, schedule: str) -> str:
         "SM frequency (MHz) per stage, in execution order (F/B + microbatch):",
     ]
     for stage, order in enumerate(chosen.schedule):
-        cells = " ".join(f"{'F' if i.kind == 'forward' else 'B'}{i.microbatch}:{chosen.frequencies_mhz[i]}" for i in order)
+        cells = " ".join(
+            f"{'F' if i.kind == 'forward' else 'B'}{i.microbatch}:{chosen.frequencies_mhz[i]}" for i in order
+        )
         lines.append(f"  stage {stage}: {cells}")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from zeus_callbacks.cli._options import add_objective_arguments, objective_from_args
 from zeus_callbacks.core.planner.heterogeneous import (
     COST_MODELS,
     ZEUS2_METHODS,
@@ -14,9 +15,6 @@ from zeus_callbacks.core.planner.heterogeneous import (
     load_profile,
     plan,
 )
-from zeus_callbacks.core.selectors import Energy, MaxSlowdownConstraint, OptimumSelector, Time, ZeusCost
-
-OBJECTIVES = ("zeus-cost", "time", "energy", "max-slowdown")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,11 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--count", action="append", type=int, help="GPUs of each type, in --profile order (default 1)"
     )
     parser.add_argument("--global-batch", type=int, required=True, help="samples per step over all GPUs")
-    parser.add_argument("--objective", choices=OBJECTIVES, default="zeus-cost")
-    parser.add_argument("--eta", type=float, default=0.5, help="energy weight of zeus-cost (default 0.5)")
-    parser.add_argument(
-        "--max-slowdown", type=float, default=1.1, help="slowdown bound of max-slowdown (default 1.1)"
-    )
+    add_objective_arguments(parser, "--objective")
     parser.add_argument("--cost-model", choices=COST_MODELS, default="sync")
     parser.add_argument(
         "--search", choices=ZEUS2_METHODS, default="naive", help="search of the zeus2 cost model"
@@ -64,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"got {len(args.profile)} --profile but {len(counts)} --count")
         if args.plot and len(args.profile) != 2:
             raise ValueError("--plot needs exactly two --profile")
-        objective = _objective(args)
+        objective = objective_from_args(args)
         profiles = [load_profile(p) for p in args.profile]
         result = plan(
             profiles,
@@ -102,16 +96,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"cost curve written to {args.plot}")
     return 0
-
-
-def _objective(args: argparse.Namespace) -> OptimumSelector:
-    if args.objective == "zeus-cost":
-        return ZeusCost(args.eta)
-    if args.objective == "time":
-        return Time()
-    if args.objective == "energy":
-        return Energy()
-    return MaxSlowdownConstraint(args.max_slowdown)
 
 
 def _table(result: HeteroPlan) -> str:

@@ -11,10 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from zeus_callbacks.core.selectors import Energy, MaxSlowdownConstraint, OptimumSelector, Time, ZeusCost
+from zeus_callbacks.cli._options import GPU_KINDS, add_objective_arguments, objective_from_args
 
-SELECTORS = ("zeus-cost", "energy", "time", "max-slowdown")
-GPU_KINDS = ("a40", "v100", "a10g", "t4")
 _WORK_S = 0.1  # one step's work at the maximum limit; only ratios matter on a virtual clock
 _MAX_STEPS = 100_000
 
@@ -38,9 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--workload", metavar="KEY", help="workload key in the file (e.g. imagenet/resnet50/256)"
     )
-    parser.add_argument("--selector", choices=SELECTORS, default="zeus-cost")
-    parser.add_argument("--eta", type=float, default=0.5, help="energy weight of zeus-cost (default 0.5)")
-    parser.add_argument("--max-slowdown", type=float, default=1.1, help="bound of max-slowdown (default 1.1)")
+    add_objective_arguments(parser)
     parser.add_argument(
         "--gpu", choices=GPU_KINDS, help="simulated GPU model (default: guessed from the file name, else a40)"
     )
@@ -57,16 +53,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 class _Error(Exception):
     pass
-
-
-def _selector(args: argparse.Namespace) -> OptimumSelector:
-    if args.selector == "zeus-cost":
-        return ZeusCost(args.eta)
-    if args.selector == "energy":
-        return Energy()
-    if args.selector == "time":
-        return Time()
-    return MaxSlowdownConstraint(args.max_slowdown)
 
 
 def _guess_gpu(path: str | None) -> str:
@@ -105,7 +91,7 @@ def simulate_run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         trace = sim.shipped_trace(kind, args.workload)
         spec = f"{kind}:{args.workload}" if args.workload else kind
-    selector = _selector(args)
+    selector = objective_from_args(args)
     system = sim.simulate(spec, noise=args.noise, seed=args.seed, virtual_clock=True)
     try:
         opt = GlobalPowerLimitOptimizer(
