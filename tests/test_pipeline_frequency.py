@@ -51,13 +51,15 @@ def run_steps(
     until: str | None = None,
     work_s: float = 0.002,
 ) -> int:
-    """A fake single-stage schedule: each forward burns `work_s` of CPU (simulated GPU work), a backward twice."""
+    """A fake single-stage schedule: each forward burns `work_s` of CPU (simulated GPU work), a backward twice,
+    and between instructions the stage waits for its peers without computing (a sleep, as a blocking recv)."""
     for n in range(steps):
         pfo.on_step_begin()
         for kind in kinds:
             pfo.on_instruction_begin(kind)
             _burn(work_s if kind == "forward" else 2 * work_s)
             pfo.on_instruction_end(kind)
+            time.sleep(work_s / 2)
         pfo.on_step_end()
         if until is not None and pfo.phase == until:
             return n + 1

@@ -291,10 +291,16 @@ class SimulatedGPU:
             # Find the lowest traced limit that runs at clock f (mono is non-increasing in the limit).
             eq_pl = float(np.interp(f_max / f, mono[::-1], tr.power_limits_w[::-1]))
             return f_max / f, tr.power(eq_pl)
-        # Below every traced limit: dynamic power ~ f^3 above a static floor.
+        # Below every traced limit: continue the traced power-vs-clock line of the two lowest limits
+        # (never below idle), so energy per unit of work keeps the trend the trace shows there instead
+        # of a model the data does not support.
         p_low = tr.power(tr.min_power_limit_w)
-        idle = self.spec.idle_power_w
-        return f_max / f, idle + (p_low - idle) * (f / f_low) ** 3
+        slope = 0.0
+        if len(mono) > 1:
+            f_next = f_max / float(mono[1])
+            if f_next > f_low:
+                slope = max(0.0, (tr.power(float(tr.power_limits_w[1])) - p_low) / (f_next - f_low))
+        return f_max / f, max(self.spec.idle_power_w, p_low - slope * (f_low - f))
 
     def _noisy(self, value: float) -> float:
         if self.noise <= 0:
