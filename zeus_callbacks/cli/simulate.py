@@ -175,13 +175,18 @@ def _text(r: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Simulate and print; 2 on bad input."""
-    logging.getLogger("zeus_callbacks").setLevel(logging.ERROR if not args.verbose else logging.INFO)
+    # The optimizer's per-limit warnings would drown the result; the result says what matters.
+    package_logger = logging.getLogger("zeus_callbacks")
+    level = package_logger.level
+    package_logger.setLevel(logging.ERROR if not args.verbose else logging.INFO)
     try:
         result = simulate_run(args)
     except (_Error, OSError, ValueError, KeyError) as e:
         msg = str(e).strip("'\"") if isinstance(e, KeyError) else str(e)
         print(f"zeus-callbacks simulate: {msg}", file=sys.stderr)
         return 2
+    finally:
+        package_logger.setLevel(level)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
