@@ -18,7 +18,7 @@ from zeus_callbacks.core.selectors import OptimumSelector
 
 STEPS_AFTER_CHOICE = 10  # steps trained at the chosen limit before the demo stops
 _WAIT_STEPS = 5  # the first steps of a run are slow (allocation, caches): not charged to the maximum limit
-_SEQ_LEN = 64
+_SEQ_LEN = 128
 _BATCH = 8
 
 
@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--warmup-steps", type=int, default=3, help="warm-up steps per power limit (default 3)"
     )
     parser.add_argument(
-        "--profile-steps", type=int, default=12, help="measured steps per power limit (default 12)"
+        "--profile-steps", type=int, default=24, help="measured steps per power limit (default 24)"
     )
     parser.add_argument(
         "--pl-step", type=int, default=25, help="stride between power limits in W (default 25)"
@@ -193,7 +193,7 @@ def tiny_model(seed: int):
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=_SEQ_LEN, bos_token_id=10, eos_token_id=10
+        n_layer=4, n_embd=128, n_head=4, vocab_size=256, n_positions=_SEQ_LEN, bos_token_id=10, eos_token_id=10
     )
     return GPT2LMHeadModel(config)
 
