@@ -19,7 +19,9 @@ PROFILE_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 _KINDS = ("forward", "backward")
 
 
-def read_profile(path: str | Path, num_stages: int | None = None) -> dict[tuple[int, str], list[FrequencyOption]]:
+def read_profile(
+    path: str | Path, num_stages: int | None = None
+) -> dict[tuple[int, str], list[FrequencyOption]]:
     """Options of each `(stage, kind)` from a profile CSV, ready for `solve`/`frontier`.
 
     Args:
@@ -38,7 +40,9 @@ def read_profile(path: str | Path, num_stages: int | None = None) -> dict[tuple[
         header = [c.strip() for c in reader.fieldnames or []]
         missing = [c for c in PROFILE_COLUMNS if c not in header]
         if missing:
-            raise ValueError(f"{path}: missing column(s) {', '.join(missing)}; expected {','.join(PROFILE_COLUMNS)}.")
+            raise ValueError(
+                f"{path}: missing column(s) {', '.join(missing)}; expected {','.join(PROFILE_COLUMNS)}."
+            )
         reader.fieldnames = header
         for line, row in enumerate(reader, start=2):
             stage, kind, freq, time_s, energy_j = _parse_row(path, line, row)
@@ -70,7 +74,9 @@ def write_profile(path: str | Path, options: Mapping[tuple[int, str], Sequence[F
         writer.writerow(PROFILE_COLUMNS)
         for stage, kind in sorted(options, key=lambda k: (k[0], _KINDS.index(k[1]) if k[1] in _KINDS else 2)):
             for o in sorted(options[stage, kind], key=lambda o: -o.frequency_mhz):
-                writer.writerow([stage, kind, o.frequency_mhz, repr(float(o.time_s)), repr(float(o.energy_j))])
+                writer.writerow(
+                    [stage, kind, o.frequency_mhz, repr(float(o.time_s)), repr(float(o.energy_j))]
+                )
 
 
 def _parse_row(path: Path, line: int, row: Mapping[str, str | None]) -> tuple[int, str, int, float, float]:
