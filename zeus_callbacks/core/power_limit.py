@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,13 @@ from zeus_callbacks.core.power_limit_profile import ProfileContext, load_profile
 from zeus_callbacks.core.power_limit_search import (
     SEARCHES,
     PowerLimitStats,
+    adaptive_budget_steps,
     choose_power_limit,
     measurement_verdict,
     min_measured_steps,
     next_power_limit,
     power_limit_grid,
+    spent_steps,
 )
 from zeus_callbacks.core.selectors import OptimumSelector, ZeusCost
 
@@ -41,6 +43,7 @@ class _Waiting:
 class _Warmup:
     power_limit_w: int
     steps_left: int
+    stats: PowerLimitStats  # what the measurement adds to: empty, or the samples of earlier visits
 
 
 @dataclass
@@ -70,9 +73,9 @@ class GlobalPowerLimitOptimizer:
     Each power limit is profiled over whole training steps (step begin to step end, so evaluation,
     logging and checkpointing between steps are not charged to it), after `warmup_steps` steps at that
     limit. The adaptive search measures each limit only until it is clearly worse than the best so far
-    or its cost is known to about 1% (between `profile_steps // 8` and `profile_steps` steps; see
-    `power_limit_search`), and stops descending once lower limits only get worse. Profiling carries on
-    across epochs. Under torch.distributed every rank measures its own GPU; each measured step's energy
+    or cannot beat it by more than 1% (at least `profile_steps // 8` steps), then revisits the few limits
+    still within 1% of the best (warm-up again, then up to `profile_steps` steps in all) while a budget
+    of 3/4 of a sweep's steps lasts; see `power_limit_search`. Profiling carries on across epochs. Under torch.distributed every rank measures its own GPU; each measured step's energy
     is summed and its time maxed over ranks, so every rank reaches the same decision at the same step.
     Every change goes through the process's GPU-state guard and is undone at `on_train_end`, at exit, on
     exceptions and on signals.
@@ -86,8 +89,8 @@ class GlobalPowerLimitOptimizer:
         pl_step: Stride between profiled power limits (W); the minimum limit is always profiled.
         profile_path: JSON file of the profile: loaded if it exists (a complete one skips profiling, a
             partial one resumes it), written (by rank 0) as profiling goes.
-        search: "adaptive" (default: each limit measured only as long as needed, the descent cut
-            short once lower limits only get worse) or "sweep" (every limit for `profile_steps`, as Zeus).
+        search: "adaptive" (default: each limit measured only as long as needed, the near-ties
+            measured again) or "sweep" (every limit for `profile_steps`, as Zeus).
 
     Raises:
         ValueError: a bad argument; the message names it.
@@ -257,7 +260,7 @@ class GlobalPowerLimitOptimizer:
             self._record_step(None)
             phase.steps_left -= 1
             if phase.steps_left <= 0 and self._phase is phase:
-                self._phase = _Profiling(phase.power_limit_w, PowerLimitStats(phase.power_limit_w))
+                self._phase = _Profiling(phase.power_limit_w, phase.stats)
         elif isinstance(phase, _Profiling):
             self._record_step(phase)
         self.monitor.gpus.step_boundary(self.monitor.gpu_indices)
@@ -366,18 +369,28 @@ class GlobalPowerLimitOptimizer:
 
     def _begin_next(self) -> None:
         pl = next_power_limit(
-            self.grid, self.stats, self.optimum_selector, self.max_power_w, self.num_gpus, self.search
+            self.grid,
+            self.stats,
+            self.optimum_selector,
+            self.max_power_w,
+            self.num_gpus,
+            self.search,
+            self.warmup_steps,
+            self.profile_steps,
         )
         if pl is None:
             self._finish()
             return
         if not self._set_power_limit(pl):
             return
-        logger.info("Profiling power limit %d W.", pl)
+        earlier = self.stats.get(pl)
+        # A revisit (the adaptive search's refinement) adds to the samples of the earlier visits.
+        stats = PowerLimitStats(pl) if earlier is None else replace(earlier, visits=earlier.visits + 1)
+        logger.info("Profiling power limit %d W%s.", pl, "" if earlier is None else " again")
         if self.warmup_steps > 0:
-            self._phase = _Warmup(pl, self.warmup_steps)
+            self._phase = _Warmup(pl, self.warmup_steps, stats)
         else:
-            self._phase = _Profiling(pl, PowerLimitStats(pl))
+            self._phase = _Profiling(pl, stats)
 
     def _record_step(self, phase: _Profiling | None) -> None:
         """Close the step's window and add it to the profiling cost; when measuring, add the job's step
@@ -417,6 +430,7 @@ class GlobalPowerLimitOptimizer:
                 self.stats.get(self.grid[0], s),
                 self.min_steps,
                 self.profile_steps,
+                self._budget_left_steps(s),
             )
         if verdict == "more" and phase.steps_done >= 4 * self.profile_steps:
             verdict = "measured"  # the counter barely moves: settle for what was measured
@@ -431,6 +445,11 @@ class GlobalPowerLimitOptimizer:
         s.pruned = verdict == "pruned" or not s.steps
         self.stats[s.power_limit_w] = s
         self._after_limit()
+
+    def _budget_left_steps(self, current: PowerLimitStats) -> int:
+        """Steps the adaptive search may still spend (`adaptive_budget_steps`), `current` counted."""
+        budget = adaptive_budget_steps(len(self.grid), self.warmup_steps, self.profile_steps)
+        return budget - spent_steps({**self.stats, current.power_limit_w: current}, self.warmup_steps)
 
     def _after_limit(self) -> None:
         self._save(complete=False)

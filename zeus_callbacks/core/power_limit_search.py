@@ -2,10 +2,20 @@
 
 Two searches over the grid of power limits (highest first, the minimum always included):
 - `sweep`: every limit for `profile_steps` steps, as Zeus does.
-- `adaptive` (default): every limit from the highest down, each measured only as long as it takes to
-  tell where it stands. After `min_measured_steps` steps a limit stops as soon as it is clearly worse
-  than the best so far (its optimistic cost above the best's pessimistic cost, `_Z` standard errors each
-  way) or its own cost is known to within `_PRECISION`; at most `profile_steps` steps.
+- `adaptive` (default): two passes. The first visits every limit from the highest down; after
+  `min_measured_steps` steps a limit stops as soon as it is clearly worse than the best so far (its
+  optimistic cost above the best's pessimistic cost, `_Z` standard errors each way) or is not one of the
+  `contenders` (it cannot beat the best by more than `_TOLERANCE`); a contender goes on until its cost
+  is known to within `_PRECISION`. The refinement pass then revisits the final contenders, fewest steps
+  first, each until it is no longer one or has `profile_steps` steps, while the budget
+  (`adaptive_budget_steps`, warm-ups included) lasts. Standard errors use the noise pooled over every
+  limit (`pooled_noise`) as a floor, since a handful of similar steps says little about the noise.
+
+Why a refinement pass: the misses of a single pass were near-ties, two limits within 1-2% of each
+other, one measured for a few steps as the best so far and the other, met later, measured against it;
+only more steps of both settle them, and which limits tie is known only once every limit was seen.
+Its budget is three quarters of a sweep for one run, so that a flat curve with several near-ties can be
+settled; over the shipped traces the search averages under half a sweep's steps (the benchmark).
 
 Why every limit and not a shape-guided jump (below the power drawn at the maximum limit, descend while
 the cost improves): measured curves are not smooth. Where the GPU never reaches the cap (small batches,
@@ -30,6 +40,10 @@ __all__ = [
     "PowerLimitStats",
     "power_limit_grid",
     "min_measured_steps",
+    "adaptive_budget_steps",
+    "spent_steps",
+    "pooled_noise",
+    "contenders",
     "next_power_limit",
     "measurement_verdict",
     "clearly_worse",
@@ -45,6 +59,11 @@ _Z = 2.0
 # energy errors added as if fully correlated) is below this fraction of the cost. Tuned with
 # benchmarks/power_limit_search.py: 1% costs a third more steps for no gain in accuracy there.
 _PRECISION = 0.0125
+# Two limits whose costs are within this fraction of each other are equally good choices.
+_TOLERANCE = 0.01
+# Standard errors each way (each limit's own, so about 1.4 times as many of their difference) within
+# which a rival might still beat the best by more than `_TOLERANCE`, and is measured again.
+_Z_CHOICE = 1.75
 
 
 @dataclass
@@ -58,6 +77,7 @@ class PowerLimitStats:
     time_sq: float = 0.0
     energy_sq: float = 0.0
     pruned: bool = False
+    visits: int = 1  # times the search set this limit and warmed it up (the refinement pass revisits)
 
     @property
     def mean_time_s(self) -> float:
@@ -77,12 +97,15 @@ class PowerLimitStats:
         self.energy_j += energy_j
         self.energy_sq += energy_j * energy_j
 
-    def _rse(self, total: float, sq: float) -> float:
+    def _rel_var(self, total: float, sq: float) -> float:
+        """Sample variance of one step's value relative to the mean squared (inf below 2 steps)."""
         if self.steps < 2 or total <= 0:
             return math.inf
         mean = total / self.steps
-        var = max(0.0, (sq - self.steps * mean * mean) / (self.steps - 1))
-        return math.sqrt(var / self.steps) / mean
+        return max(0.0, (sq - self.steps * mean * mean) / (self.steps - 1)) / (mean * mean)
+
+    def _rse(self, total: float, sq: float) -> float:
+        return math.sqrt(self._rel_var(total, sq) / self.steps) if self.steps else math.inf
 
     @property
     def time_rse(self) -> float:
@@ -119,24 +142,70 @@ def min_measured_steps(profile_steps: int) -> int:
     return min(profile_steps, max(3, -(-profile_steps // 8)))
 
 
+def adaptive_budget_steps(num_limits: int, warmup_steps: int, profile_steps: int) -> int:
+    """Steps (warm-up included) past which the adaptive search does not refine: 3/4 of a sweep's."""
+    return num_limits * (warmup_steps + profile_steps) * 3 // 4
+
+
+def spent_steps(stats: dict[int, PowerLimitStats], warmup_steps: int) -> int:
+    """Steps the search has spent on `stats` so far: each visit's warm-up and every measured step."""
+    return sum(s.steps + warmup_steps * s.visits for s in stats.values())
+
+
+def pooled_noise(stats: dict[int, PowerLimitStats]) -> tuple[float, float]:
+    """Relative per-step variance of time and of energy, pooled over every limit with 2 steps or more.
+
+    The noise of a step is a property of the job rather than of the limit, so the pool, with many more
+    degrees of freedom than one limit's few steps, keeps a lucky run of similar steps from passing for
+    precision. (0, 0) before any limit has 2 steps.
+    """
+    dof = sum(s.steps - 1 for s in stats.values() if s.steps >= 2)
+    if not dof:
+        return 0.0, 0.0
+    time_var = sum((s.steps - 1) * s._rel_var(s.time_s, s.time_sq) for s in stats.values() if s.steps >= 2)
+    energy_var = sum(
+        (s.steps - 1) * s._rel_var(s.energy_j, s.energy_sq) for s in stats.values() if s.steps >= 2
+    )
+    return time_var / dof, energy_var / dof
+
+
+def _rses(s: PowerLimitStats, noise: tuple[float, float]) -> tuple[float, float]:
+    """Relative standard errors of `s`'s mean time and energy, never below the pooled noise's."""
+    if s.steps < 2:
+        return math.inf, math.inf
+    time_var = max(s._rel_var(s.time_s, s.time_sq), noise[0])
+    energy_var = max(s._rel_var(s.energy_j, s.energy_sq), noise[1])
+    return math.sqrt(time_var / s.steps), math.sqrt(energy_var / s.steps)
+
+
 def _score(selector: OptimumSelector, t: float, e: float, max_power_w: float, ref_time: float) -> float:
     return float(selector.score(np.array([t]), np.array([e]), max_power_w, ref_time)[0])
 
 
 def _bounds(
-    s: PowerLimitStats, selector: OptimumSelector, max_power_w: float, ref: PowerLimitStats
+    s: PowerLimitStats,
+    selector: OptimumSelector,
+    max_power_w: float,
+    ref: PowerLimitStats,
+    noise: tuple[float, float] = (0.0, 0.0),
+    z: float = _Z,
 ) -> tuple[float, float, float]:
-    """(optimistic, mean, pessimistic) cost of `s`; the reference time's own error counts too."""
-    rt, re_ = min(s.time_rse, 1.0), min(s.energy_rse, 1.0)
-    rr = min(ref.time_rse, 1.0) if ref is not s else 0.0
+    """(optimistic, mean, pessimistic) cost of `s`, `z` standard errors each way; the reference time's
+    own error counts too."""
+    rt, re_ = (min(x, 1.0) for x in _rses(s, noise))
+    rr = min(_rses(ref, noise)[0], 1.0) if ref is not s else 0.0
     t, e, r = s.mean_time_s, s.mean_energy_j, ref.mean_time_s
     # A longer reference time loosens a slowdown bound, so it is the optimistic one.
-    opt = _score(
-        selector, t * max(0.0, 1 - _Z * rt), e * max(0.0, 1 - _Z * re_), max_power_w, r * (1 + _Z * rr)
-    )
+    opt = _score(selector, t * max(0.0, 1 - z * rt), e * max(0.0, 1 - z * re_), max_power_w, r * (1 + z * rr))
     mean = _score(selector, t, e, max_power_w, r)
-    pes = _score(selector, t * (1 + _Z * rt), e * (1 + _Z * re_), max_power_w, r * max(0.0, 1 - _Z * rr))
+    pes = _score(selector, t * (1 + z * rt), e * (1 + z * re_), max_power_w, r * max(0.0, 1 - z * rr))
     return opt, mean, pes
+
+
+def _as_reference(ref: PowerLimitStats | float) -> PowerLimitStats:
+    if isinstance(ref, PowerLimitStats):
+        return ref
+    return PowerLimitStats(-1, 1, float(ref), 0.0, float(ref) ** 2, 0.0)
 
 
 def clearly_worse(
@@ -145,18 +214,19 @@ def clearly_worse(
     selector: OptimumSelector,
     max_power_w: float,
     ref: PowerLimitStats | float,
+    noise: tuple[float, float] = (0.0, 0.0),
 ) -> bool:
     """Whether `a`'s cost is above `b`'s even at `a`'s optimistic and `b`'s pessimistic bounds.
 
-    `ref` is the reference point (the maximum limit), or just its mean step time. Valid for selectors
-    whose score does not decrease as time or energy grows (all the built-in ones).
+    `ref` is the reference point (the maximum limit), or just its mean step time; `noise` the pooled
+    per-step variances (`pooled_noise`), a floor under each limit's own. Valid for selectors whose score
+    does not decrease as time or energy grows (all the built-in ones).
     """
     if a.steps < 2 or b.steps < 1:
         return False
-    if not isinstance(ref, PowerLimitStats):
-        ref = PowerLimitStats(-1, 1, float(ref), 0.0, float(ref) ** 2, 0.0)
-    opt_a = _bounds(a, selector, max_power_w, ref)[0]
-    pes_b = _bounds(b, selector, max_power_w, ref)[2]
+    ref = _as_reference(ref)
+    opt_a = _bounds(a, selector, max_power_w, ref, noise)[0]
+    pes_b = _bounds(b, selector, max_power_w, ref, noise)[2]
     return opt_a > pes_b
 
 
@@ -175,6 +245,41 @@ def best_power_limit(
     return -min(scores)[1] if scores else None
 
 
+def contenders(
+    stats: dict[int, PowerLimitStats],
+    selector: OptimumSelector,
+    max_power_w: float,
+    ref: PowerLimitStats,
+    noise: tuple[float, float],
+) -> list[int]:
+    """The limits the choice is still unsure between: the best by mean cost, and every limit whose cost
+    might be more than `_TOLERANCE` below the best's (optimistic bound, `_Z_CHOICE` standard errors, more
+    than the tolerance under the best's pessimistic one). Empty when the best is settled."""
+    best = best_power_limit(stats, selector, max_power_w, ref.mean_time_s)
+    if best is None:
+        return []
+    pes_best = _bounds(stats[best], selector, max_power_w, ref, noise, _Z_CHOICE)[2]
+    rivals = [
+        s.power_limit_w
+        for s in _valid(stats)
+        if s.power_limit_w != best
+        and _bounds(s, selector, max_power_w, ref, noise, _Z_CHOICE)[0] * (1 + _TOLERANCE) < pes_best
+    ]
+    if not rivals:
+        return []
+    out = [best, *rivals]
+    # Where the reference time decides a contender's cost (a slowdown bound), the reference is one too.
+    rr = _Z_CHOICE * min(_rses(ref, noise)[0], 1.0)
+    r = ref.mean_time_s
+    if ref.power_limit_w not in out and any(
+        _score(selector, stats[pl].mean_time_s, stats[pl].mean_energy_j, max_power_w, r * (1 + rr))
+        != _score(selector, stats[pl].mean_time_s, stats[pl].mean_energy_j, max_power_w, r * max(0.0, 1 - rr))
+        for pl in out
+    ):
+        out.append(ref.power_limit_w)
+    return out
+
+
 def measurement_verdict(
     current: PowerLimitStats,
     stats: dict[int, PowerLimitStats],
@@ -183,23 +288,40 @@ def measurement_verdict(
     reference: PowerLimitStats,
     min_steps: int,
     max_steps: int,
+    budget_left_steps: float = math.inf,
 ) -> str:
     """Whether the adaptive search keeps measuring `current`: `more`, `pruned` (clearly worse than the
-    best so far) or `measured` (its cost known well enough, or `max_steps` reached)."""
-    if current.steps < min_steps:
+    best so far) or `measured` (its cost known well enough, or `max_steps` reached).
+
+    On a revisit (`current.visits > 1`, the refinement pass) `current` is measured while it is one of
+    the `contenders`, up to `max_steps` steps in all and `budget_left_steps` more.
+    """
+    revisit = current.visits > 1
+    if current.steps < min_steps and not revisit:
         return "more"
-    ref = current if reference is None or not reference.steps else reference
-    best = best_power_limit(
-        {k: v for k, v in stats.items() if k != current.power_limit_w}, selector, max_power_w, ref.mean_time_s
-    )
-    if best is not None and clearly_worse(current, stats[best], selector, max_power_w, ref):
+    same = reference is None or not reference.steps or reference.power_limit_w == current.power_limit_w
+    ref = current if same else reference
+    others = {k: v for k, v in stats.items() if k != current.power_limit_w}
+    noise = pooled_noise({**others, current.power_limit_w: current})
+    best = best_power_limit(others, selector, max_power_w, ref.mean_time_s)
+    # A revisit is for the choice's sake (or the reference's): it ends when that is settled.
+    if (
+        not revisit
+        and best is not None
+        and clearly_worse(current, stats[best], selector, max_power_w, ref, noise)
+    ):
         return "pruned"
-    if current.steps >= max_steps:
+    if current.steps >= max_steps or budget_left_steps <= 0:
         return "measured"
-    opt, mean, pes = _bounds(current, selector, max_power_w, ref)
-    if not (math.isfinite(pes) and mean > 0):
+    measured = {**others, current.power_limit_w: current}
+    if current.power_limit_w not in contenders(measured, selector, max_power_w, ref, noise):
+        return "measured"
+    if revisit:
         return "more"
-    if pes - opt <= 2 * _PRECISION * mean:
+    # A contender of the best so far: known to within `_PRECISION` on the first pass, as the choice
+    # may still fall elsewhere; the refinement pass measures the final contenders further.
+    opt, mean, pes = _bounds(current, selector, max_power_w, ref, noise)
+    if math.isfinite(pes) and mean > 0 and pes - opt <= 2 * _PRECISION * mean:
         return "measured"
     return "more"
 
@@ -211,12 +333,34 @@ def next_power_limit(
     max_power_w: float,
     num_gpus: int = 1,
     search: str = "adaptive",
+    warmup_steps: int = 0,
+    profile_steps: int = 40,
 ) -> int | None:
-    """The next power limit to profile (the highest not yet profiled), or None when the search is over.
+    """The next power limit to profile, or None when the search is over.
 
-    Both searches visit every limit; they differ in how long each is measured (`measurement_verdict`).
+    Both searches first visit every limit, highest first; they differ in how long each is measured
+    (`measurement_verdict`). The adaptive search then refines: while the `contenders` are unsettled
+    and the budget (`adaptive_budget_steps`) allows a warm-up and `min_measured_steps` more, it revisits
+    the contender with the fewest steps among those below `profile_steps`.
     """
-    return next((pl for pl in grid if pl not in stats), None)
+    unvisited = next((pl for pl in grid if pl not in stats), None)
+    if unvisited is not None or search != "adaptive" or not selector.has_score() or not stats:
+        return unvisited
+    budget = adaptive_budget_steps(len(grid), warmup_steps, profile_steps)
+    if spent_steps(stats, warmup_steps) + warmup_steps + min_measured_steps(profile_steps) > budget:
+        return None
+    ref = stats.get(grid[0])
+    if ref is None or not ref.steps:
+        return None
+    noise = pooled_noise(stats)
+    unsettled = [
+        stats[pl]
+        for pl in contenders(stats, selector, max_power_w, ref, noise)
+        if stats[pl].steps < profile_steps
+    ]
+    if not unsettled:
+        return None
+    return min(unsettled, key=lambda s: (s.steps, -s.power_limit_w)).power_limit_w
 
 
 def choose_power_limit(
