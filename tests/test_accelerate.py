@@ -160,7 +160,7 @@ def test_two_process_example_chooses_one_limit(sim_state_dir: Path) -> None:
         timeout=120,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    pattern = r"process (\d) \(simulated GPU (\d)\): optimal power limit (\d+) W .* GPU restored to (\d+) W"
+    pattern = r"process (\d) \(simulated GPU (\d)\): optimal power limit (\d+) W .*? GPU restored to (\d+) W"
     found = {rank: (gpu, limit, restored) for rank, gpu, limit, restored in re.findall(pattern, out.stdout)}
     assert sorted(found) == ["0", "1"], out.stdout
     assert found["0"][0] == "0" and found["1"][0] == "1"  # each process on its own simulated GPU

@@ -264,7 +264,7 @@ def test_ddp_example_ranks_choose_the_same_limit(sim_state_dir: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     chosen = dict(re.findall(r"rank (\d+) \(simulated GPU \d+\): optimal power limit (\d+) W", out.stdout))

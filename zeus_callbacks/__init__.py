@@ -68,8 +68,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zeus_callbacks.core.pipeline_frequency import PipelineFrequencyOptimizer
-    from zeus_callbacks.core.power_limit import GlobalPowerLimitOptimizer
+    from zeus_callbacks.core.pipeline_frequency import PipelineFrequencyOptimizer  # noqa: F401
+    from zeus_callbacks.core.power_limit import GlobalPowerLimitOptimizer  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

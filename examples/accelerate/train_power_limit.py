@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -66,12 +67,13 @@ def main() -> None:
         in_force = core.power_limit_w
 
     gpu = local_gpu_index(accelerator)
-    print(
+    # One write per line, so that the lines of several processes sharing a pipe do not interleave.
+    sys.stdout.write(
         f"process {accelerator.process_index} (simulated GPU {gpu}): optimal power limit {chosen} W "
         f"(in force at the end: {in_force} W) after {core.profiling_steps} profiling steps; "
-        f"GPU restored to {get_gpus()[gpu].power_limit_mw() // 1000} W",
-        flush=True,
+        f"GPU restored to {get_gpus()[gpu].power_limit_mw() // 1000} W\n"
     )
+    sys.stdout.flush()
     if accelerator.is_main_process:
         for row in core.report()["power_limits"]:
             print(

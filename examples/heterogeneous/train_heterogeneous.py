@@ -109,6 +109,7 @@ def worker(rank: int, world: int, store: str, p: HeteroPlan, args) -> None:
             results[name].append(gathered)
     if rank == 0:
         print(report(p, results, args, monitor.simulated))
+    torch_dist.barrier()  # no rank tears gloo down while another still talks to it
     torch_dist.destroy_process_group()
 
 

@@ -193,7 +193,13 @@ def tiny_model(seed: int):
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        n_layer=4, n_embd=128, n_head=4, vocab_size=256, n_positions=_SEQ_LEN, bos_token_id=10, eos_token_id=10
+        n_layer=4,
+        n_embd=128,
+        n_head=4,
+        vocab_size=256,
+        n_positions=_SEQ_LEN,
+        bos_token_id=10,
+        eos_token_id=10,
     )
     return GPT2LMHeadModel(config)
 

@@ -128,12 +128,16 @@ class GPU:
     # -- power limits -------------------------------------------------------------------------
     def power_limit_constraints_mw(self) -> tuple[int, int]:
         """(minimum, maximum) settable power limit (mW)."""
-        lo, hi = self._call("Reading power-limit constraints", self.nvml.nvmlDeviceGetPowerManagementLimitConstraints)
+        lo, hi = self._call(
+            "Reading power-limit constraints", self.nvml.nvmlDeviceGetPowerManagementLimitConstraints
+        )
         return int(lo), int(hi)
 
     def default_power_limit_mw(self) -> int:
         """The default power limit (mW)."""
-        return int(self._call("Reading the default power limit", self.nvml.nvmlDeviceGetPowerManagementDefaultLimit))
+        return int(
+            self._call("Reading the default power limit", self.nvml.nvmlDeviceGetPowerManagementDefaultLimit)
+        )
 
     def power_limit_mw(self) -> int:
         """The power limit in force (mW)."""
@@ -188,7 +192,9 @@ class GPU:
     # -- clocks -------------------------------------------------------------------------------
     def supported_memory_clocks_mhz(self) -> list[int]:
         """Supported memory clocks, highest first."""
-        return sorted(self._call("Reading memory clocks", self.nvml.nvmlDeviceGetSupportedMemoryClocks), reverse=True)
+        return sorted(
+            self._call("Reading memory clocks", self.nvml.nvmlDeviceGetSupportedMemoryClocks), reverse=True
+        )
 
     def supported_sm_clocks_mhz(self, memory_clock_mhz: int | None = None) -> list[int]:
         """Supported SM (graphics) clocks at a memory clock (default: the highest), highest first."""

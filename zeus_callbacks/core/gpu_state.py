@@ -145,7 +145,11 @@ class GPUStateGuard:
             return
         self._path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self._path.with_suffix(".tmp")
-        data = {"pid": self._pid, "start": _start_time(self._pid), "entries": [asdict(e) for e in self._entries.values()]}
+        data = {
+            "pid": self._pid,
+            "start": _start_time(self._pid),
+            "entries": [asdict(e) for e in self._entries.values()],
+        }
         with tmp.open("w") as f:
             json.dump(data, f)
             f.flush()
@@ -164,10 +168,14 @@ class GPUStateGuard:
                 try:
                     _apply(self._gpus[entry.uuid], entry)
                     del self._entries[key]
-                    logger.info("Restored %s of %s to %r.", entry.knob, self._gpus[entry.uuid].label, entry.original)
+                    logger.info(
+                        "Restored %s of %s to %r.", entry.knob, self._gpus[entry.uuid].label, entry.original
+                    )
                 except GPUError as e:
                     ok = False
-                    logger.warning("Could not restore %s: %s Run `zeus-callbacks restore` later.", entry.knob, e)
+                    logger.warning(
+                        "Could not restore %s: %s Run `zeus-callbacks restore` later.", entry.knob, e
+                    )
             self._write()
             return ok
 
@@ -228,7 +236,10 @@ class GPUStateGuard:
                     restored.append(entry)
                     logger.warning(
                         "Process %s ended without restoring %s of %s; restored it to %r.",
-                        data["pid"], entry.knob, gpu.label, entry.original,
+                        data["pid"],
+                        entry.knob,
+                        gpu.label,
+                        entry.original,
                     )
                 except GPUError as e:
                     left.append(raw)

@@ -87,7 +87,9 @@ class _PowerSampler:
         first_t, first_p = pts[0]
         last_t, last_p = pts[-1]
         for i in range(len(out)):
-            out[i] += first_p[i] * max(0.0, min(first_t, end) - start) + last_p[i] * max(0.0, end - max(last_t, start))
+            out[i] += first_p[i] * max(0.0, min(first_t, end) - start) + last_p[i] * max(
+                0.0, end - max(last_t, start)
+            )
         return out
 
     def close(self) -> None:
@@ -142,7 +144,9 @@ class ZeusMonitor:
                 "GPU(s). Indices count from 0 after CUDA_VISIBLE_DEVICES."
             )
         if sync_execution_with not in ("torch",):
-            raise ValueError(f"`ZeusMonitor(sync_execution_with={sync_execution_with!r})`: only 'torch' is supported.")
+            raise ValueError(
+                f"`ZeusMonitor(sync_execution_with={sync_execution_with!r})`: only 'torch' is supported."
+            )
         self.gpu_indices: list[int] = list(gpu_indices)
         self.simulated = self.gpus.simulated
         self._clock = self.gpus.clock

@@ -521,7 +521,11 @@ class SimulatedSystem:
         """Directory where this node's GPU state lives (None when kept in memory)."""
         if self.state_dir == "":
             return None
-        base = Path(self.state_dir) if self.state_dir else Path(tempfile.gettempdir()) / f"zeus_callbacks-sim-{os.getuid()}"
+        base = (
+            Path(self.state_dir)
+            if self.state_dir
+            else Path(tempfile.gettempdir()) / f"zeus_callbacks-sim-{os.getuid()}"
+        )
         return base / hashlib.sha1(self.spec.encode()).hexdigest()[:12]
 
     def run_step(self, work_s: float | dict[int, float]) -> float:

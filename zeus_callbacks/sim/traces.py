@@ -107,14 +107,18 @@ def _load_nsdi23(path: Path, key: str, gpu: str) -> Trace:
         more = ", ..." if len(near) > 12 else ""
         raise ValueError(f"Workload {key!r} is not in {path}. Known: {', '.join(near[:12])}{more}")
     if len(rows) > 1:
-        raise ValueError(f"Workload {key!r} in {path.name} has optimizers {sorted(rows)}: add /OPTIMIZER to the key.")
+        raise ValueError(
+            f"Workload {key!r} in {path.name} has optimizers {sorted(rows)}: add /OPTIMIZER to the key."
+        )
     opt, pts = next(iter(rows.items()))
     return _from_points(gpu, "/".join(parts[:3] + [opt]), str(path), pts)
 
 
 def _nsdi23_keys(path: Path) -> list[str]:
     with path.open(newline="") as f:
-        keys = {f"{r['dataset']}/{r['network']}/{r['batch_size']}/{r['optimizer']}" for r in csv.DictReader(f)}
+        keys = {
+            f"{r['dataset']}/{r['network']}/{r['batch_size']}/{r['optimizer']}" for r in csv.DictReader(f)
+        }
     return sorted(keys)
 
 
@@ -123,7 +127,10 @@ def _load_zeus2(path: Path, key: str, gpu: str) -> Trace:
     batch = key.strip("/").split("/")[-1] if key else ""
     if batch not in data:
         raise ValueError(f"Batch size {batch!r} is not in {path}; measured: {sorted(data, key=int)}.")
-    pts = {float(p["power_limit"]): (float(p["time"]), float(p["energy"]) / float(p["time"])) for p in data[batch]}
+    pts = {
+        float(p["power_limit"]): (float(p["time"]), float(p["energy"]) / float(p["time"]))
+        for p in data[batch]
+    }
     return _from_points(gpu, f"{path.stem}/{batch}", str(path), pts)
 
 
@@ -189,7 +196,5 @@ def shipped_workloads(kind: str) -> list[str]:
         return [f"cifar100/shufflenetv2/{b}" for b in sorted(json.loads(path.read_text()), key=int)]
     keys = _nsdi23_keys(path)
     prefix = {"a40": "A40", "v100": "V100"}[kind]
-    keys += sorted(
-        p.name.split("+")[1] for p in (_data_dir() / "zeus_profiles").glob(f"{prefix}+*+gpu0.csv")
-    )
+    keys += sorted(p.name.split("+")[1] for p in (_data_dir() / "zeus_profiles").glob(f"{prefix}+*+gpu0.csv"))
     return keys
