@@ -144,20 +144,27 @@ def test_two_process_example_chooses_one_limit(sim_state_dir: Path) -> None:
         "ZEUS_CALLBACKS_SIM_STATE_DIR": str(sim_state_dir),
     }
     example = ROOT / "examples/accelerate/train_power_limit.py"
+    # `accelerate launch`, as users run it; on a CPU host `--multi_gpu` is what starts several processes.
     out = subprocess.run(
         [
             sys.executable,
             "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
             "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
             str(example),
         ],
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     pattern = r"process (\d) \(simulated GPU (\d)\): optimal power limit (\d+) W .*? GPU restored to (\d+) W"
