@@ -17,7 +17,7 @@ __all__ = ["ZeusMonitor", "Measurement"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class Measurement:
     """Time and energy of one window.
 
@@ -225,7 +225,10 @@ class ZeusMonitor:
             after = list(map(self._read_energy, self._handles))
         except Exception as e:
             raise self._read_error(e) from None
-        energy = {i: (c1 - c0) / 1000.0 for i, c0, c1 in zip(self._counter_indices, before, after)}  # noqa: B905
+        if len(after) == 1:  # the common case under torch.distributed: one GPU per process
+            energy = {self._counter_indices[0]: (after[0] - before[0]) / 1000.0}
+        else:
+            energy = {i: (c1 - c0) / 1000.0 for i, c0, c1 in zip(self._counter_indices, before, after)}  # noqa: B905
         if self._sampler is not None:
             energy.update(zip(self._sampled_indices, self._sampler.energy_j(start, end), strict=True))
         m = Measurement(end - start, energy, None, None, self.simulated)

@@ -41,6 +41,8 @@ _SIZE = struct.calcsize(_FMT)
 # The energy counter and its timestamp are adjacent, so the hot read is one unpack.
 _ENERGY = struct.Struct("<2d")
 _ENERGY_OFFSET = 8 * _IDX["energy_mj"]
+_read_energy = _ENERGY.unpack_from  # bound once: the energy read is the monitor's hot path
+_wall = time.time
 assert _IDX["updated_at"] == _IDX["energy_mj"] + 1
 
 
@@ -190,6 +192,7 @@ class SimulatedGPU:
                 "updated_at": self.now(),
             },
         )
+        self._buf = self._state._buf
         self._op_version = -1.0
         self._op = (1.0, trace.power(trace.max_power_limit_w))
         self._last_sync = self.now()
@@ -310,9 +313,9 @@ class SimulatedGPU:
     # -- energy -----------------------------------------------------------------------------------
     def energy_mj(self) -> float:
         """The energy counter (mJ): accounted energy plus idle power since the last update."""
-        energy, updated = _ENERGY.unpack_from(self._state._buf, _ENERGY_OFFSET)
-        now = time.time() if self._clock is None else self._clock.now()
-        return energy + self._idle_mw * max(0.0, now - updated)
+        energy, updated = _read_energy(self._buf, _ENERGY_OFFSET)
+        since = (_wall() if self._clock is None else self._clock.now()) - updated
+        return energy + self._idle_mw * since if since > 0 else energy
 
     def power_mw(self) -> float:
         """Instantaneous power draw (mW).
