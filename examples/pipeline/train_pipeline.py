@@ -41,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--before-steps", type=int, default=10, help="steps measured at the maximum clocks")
     p.add_argument("--after-steps", type=int, default=10, help="steps measured with the plan applied")
     p.add_argument("--stride-mhz", type=int, default=45, help="gap between profiled SM clocks")
+    p.add_argument("--profile-steps", type=int, default=4, help="measured steps per profiled clock")
     p.add_argument(
         "--profile-csv", default=None, help="write the profile here (replay: zeus-callbacks pipeline-plan)"
     )
@@ -70,7 +71,7 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
         monitor=ZeusMonitor(gpu_indices=[rank]),  # simulated GPU `rank` of the node
         wait_steps=1 + args.before_steps,  # the first step sets the schedule up; then the baseline
         warmup_steps=1,
-        profile_steps=2,
+        profile_steps=args.profile_steps,
         frequency_stride_mhz=args.stride_mhz,
         profile_path=args.profile_csv,
     )

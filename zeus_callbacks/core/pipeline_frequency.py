@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass, field
+from statistics import median
 from pathlib import Path
 from typing import Any
 
@@ -74,20 +75,24 @@ _Phase = _Waiting | _Profiling | _Applying | _Fallback | _Inactive
 
 @dataclass
 class _Accumulator:
-    """Sums over the measured steps at one clock."""
+    """The instructions measured over the profiled steps at one clock, and the blocked time and energy.
 
-    kinds: dict[str, list[float]] = field(default_factory=dict)  # kind -> [time s, energy J, count]
+    Each instruction type is summarised by the median time and median energy of its instances: a host
+    that preempts the job now and then (or a simulated GPU sharing CPU cores) inflates a few instances,
+    and the median keeps those outliers from making a lower clock look free or dear.
+    """
+
+    kinds: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)  # kind -> (times, energies)
     blocked_time_s: float = 0.0
     blocked_energy_j: float = 0.0
 
     def add(self, kind: str, time_s: float, energy_j: float) -> None:
-        acc = self.kinds.setdefault(kind, [0.0, 0.0, 0])
-        acc[0] += time_s
-        acc[1] += energy_j
-        acc[2] += 1
+        times, energies = self.kinds.setdefault(kind, ([], []))
+        times.append(time_s)
+        energies.append(energy_j)
 
     def sample(self, stage: int, frequency_mhz: int, sequence: tuple[str, ...]) -> StageSample:
-        kinds = {k: (t / n, e / n, int(n)) for k, (t, e, n) in self.kinds.items() if n}
+        kinds = {k: (median(t), median(e), len(t)) for k, (t, e) in self.kinds.items() if t}
         return StageSample(stage, frequency_mhz, kinds, self.blocked_time_s, self.blocked_energy_j, sequence)
 
 
