@@ -87,7 +87,7 @@ class PowerLimitOptimizerHelper:
                         opt.step()
                         opt.zero_grad()
                 plo.epoch_end()
-        print(plo.optimizer.optimal_power_limit_w)
+        chosen_w = plo.optimizer.optimal_power_limit_w
     """
 
     def __init__(

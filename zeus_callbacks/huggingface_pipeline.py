@@ -44,7 +44,7 @@ class HFPipelineFrequencyOptimizer(TrainerCallback):
 
         pfo = HFPipelineFrequencyOptimizer(stage, monitor=ZeusMonitor(gpu_indices=[local_rank]))
         PipelineTrainer(model, training_args, train_dataset=ds, callbacks=[pfo]).train()
-        print(pfo.optimizer.report())
+        report = pfo.optimizer.report()
     """
 
     def __init__(self, stage: Any = None, *args: Any, **kwargs: Any) -> None:

@@ -93,7 +93,7 @@ def build_callbacks(callback: type, module: str) -> tuple[type, type]:
             energy = LightningZeusMonitor(ZeusMonitor(gpu_indices=[0]), logging_interval="epoch")
             trainer = Trainer(callbacks=[energy])
             trainer.fit(model)
-            print(energy.total_energy_j())
+            total_j = energy.total_energy_j()
         """
 
         def __init__(self, monitor: ZeusMonitor, logging_interval: str = "step") -> None:
@@ -196,7 +196,7 @@ def build_callbacks(callback: type, module: str) -> tuple[type, type]:
             plo = LightningGlobalPowerLimitOptimizer(ZeusMonitor(gpu_indices=[0]), MaxSlowdownConstraint(1.1))
             trainer = Trainer(callbacks=[plo])
             trainer.fit(model)
-            print(plo.optimizer.optimal_power_limit_w)
+            chosen_w = plo.optimizer.optimal_power_limit_w
         """
 
         def __init__(
