@@ -76,7 +76,7 @@ class HFZeusMonitor(TrainerCallback):
 
         trainer = Trainer(model, args, train_dataset=ds, callbacks=[HFZeusMonitor(ZeusMonitor(gpu_indices=[0]))])
         trainer.train()
-        print(trainer.state.log_history[-1]["energy/total_j"])
+        total_j = trainer.state.log_history[-1]["energy/total_j"]
     """
 
     def __init__(self, monitor: ZeusMonitor) -> None:
@@ -148,7 +148,7 @@ class HFGlobalPowerLimitOptimizer(TrainerCallback, ExportableState):
         plo = HFGlobalPowerLimitOptimizer(monitor, MaxSlowdownConstraint(1.1))
         trainer = Trainer(model, training_args, train_dataset=ds, callbacks=[plo])
         trainer.train()
-        print(plo.optimizer.report())
+        report = plo.optimizer.report()
     """
 
     # Instances built by users, newest last: the candidates for `monitor=None` (see `__init__`).

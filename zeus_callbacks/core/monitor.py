@@ -122,7 +122,7 @@ class ZeusMonitor:
         monitor.begin_window("epoch")
         train_one_epoch()
         m = monitor.end_window("epoch")
-        print(m.time, m.total_energy)
+        seconds, joules = m.time, m.total_energy
     """
 
     def __init__(
