@@ -182,8 +182,7 @@ class HFGlobalPowerLimitOptimizer(TrainerCallback, ExportableState):
         self.optimizer = GlobalPowerLimitOptimizer(
             monitor, optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search
         )
-        # A monitor of its own: the interval windows of an `HFZeusMonitor` on `monitor` would clash.
-        self._reporter = EnergyReporter(ZeusMonitor(monitor.gpu_indices), prefix=f"{OPTIMIZER_PREFIX}energy_")
+        self._reporter = EnergyReporter(monitor, prefix=f"{OPTIMIZER_PREFIX}energy_")
         self._built[:] = [ref for ref in self._built if ref() is not None] + [weakref.ref(self)]
 
     # -- checkpoints (transformers' ExportableState) -----------------------------------------------
