@@ -26,6 +26,7 @@ from zeus_callbacks.core.pipeline_profiler import (
     options_from_rows,
     passed_valley,
     save_profile_csv,
+    undisturbed_estimate,
 )
 from zeus_callbacks.core.planner.frontier import max_frequency_plan, solve
 from zeus_callbacks.core.planner.pipeline_dag import build_schedule
@@ -119,6 +120,20 @@ def test_match_schedule_detects_1f1b_and_gpipe():
     seqs = {s: [i.kind for i in order] for s, order in enumerate(build_schedule("gpipe", 4, 8))}
     with pytest.raises(ValueError, match="not a 1f1b schedule"):
         match_schedule(seqs, preferred="1f1b")
+
+
+def test_undisturbed_estimate_is_a_low_quantile():
+    assert undisturbed_estimate([5.0]) == 5.0
+    assert undisturbed_estimate([float(v) for v in range(1, 12)]) == pytest.approx(2.0)
+    assert undisturbed_estimate([3.0, 1.0, 2.0], 0) == 1.0
+    assert undisturbed_estimate([3.0, 1.0, 2.0], 1) == 3.0
+    assert undisturbed_estimate([1.0, 2.0], 0.1) == pytest.approx(1.1)
+    # Interference only ever adds time: a few preempted instances do not move the estimate.
+    assert undisturbed_estimate([1.0] * 9 + [50.0]) == 1.0
+    with pytest.raises(ValueError):
+        undisturbed_estimate([])
+    with pytest.raises(ValueError):
+        undisturbed_estimate([1.0], 1.5)
 
 
 def test_profile_csv_roundtrip(tmp_path: Path):

@@ -18,6 +18,7 @@ __all__ = [
     "StageSample",
     "instruction_kind",
     "clock_sweep",
+    "undisturbed_estimate",
     "passed_valley",
     "merge_replicas",
     "match_schedule",
@@ -89,6 +90,29 @@ class StageSample:
     blocked_time_s: float
     blocked_energy_j: float
     sequence: tuple[str, ...]
+
+
+def undisturbed_estimate(values: Sequence[float], quantile: float = 0.1) -> float:
+    """An instruction's own time (or energy) from repeated measurements: their `quantile` (linear
+    interpolation between order statistics; 0 is the minimum).
+
+    Interference (preemption by other processes, the host scheduling other ranks on shared cores) only
+    ever adds time, and idle energy with it, so the median drifts with the load of the moment while a low
+    quantile tracks what the instruction itself takes; a quantile above the minimum keeps one lucky
+    measurement from deciding.
+
+    Raises:
+        ValueError: no values, or a quantile outside [0, 1].
+    """
+    if not values:
+        raise ValueError("undisturbed_estimate() needs at least one measurement.")
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"`undisturbed_estimate(quantile={quantile!r})`: must be in [0, 1].")
+    ordered = sorted(values)
+    position = quantile * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def clock_sweep(supported_mhz: Iterable[int], stride_mhz: int, min_mhz: int | None = None) -> list[int]:
