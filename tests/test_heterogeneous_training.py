@@ -230,7 +230,10 @@ def _ddp_worker(rank: int, out_dir: str) -> None:
         if weights is not None:
             weights.remove()
         torch.save([p.detach() for p in model.parameters()], Path(out_dir) / f"{mode}{rank}.pt")
+    dist.barrier()
     dist.destroy_process_group()
+    # gloo's threads can abort a spawned process at interpreter teardown (std::terminate); the work is saved.
+    os._exit(0)
 
 
 def test_uneven_ddp_equals_full_batch_training(tmp_path):

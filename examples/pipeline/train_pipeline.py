@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from zeus_callbacks import ZeusMonitor
+from zeus_callbacks import ZeusMonitor, sim
 from zeus_callbacks.core.pipeline_frequency import PipelineFrequencyOptimizer
 from zeus_callbacks.pipelining import instrument
 
@@ -35,7 +35,14 @@ NUM_STAGES = 4
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", default="8,6,6,6", help="Linear layers per stage (unequal on purpose)")
-    p.add_argument("--width", type=int, default=768, help="hidden size")
+    p.add_argument("--width", type=int, default=64, help="hidden size")
+    p.add_argument(
+        "--kernel-ms",
+        type=float,
+        default=1.0,
+        help="simulated GPU time of one layer's forward per microbatch at the maximum clock (backward: twice); "
+        "0 makes the host's CPU time the GPU's work instead (try --width 768 then)",
+    )
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--microbatch-size", type=int, default=32)
     p.add_argument("--before-steps", type=int, default=10, help="steps measured at the maximum clocks")
@@ -50,10 +57,40 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def make_stage_module(layers: int, width: int) -> nn.Module:
+class _SimulatedKernel(torch.autograd.Function):
+    """Identity whose forward and backward queue work on this rank's simulated GPU (no host CPU used)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gpu: int, work_s: float) -> torch.Tensor:
+        ctx.gpu, ctx.work_s = gpu, work_s
+        if not x.is_meta:  # not during the stage's shape inference
+            sim.enqueue_work(gpu, work_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sim.enqueue_work(ctx.gpu, 2 * ctx.work_s)
+        return grad, None, None
+
+
+class SimulatedKernels(nn.Module):
+    """The GPU time of a stage's layers, as simulated kernels: 4 ranks then share 2 CPU cores without the
+    host's contention setting the pace of their GPUs."""
+
+    def __init__(self, gpu: int, work_s: float) -> None:
+        super().__init__()
+        self.gpu, self.work_s = gpu, work_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SimulatedKernel.apply(x, self.gpu, self.work_s)
+
+
+def make_stage_module(layers: int, width: int, gpu: int, kernel_ms: float) -> nn.Module:
     blocks: list[nn.Module] = []
     for _ in range(layers):
         blocks += [nn.Linear(width, width), nn.ReLU()]
+    if kernel_ms > 0:
+        blocks.append(SimulatedKernels(gpu, layers * kernel_ms / 1000))
     return nn.Sequential(*blocks)
 
 
@@ -62,7 +99,7 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     torch.manual_seed(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     layers = [int(x) for x in args.layers.split(",")]
-    module = make_stage_module(layers[rank], args.width)
+    module = make_stage_module(layers[rank], args.width, rank, args.kernel_ms)
     stage = PipelineStage(module, stage_index=rank, num_stages=world_size, device=torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=nn.functional.mse_loss)
     sgd = torch.optim.SGD(module.parameters(), lr=1e-4)

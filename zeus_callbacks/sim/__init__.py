@@ -24,6 +24,7 @@ __all__ = [
     "SIMULATE_ENV",
     "simulate",
     "active",
+    "enqueue_work",
     "disable",
     "SimulatedSystem",
     "SimulatedGPU",
@@ -86,6 +87,23 @@ def active() -> SimulatedSystem | None:
             )
         )
     return fake_nvml.system()
+
+
+def enqueue_work(gpu_index: int, work_s: float) -> None:
+    """Queue work on simulated GPU `gpu_index` (its NVML index) that uses no host CPU: a stand-in for a
+    kernel that takes `work_s` seconds at the maximum power limit and clock. The GPU's next synchronisation
+    waits for it, stretched by the slowdown of the limit and clock in force. Lets examples and tests run
+    many ranks on few CPU cores without the host's contention deciding the GPU's pace.
+
+    Raises:
+        RuntimeError: no simulation is selected.
+    """
+    system = active()
+    if system is None:
+        raise RuntimeError(
+            "enqueue_work needs simulated GPUs: set ZEUS_CALLBACKS_SIMULATE (see zeus_callbacks.sim)."
+        )
+    system.gpus[gpu_index].enqueue(work_s)
 
 
 def disable() -> None:

@@ -57,17 +57,22 @@ class _HostWait:
 
     def __init__(self) -> None:
         self._cpu_mark = float("-inf")
-        self._waited_s = 0.0
+        self._waited_s: dict[int, float] = {}  # GPU index -> time waited for it since the mark
 
-    def credit(self, cpu_s: float) -> float:
-        """Time already waited since the host's last CPU work (0 once it did more work)."""
-        return self._waited_s if cpu_s - self._cpu_mark < self._CPU_EPS_S else 0.0
+    def credit(self, cpu_s: float, gpu: int) -> float:
+        """Time already waited for *other* GPUs since the host's last CPU work (0 once it did more work).
 
-    def add(self, cpu_before_s: float, waited_s: float, cpu_after_s: float) -> None:
-        """Record a wait of `waited_s` that began at process CPU time `cpu_before_s`."""
+        A GPU's own earlier waits never count: its next interval starts after them.
+        """
+        if cpu_s - self._cpu_mark >= self._CPU_EPS_S:
+            return 0.0
+        return sum(w for g, w in self._waited_s.items() if g != gpu)
+
+    def add(self, cpu_before_s: float, waited_s: float, cpu_after_s: float, gpu: int) -> None:
+        """Record a wait of `waited_s` for `gpu` that began at process CPU time `cpu_before_s`."""
         if cpu_before_s - self._cpu_mark >= self._CPU_EPS_S:
-            self._waited_s = 0.0
-        self._waited_s += waited_s
+            self._waited_s.clear()
+        self._waited_s[gpu] = self._waited_s.get(gpu, 0.0) + waited_s
         self._cpu_mark = cpu_after_s
 
 
@@ -193,6 +198,7 @@ class SimulatedGPU:
             },
         )
         self._buf = self._state._buf
+        self._queued_s = 0.0  # work enqueued without host CPU (simulated kernels), at the maximum clock
         self._op_version = -1.0
         self._op = (1.0, trace.power(trace.max_power_limit_w))
         self._last_sync = self.now()
@@ -368,19 +374,28 @@ class SimulatedGPU:
             busy = min(max(0.0, cpu - self._last_cpu), max(0.0, now - start))
             rel, power = self.operating_point()
             rel, power = self._noisy(rel), self._noisy(power)
-            gpu_busy = busy * rel
+            queued, self._queued_s = self._queued_s, 0.0
+            gpu_busy = (busy + queued) * rel
             # Time the host already spent waiting for other GPUs counts: this GPU worked meanwhile.
-            extra = gpu_busy - busy - _HOST_WAIT.credit(cpu)
+            extra = gpu_busy - busy - _HOST_WAIT.credit(cpu, self.index)
             if extra > 0:
                 self._busy_until = now + extra
                 time.sleep(extra)
-                _HOST_WAIT.add(cpu, time.time() - now, time.process_time())
+                _HOST_WAIT.add(cpu, time.time() - now, time.process_time(), self.index)
             end = time.time()
             busy_span = min(gpu_busy, end - start)
             idle_span = max(0.0, (end - start) - busy_span)
             self._add(start, end, busy_span * power + idle_span * self.spec.idle_power_w)
             self._last_sync = end
             self._last_cpu = time.process_time()
+
+    def enqueue(self, work_s: float) -> None:
+        """Queue `work_s` seconds of work (at the maximum limit and clock) that uses no host CPU: a stand-in
+        for a CUDA kernel. The next synchronisation waits for it at the operating point in force then."""
+        if work_s < 0:
+            raise ValueError(f"Simulated work must be >= 0 s, got {work_s!r}.")
+        with self._mutex:
+            self._queued_s += work_s
 
     def busy_time(self, work_s: float) -> tuple[float, float]:
         """(time, power) of `work_s` seconds of work-at-maximum-limit at the current state, with noise."""
