@@ -363,3 +363,25 @@ def test_parse_faults():
     assert system.gpus[1].faults.no_permission and system.gpus[1].faults.not_supported == {"power", "clocks"}
     with pytest.raises(ValueError, match="Unknown simulated fault 'melt'"):
         parse_faults("melt")
+
+
+def test_enqueued_kernels_run_at_the_locked_clock_without_host_cpu(sim_gpus):
+    import time
+
+    system = sim_gpus("a40")
+    gpu = system.gpus[0]
+    gpu.lock_sm_clocks(870, 870)  # half the maximum clock: kernels take twice as long
+    gpu.synchronize()
+    t0, cpu0 = time.time(), time.process_time()
+    for _ in range(3):  # back-to-back synchronisations of one GPU: each waits for its own kernels
+        sim.enqueue_work(0, 0.02)
+        gpu.synchronize()
+    elapsed, cpu = time.time() - t0, time.process_time() - cpu0
+    assert elapsed == pytest.approx(3 * 0.02 * 1740 / 870, rel=0.15)
+    assert cpu < 0.5 * elapsed  # the wait is a sleep: the host's CPU is free for other ranks
+
+
+def test_enqueue_work_needs_a_simulation():
+    sim.disable()
+    with pytest.raises(RuntimeError, match="ZEUS_CALLBACKS_SIMULATE"):
+        sim.enqueue_work(0, 0.01)
