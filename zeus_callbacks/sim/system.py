@@ -360,8 +360,14 @@ class SimulatedGPU:
 
     def _account_idle(self) -> None:
         """Settle the counter before a state change so that past energy uses the old operating point."""
-        if not self.virtual:
-            self.synchronize()
+        if self.virtual:
+            return
+        # A signal handler restoring the GPU may interrupt this thread inside `synchronize` (which holds the
+        # lock while the GPU catches up): never wait for ourselves; that synchronisation settles the counter.
+        if not self._mutex.acquire(blocking=False):
+            return
+        self._mutex.release()
+        self.synchronize()
 
     def synchronize(self) -> None:
         """Wait for the work issued since the last synchronisation (real-clock mode)."""
