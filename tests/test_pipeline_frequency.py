@@ -376,3 +376,17 @@ def test_clocks_restored_after_sigterm(node):
     finally:
         proc.kill()
     assert node.gpus[0].locked_sm_clocks_mhz is None
+
+
+def test_slack_margin_plans_lowered_clocks_longer_at_the_same_effective_energy(node):
+    from zeus_callbacks.core.pipeline_frequency import _with_margin
+    from zeus_callbacks.core.planner.frontier import FrequencyOption
+
+    options = {(0, "forward"): [FrequencyOption(1740, 1.0, 200.0), FrequencyOption(1500, 1.2, 180.0)]}
+    padded = _with_margin(options, 0.1, [50.0])[0, "forward"]
+    assert padded[0] == options[0, "forward"][0]  # the fastest option is untouched
+    assert padded[1].time_s == pytest.approx(1.32)
+    assert padded[1].energy_j - 50.0 * padded[1].time_s == pytest.approx(180.0 - 50.0 * 1.2)
+    assert _with_margin(options, 0.0, [50.0]) is options
+    with pytest.raises(ValueError, match="slack_margin"):
+        PipelineFrequencyOptimizer(slack_margin=1.5)

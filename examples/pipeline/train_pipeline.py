@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stride-mhz", type=int, default=45, help="gap between profiled SM clocks")
     p.add_argument("--profile-steps", type=int, default=4, help="measured steps per profiled clock")
     p.add_argument(
+        "--slack-margin", type=float, default=0.1, help="planning margin of a lowered clock's time"
+    )
+    p.add_argument(
         "--profile-csv", default=None, help="write the profile here (replay: zeus-callbacks pipeline-plan)"
     )
     p.add_argument("--max-steps", type=int, default=200, help="give up if the plan is not applied by then")
@@ -111,6 +114,7 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
         profile_steps=args.profile_steps,
         frequency_stride_mhz=args.stride_mhz,
         profile_path=args.profile_csv,
+        slack_margin=args.slack_margin,
     )
     instrument(stage, schedule, pfo)
 

@@ -29,10 +29,32 @@ from zeus_callbacks.core.pipeline_profiler import (
     save_profile_csv,
     undisturbed_estimate,
 )
-from zeus_callbacks.core.planner.frontier import max_frequency_plan, solve
+from zeus_callbacks.core.planner.frontier import FrequencyOption, evaluate, max_frequency_plan, solve
 from zeus_callbacks.core.planner.pipeline_dag import SCHEDULES, build_dag, build_schedule
 
 __all__ = ["PipelineFrequencyOptimizer"]
+
+
+def _with_margin(
+    options: dict[tuple[int, str], list[FrequencyOption]], margin: float, p_blk_w: list[float]
+) -> dict[tuple[int, str], list[FrequencyOption]]:
+    """Every option but the fastest of its type taken `margin` longer, for planning only. The added time is
+    charged at the stage's blocking power, so an option's effective energy (`e - P_blk * t`) is unchanged."""
+    if margin == 0:
+        return options
+    out = {}
+    for (stage, kind), opts in options.items():
+        top = max(o.frequency_mhz for o in opts)
+        out[stage, kind] = [
+            o
+            if o.frequency_mhz == top
+            else FrequencyOption(
+                o.frequency_mhz, o.time_s * (1 + margin), o.energy_j + p_blk_w[stage] * o.time_s * margin
+            )
+            for o in opts
+        ]
+    return out
+
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +213,10 @@ class PipelineFrequencyOptimizer:
         min_frequency_mhz: Lowest clock to profile (default: the lowest supported).
         patience: Clocks without an effective-energy gain before a stage stops its sweep.
         target_time_s: Iteration-time target (e.g. a straggler's time); default: the all-max-clock time.
+        slack_margin: Planning margin: a lowered clock is planned as if it took this fraction longer than
+            profiled, so only instructions with slack to spare are slowed (the DAG has no communication
+            time, and a peer waiting on a slowed instruction also waits for its send). Predictions use the
+            profiled times.
         profile_path: CSV `stage,instruction,frequency,time,energy`: if it exists, plan from it instead of
             sweeping; otherwise written (by the first rank) once profiling is done.
         process_group: The torch.distributed group of the pipeline's ranks (default: the whole job).
@@ -237,6 +263,7 @@ class PipelineFrequencyOptimizer:
         target_time_s: float | None = None,
         profile_path: str | Path | None = None,
         process_group: Any = None,
+        slack_margin: float = 0.1,
     ) -> None:
         def bad(name: str, value: Any, want: str) -> ValueError:
             return ValueError(f"`PipelineFrequencyOptimizer({name}={value!r})`: {want}.")
@@ -289,6 +316,9 @@ class PipelineFrequencyOptimizer:
         self.min_frequency_mhz = min_frequency_mhz
         self.patience = int(patience)
         self.target_time_s = target_time_s
+        if not 0.0 <= slack_margin < 1.0:
+            raise bad("slack_margin", slack_margin, "must be in [0, 1)")
+        self.slack_margin = slack_margin
         self.profile_path = Path(profile_path) if profile_path is not None else None
         self._group = _Group(process_group)
         self._pp_rank = pp_rank
@@ -687,7 +717,14 @@ class PipelineFrequencyOptimizer:
             p_blk_map = self.blocking_power_w()
             p_blk = [p_blk_map.get(s, 0.0) for s in range(dag.num_stages)]
             reference = max_frequency_plan(dag, options, p_blk)
-            plan = solve(dag, options, p_blk, self.target_time_s)
+            plan = evaluate(
+                dag,
+                options,
+                p_blk,
+                solve(
+                    dag, _with_margin(options, self.slack_margin, p_blk), p_blk, self.target_time_s
+                ).frequencies_mhz,
+            )
         except ValueError as e:
             return {"error": f"no plan: {e}"}
         kinds = [[i.kind for i in order] for order in schedule]
