@@ -170,12 +170,6 @@ class ZeusMonitor:
         if self.simulated:
             logger.info("ZeusMonitor on SIMULATED GPUs %s: figures are a simulation.", self.gpu_indices)
 
-    def _counters(self) -> list[int]:
-        try:
-            return list(map(self._read_energy, self._handles))
-        except Exception as e:
-            raise self._read_error(e) from None
-
     def _read_error(self, e: Exception) -> Exception:
         nvml = self._counter[0].nvml
         if isinstance(e, nvml.NVMLError):
