@@ -29,7 +29,7 @@ from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArgu
 
 from zeus_callbacks import Time, sim
 from zeus_callbacks.cli.demo import ToyCorpus, tiny_model
-from zeus_callbacks.core.monitor import ZeusMonitor
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer, HFZeusMonitor
 
 HOOKS = ("on_train_begin", "on_step_begin", "on_step_end", "on_epoch_end", "on_log", "on_train_end")

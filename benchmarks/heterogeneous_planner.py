@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 
-from zeus_callbacks.core.planner import heterogeneous as hetero
-from zeus_callbacks.core.planner.heterogeneous import GPUProfile, load_profile, plan, zeus2_search
-from zeus_callbacks.core.selectors import ZeusCost
+from zeus_callbacks.core.heterogeneous import planner as hetero
+from zeus_callbacks.core.heterogeneous.planner import GPUProfile, load_profile, plan, zeus2_search
+from zeus_callbacks.core.power_limit.selectors import ZeusCost
 
 
 def timed(fn, repeat: int = 5) -> tuple[float, object]:

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable
 
 from zeus_callbacks import sim
-from zeus_callbacks.core.monitor import ZeusMonitor
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.sim import fake_nvml
 
 GPU_COUNTS = (1, 4, 8)

@@ -21,7 +21,7 @@ import math
 import random
 import time
 
-from zeus_callbacks.core.planner.frontier import (
+from zeus_callbacks.core.pipeline_frequency.frontier import (
     FrequencyOption,
     evaluate,
     frontier,
@@ -29,7 +29,7 @@ from zeus_callbacks.core.planner.frontier import (
     pareto_options,
     solve,
 )
-from zeus_callbacks.core.planner.pipeline_dag import build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.dag import build_dag, build_schedule
 
 F_MAX_MHZ = 1740
 FREQS_MHZ = list(range(F_MAX_MHZ, 899, -30))  # A40-like SM clock grid: 1740 MHz down to 900 MHz.
@@ -80,7 +80,7 @@ def run_lowtime(
     from lowtime.perseus.schedule import Synchronous1F1B
     from lowtime.solver import PhillipsDessouky
 
-    from zeus_callbacks.core.planner.pipeline_dag import Instruction
+    from zeus_callbacks.core.pipeline_frequency.dag import Instruction
 
     start = time.perf_counter()
     op_spec_map: dict[int, dict[type, OperationSpec]] = {}

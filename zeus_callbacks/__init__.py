@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from zeus_callbacks.core.errors import (
+from zeus_callbacks.core.device.errors import (
     GPUError,
     GPULostError,
     GPUNoPermissionError,
@@ -18,8 +18,8 @@ from zeus_callbacks.core.errors import (
     NVMLUnavailableError,
     ZeusCallbacksError,
 )
-from zeus_callbacks.core.monitor import Measurement, ZeusMonitor
-from zeus_callbacks.core.selectors import (
+from zeus_callbacks.core.monitor.monitor import Measurement, ZeusMonitor
+from zeus_callbacks.core.power_limit.selectors import (
     Energy,
     MaxSlowdownConstraint,
     OptimumSelector,
@@ -32,8 +32,8 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; imported on first access (PEP 562).
 _LAZY = {
-    "GlobalPowerLimitOptimizer": "zeus_callbacks.core.power_limit",
-    "PipelineFrequencyOptimizer": "zeus_callbacks.core.pipeline_frequency",
+    "GlobalPowerLimitOptimizer": "zeus_callbacks.core.power_limit.optimizer",
+    "PipelineFrequencyOptimizer": "zeus_callbacks.core.pipeline_frequency.optimizer",
     "HFZeusMonitor": "zeus_callbacks.huggingface",
     "HFGlobalPowerLimitOptimizer": "zeus_callbacks.huggingface",
     "HFPipelineFrequencyOptimizer": "zeus_callbacks.huggingface_pipeline",
@@ -68,8 +68,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zeus_callbacks.core.pipeline_frequency import PipelineFrequencyOptimizer  # noqa: F401
-    from zeus_callbacks.core.power_limit import GlobalPowerLimitOptimizer  # noqa: F401
+    from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer  # noqa: F401
+    from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

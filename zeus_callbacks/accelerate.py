@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from zeus_callbacks.core.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit import GlobalPowerLimitOptimizer
-from zeus_callbacks.core.selectors import OptimumSelector
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
+from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator

@@ -1,5 +1,5 @@
 """Train on a heterogeneous plan with the HF Trainer, Lightning or Accelerate: thin adapters of
-`zeus_callbacks.core.heterogeneous_training`.
+`zeus_callbacks.core.heterogeneous.training`.
 
 Every adapter does the same three things, each through one core call: the rank's data is its slice of
 every global batch (`UnevenDistributedSampler`), its gradients are weighted by `RankPlan.loss_scale` so
@@ -22,7 +22,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from zeus_callbacks.core.heterogeneous_training import (
+from zeus_callbacks.core.heterogeneous.training import (
     RankPlan,
     UnevenDistributedSampler,
     apply_power_limit,

@@ -7,9 +7,9 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from typing_extensions import override
 
-from zeus_callbacks.core.pipeline_frequency import PipelineFrequencyOptimizer
+from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 from zeus_callbacks.huggingface import _log, _run_before_trackers
-from zeus_callbacks.pipelining import find_stage, instrument
+from zeus_callbacks.core.pipeline_frequency.pipelining import find_stage, instrument
 
 __all__ = ["HFPipelineFrequencyOptimizer"]
 

@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 from torch.utils.data import DataLoader, Subset
 
-from zeus_callbacks.core.gpu_state import guard
-from zeus_callbacks.core.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit_search import power_limit_grid
-from zeus_callbacks.core.profiling_log import (
+from zeus_callbacks.core.device.state_guard import guard
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.power_limit.search import power_limit_grid
+from zeus_callbacks.core.monitor.epoch_log import (
     LOG_PREFIX_ENV,
     MONITOR_SLEEP_MS_ENV,
     EpochLog,

@@ -26,7 +26,7 @@ from accelerate import Accelerator  # noqa: E402
 
 from zeus_callbacks import MaxSlowdownConstraint  # noqa: E402
 from zeus_callbacks.accelerate import PowerLimitOptimizerHelper, local_gpu_index  # noqa: E402
-from zeus_callbacks.core.devices import get_gpus  # noqa: E402
+from zeus_callbacks.core.device.gpus import get_gpus  # noqa: E402
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
 from zeus_callbacks import ZeusCost, ZeusMonitor, sim
-from zeus_callbacks.core.planner.heterogeneous import HeteroPlan, load_profile, plan
+from zeus_callbacks.core.heterogeneous.planner import HeteroPlan, load_profile, plan
 from zeus_callbacks.heterogeneous import (
     RankPlan,
     apply_power_limit,

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", "2*a40")  # before any GPU is discovered
 
 from zeus_callbacks import MaxSlowdownConstraint, ZeusMonitor  # noqa: E402
-from zeus_callbacks.core.devices import get_gpus  # noqa: E402
+from zeus_callbacks.core.device.gpus import get_gpus  # noqa: E402
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 from zeus_callbacks import ZeusMonitor, sim
-from zeus_callbacks.core.pipeline_frequency import PipelineFrequencyOptimizer
-from zeus_callbacks.pipelining import instrument
+from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
+from zeus_callbacks.core.pipeline_frequency.pipelining import instrument
 
 NUM_STAGES = 4
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from zeus_callbacks.cli._options import GPU_KINDS, add_objective_arguments, objective_from_args
-from zeus_callbacks.core.selectors import OptimumSelector
+from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 
 STEPS_AFTER_CHOICE = 10  # steps trained at the chosen limit before the demo stops
 _WAIT_STEPS = 5  # the first steps of a run are slow (allocation, caches): not charged to the maximum limit
@@ -122,7 +122,7 @@ def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: 
     from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
 
     from zeus_callbacks import sim
-    from zeus_callbacks.core.monitor import ZeusMonitor
+    from zeus_callbacks.core.monitor.monitor import ZeusMonitor
     from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer
 
     transformers.logging.set_verbosity_error()

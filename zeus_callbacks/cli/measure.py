@@ -12,8 +12,8 @@ import threading
 from typing import Any
 
 from zeus_callbacks.cli.devices import NO_GPU_MESSAGE
-from zeus_callbacks.core.errors import MIGNotSupportedError, NVMLUnavailableError
-from zeus_callbacks.core.monitor import Measurement, ZeusMonitor
+from zeus_callbacks.core.device.errors import MIGNotSupportedError, NVMLUnavailableError
+from zeus_callbacks.core.monitor.monitor import Measurement, ZeusMonitor
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

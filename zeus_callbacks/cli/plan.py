@@ -7,7 +7,7 @@ import json
 import sys
 
 from zeus_callbacks.cli._options import add_objective_arguments, objective_from_args
-from zeus_callbacks.core.planner.heterogeneous import (
+from zeus_callbacks.core.heterogeneous.planner import (
     COST_MODELS,
     ZEUS2_METHODS,
     HeteroPlan,

@@ -72,8 +72,8 @@ def _guess_gpu(path: str | None) -> str:
 def simulate_run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the optimizer on the simulated GPU and return the result as plain data."""
     from zeus_callbacks import sim
-    from zeus_callbacks.core.monitor import ZeusMonitor
-    from zeus_callbacks.core.power_limit import GlobalPowerLimitOptimizer
+    from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+    from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 
     if args.noise < 0:
         raise _Error(f"--noise {args.noise!r} must be >= 0")

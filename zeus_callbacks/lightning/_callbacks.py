@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from zeus_callbacks.core.energy_report import EnergyReporter
-from zeus_callbacks.core.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit import GlobalPowerLimitOptimizer
-from zeus_callbacks.core.selectors import OptimumSelector
+from zeus_callbacks.core.monitor.reporting import EnergyReporter
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
+from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -154,7 +154,7 @@ def build_callbacks(callback: type, module: str) -> tuple[type, type]:
     class LightningGlobalPowerLimitOptimizer(callback):  # type: ignore[valid-type,misc]
         """Find the best GPU power limit during training and keep it (Zeus's `GlobalPowerLimitOptimizer`).
 
-        A thin adapter of `zeus_callbacks.core.power_limit.GlobalPowerLimitOptimizer`, which holds all state
+        A thin adapter of `zeus_callbacks.core.power_limit.optimizer.GlobalPowerLimitOptimizer`, which holds all state
         and does the measuring, deciding and restoring. Which Lightning hook drives which core call:
 
         - `on_train_batch_start` → `on_step_begin`, at the first micro-batch of an optimizer step;

@@ -115,6 +115,6 @@ def disable() -> None:
 
 
 def _reset_device_cache() -> None:
-    from zeus_callbacks.core import devices
+    from zeus_callbacks.core.device import gpus as devices
 
     devices.reset()

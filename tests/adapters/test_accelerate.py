@@ -1,0 +1,175 @@
+"""The Accelerate helpers with a real `Accelerator` on CPU and simulated GPUs."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from torch.utils.data import DataLoader, TensorDataset
+
+from zeus_callbacks.accelerate import (
+    PowerLimitOptimizerHelper,
+    local_gpu_index,
+    prepare_power_limit_optimizer,
+)
+from zeus_callbacks.core.device.gpus import get_gpus
+from zeus_callbacks.core.device.state_guard import guard
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_W = 300  # the simulated A40's maximum power limit
+FAST = dict(wait_steps=1, warmup_steps=1, profile_steps=6)
+
+
+@pytest.fixture
+def accelerator_factory(sim_gpus) -> Iterator[Callable[..., Accelerator]]:
+    """`make(**kw)`: an `Accelerator(cpu=True, **kw)` on a node of two simulated A40s."""
+    sim_gpus("2*a40")
+    yield lambda **kw: Accelerator(cpu=True, **kw)
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _train(
+    accelerator: Accelerator,
+    plo: PowerLimitOptimizerHelper,
+    burn: Callable[[float], float],
+    batches: int,
+    fail_below_w: int | None = None,
+) -> list[tuple[int, str, int | None]]:
+    """A tiny Accelerate loop, until the optimizer is done (10 batches at least); returns `(optimizer steps
+    so far, phase, limit W in force)` per batch."""
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(4 * batches, 8)), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    seen, stepped = [], 0
+    for (x,) in loader:
+        with plo.step(), accelerator.accumulate(model):
+            burn(0.003)  # what the simulated GPU counts as work queued on it
+            if fail_below_w is not None and get_gpus()[0].power_limit_mw() < fail_below_w * 1000:
+                raise RuntimeError("training failed while profiling")
+            accelerator.backward(model(x).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        stepped += accelerator.sync_gradients
+        seen.append((stepped, plo.optimizer.phase, get_gpus()[0].power_limit_mw() // 1000))
+        if plo.optimizer.phase == "done" and accelerator.sync_gradients and len(seen) >= 10:
+            break
+    plo.epoch_end()
+    return seen
+
+
+def test_helper_chooses_applies_and_restores(accelerator_factory, burn_cpu) -> None:
+    accelerator = accelerator_factory()
+    with PowerLimitOptimizerHelper(accelerator, **FAST) as plo:
+        seen = _train(accelerator, plo, burn_cpu, batches=150)
+        optimal = plo.optimizer.optimal_power_limit_w
+        assert plo.optimizer.phase == "done" and optimal is not None
+        assert min(w for *_, w in seen) < MAX_W and seen[-1][1:] == ("done", optimal)
+    assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
+    assert guard().entries == []
+
+
+def test_gradient_accumulation_profiles_optimizer_steps(accelerator_factory, burn_cpu) -> None:
+    accelerator = accelerator_factory(gradient_accumulation_steps=3)
+    with PowerLimitOptimizerHelper(accelerator, **FAST) as plo:
+        seen = _train(accelerator, plo, burn_cpu, batches=3 * 150)
+    decided_at = next(stepped for stepped, phase, _ in seen if phase == "done")
+    assert decided_at == FAST["wait_steps"] + plo.optimizer.profiling_steps
+
+
+def test_save_state_load_state_resumes_without_profiling(
+    accelerator_factory, burn_cpu, tmp_path: Path
+) -> None:
+    accelerator = accelerator_factory()
+    with PowerLimitOptimizerHelper(accelerator, **FAST) as plo:
+        assert plo.optimizer in accelerator._custom_objects
+        _train(accelerator, plo, burn_cpu, batches=150)
+        accelerator.save_state(tmp_path / "state")
+    optimal = plo.optimizer.optimal_power_limit_w
+    assert optimal is not None
+
+    accelerator = accelerator_factory()
+    with PowerLimitOptimizerHelper(accelerator, **FAST) as resumed:
+        accelerator.load_state(tmp_path / "state")
+        seen = _train(accelerator, resumed, burn_cpu, batches=10)
+    assert resumed.optimizer.optimal_power_limit_w == optimal
+    assert resumed.optimizer.profiling_steps == 0
+    assert [w for *_, w in seen] == [optimal] * 10  # applied from the first step
+    assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
+
+
+def test_exception_in_the_loop_restores_the_gpu(accelerator_factory, burn_cpu) -> None:
+    accelerator = accelerator_factory()
+    with pytest.raises(RuntimeError, match="training failed while profiling"):
+        with PowerLimitOptimizerHelper(accelerator, **FAST) as plo:
+            _train(accelerator, plo, burn_cpu, batches=150, fail_below_w=MAX_W)
+    # The interrupted limit is profiled again from its warm-up if the optimizer trains again.
+    assert plo.optimizer.phase == "waiting" and plo.optimizer.optimal_power_limit_w is None
+    assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
+    assert guard().entries == [] and plo.optimizer.monitor.open_windows == []
+
+
+def test_prepare_measures_this_process_gpu(accelerator_factory) -> None:
+    accelerator = accelerator_factory()
+    optimizer = prepare_power_limit_optimizer(accelerator, profile_steps=5)
+    assert optimizer.monitor.gpu_indices == [local_gpu_index(accelerator)] == [0]
+    assert optimizer.profile_steps == 5 and optimizer in accelerator._custom_objects
+    with pytest.raises(ValueError, match=r"profile_steps=0"):
+        prepare_power_limit_optimizer(accelerator, profile_steps=0)
+
+
+def test_plain_loop_without_accelerator(sim_gpus, burn_cpu, monkeypatch) -> None:
+    sim_gpus("2*a40")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with PowerLimitOptimizerHelper(None, **FAST) as plo:
+        for _ in range(150):
+            with plo.step():
+                burn_cpu(0.003)
+    assert plo.optimizer.monitor.gpu_indices == [1] and plo.optimizer.phase == "done"
+    assert get_gpus()[1].power_limit_mw() == MAX_W * 1000
+
+
+def test_two_process_example_chooses_one_limit(sim_state_dir: Path) -> None:
+    env = {
+        **os.environ,
+        "ZEUS_CALLBACKS_SIMULATE": "2*a40",
+        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(sim_state_dir),
+    }
+    example = ROOT / "examples/accelerate/train_power_limit.py"
+    # `accelerate launch`, as users run it; on a CPU host `--multi_gpu` is what starts several processes.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(example),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    pattern = r"process (\d) \(simulated GPU (\d)\): optimal power limit (\d+) W .*? GPU restored to (\d+) W"
+    found = {rank: (gpu, limit, restored) for rank, gpu, limit, restored in re.findall(pattern, out.stdout)}
+    assert sorted(found) == ["0", "1"], out.stdout
+    assert found["0"][0] == "0" and found["1"][0] == "1"  # each process on its own simulated GPU
+    assert found["0"][1] == found["1"][1]
+    assert found["0"][2] == found["1"][2] == str(MAX_W)

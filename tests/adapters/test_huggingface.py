@@ -1,0 +1,331 @@
+"""The HF Trainer adapters on real `transformers.Trainer` runs (tiny GPT-2 on the CPU, simulated A40s)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from zeus_callbacks import sim  # noqa: E402
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor  # noqa: E402
+from zeus_callbacks.huggingface import OPTIMIZER_PREFIX, HFGlobalPowerLimitOptimizer, HFZeusMonitor  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_W = 300  # the simulated A40's maximum power limit
+# Small profiles: the grid is 300, 200, 100 W; each limit gets 1 warm-up step and 2 to 4 measured steps.
+PLO_KW = {"wait_steps": 1, "warmup_steps": 1, "profile_steps": 4, "pl_step": 100}
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[sim.SimulatedSystem]:
+    """One simulated A40 whose state lives in this test's directory; the simulator is off afterwards."""
+    state_dir = tmp_path / "sim-state"
+    monkeypatch.setenv("ZEUS_CALLBACKS_SIM_STATE_DIR", str(state_dir))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the simulator counts CPU time as GPU work
+    system = sim.simulate("a40", state_dir=str(state_dir))
+    yield system
+    torch.set_num_threads(threads)
+    sim.disable()
+
+
+class Recorder(TrainerCallback):
+    """A tracker: keeps what `on_log` hands it, and the power limit in force at each step end."""
+
+    def __init__(self, system: sim.SimulatedSystem | None = None) -> None:
+        self.logs: list[dict] = []
+        self.limits_w: list[int] = []
+        self._system = system
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._system is not None:
+            self.limits_w.append(self._system.gpus[0].power_limit_mw // 1000)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+class ToyData(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4096
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x = torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": x, "labels": x}
+
+
+def tiny_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
+    return GPT2LMHeadModel(config)
+
+
+def make_trainer(tmp_path: Path, callbacks: list, max_steps: int, model=None, **kw) -> Trainer:
+    kw = {"logging_steps": 5, "save_strategy": "no", **kw}
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        **kw,
+    )
+    return Trainer(model=model or tiny_model(), args=args, train_dataset=ToyData(), callbacks=callbacks)
+
+
+def test_optimizer_chooses_applies_and_restores(node, tmp_path):
+    plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    recorder = Recorder(node)
+    make_trainer(tmp_path, [plo, recorder], max_steps=30).train()
+
+    opt = plo.optimizer
+    assert opt.phase == "done"
+    chosen = opt.optimal_power_limit_w
+    assert chosen in {r["power_limit_w"] for r in opt.report()["power_limits"]}
+    assert {300, 200, 100} & set(recorder.limits_w) == {300, 200, 100}  # every limit was applied
+    assert recorder.limits_w[-3:] == [chosen] * 3  # the choice holds during training
+    assert node.gpus[0].power_limit_mw == MAX_W * 1000  # and is undone at train end
+
+
+def test_metrics_reach_trackers_before_and_after_and_log_history(node, tmp_path):
+    monitor = ZeusMonitor([0])
+    before, after = Recorder(), Recorder()
+    # `before` sits where transformers puts the `report_to` trackers: ahead of the user's callbacks.
+    callbacks = [before, HFZeusMonitor(monitor), HFGlobalPowerLimitOptimizer(monitor, **PLO_KW), after]
+    trainer = make_trainer(tmp_path, callbacks, max_steps=20)
+    trainer.train()
+
+    train_logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(train_logs) == 4
+    for logs in (before.logs, after.logs, trainer.state.log_history):
+        for entry in [e for e in logs if "loss" in e]:
+            assert entry["energy/interval_j"] > 0
+            assert entry["energy/interval_avg_power_w"] > 0
+            assert entry["energy/simulated"] == 1.0
+            assert entry[f"{OPTIMIZER_PREFIX}power_limit_w"] in (300.0, 200.0, 100.0)
+            assert entry[f"{OPTIMIZER_PREFIX}phase"] in ("warmup", "profiling", "done")
+            assert entry[f"{OPTIMIZER_PREFIX}energy_interval_j"] > 0
+        summary = logs[-1]
+        assert "train_runtime" in summary
+        assert summary["energy/total_j"] >= sum(e["energy/interval_j"] for e in logs if "loss" in e) * 0.99
+        assert summary[f"{OPTIMIZER_PREFIX}phase"] == "done"
+        assert summary[f"{OPTIMIZER_PREFIX}optimal_power_limit_w"] in (300.0, 200.0, 100.0)
+
+
+def test_checkpoint_resume_keeps_the_choice_without_profiling(node, tmp_path):
+    first = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    make_trainer(tmp_path, [first], max_steps=24, save_strategy="steps", save_steps=24).train()
+    chosen = first.optimizer.optimal_power_limit_w
+    assert chosen is not None
+    checkpoint = tmp_path / "out" / "checkpoint-24"
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert (
+        saved["HFGlobalPowerLimitOptimizer"]["attributes"]["optimizer_state"]["optimal_power_limit_w"]
+        == chosen
+    )
+    assert node.gpus[0].power_limit_mw == MAX_W * 1000
+
+    second = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    recorder = Recorder(node)
+    trainer = make_trainer(
+        tmp_path, [second, recorder], max_steps=30, restore_callback_states_from_checkpoint=True
+    )
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+
+    assert trainer.state.global_step == 30
+    # The user's instance holds the optimizer that ran (transformers swapped in a rebuilt callback).
+    assert second.optimizer.optimal_power_limit_w == chosen
+    assert second.optimizer.profiling_steps == 0
+    assert recorder.limits_w == [chosen] * 6
+    assert node.gpus[0].power_limit_mw == MAX_W * 1000
+
+
+_RAISING_RUN = """
+import torch
+from transformers import TrainerCallback
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer
+from test_huggingface import PLO_KW, make_trainer
+from pathlib import Path
+
+class Boom(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        pl = plo.optimizer.power_limit_w
+        if pl is not None and pl < 300:
+            print("limit at the crash:", pl, flush=True)
+            raise RuntimeError("crash mid-training")
+
+torch.set_num_threads(1)
+plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+make_trainer(Path({tmp!r}), [plo, Boom()], max_steps=30).train()
+"""
+
+
+def test_exception_mid_training_restores_the_gpu(tmp_path):
+    state_dir = tmp_path / "sim-state"
+    env = {
+        **os.environ,
+        "ZEUS_CALLBACKS_SIMULATE": "a40",
+        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(state_dir),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    code = textwrap.dedent(_RAISING_RUN).format(tmp=str(tmp_path))
+    child = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert child.returncode != 0
+    assert "RuntimeError: crash mid-training" in child.stderr
+    assert re.search(r"limit at the crash: (200|100)", child.stdout), child.stdout + child.stderr
+    # The guard restored at exit (no `on_train_end`): nothing left for a later repair to do.
+    system = sim.simulate("a40", state_dir=str(state_dir))
+    try:
+        assert system.gpus[0].power_limit_mw == MAX_W * 1000
+        assert not list((state_dir / system.state_path().name / "journal").glob("*.json"))
+    finally:
+        sim.disable()
+
+
+def test_sft_trainer(node, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{chr(c): c - 30 for c in range(32, 127)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    processing_class = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>"
+    )
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=len(vocab), n_positions=64, bos_token_id=1, eos_token_id=1
+    )
+    model = GPT2LMHeadModel(config)
+    dataset = datasets.Dataset.from_dict({"text": [f"sample {i} of a tiny corpus" for i in range(64)]})
+    monitor = ZeusMonitor([0])
+    plo = HFGlobalPowerLimitOptimizer(monitor, **PLO_KW)
+    sft_args = trl.SFTConfig(
+        output_dir=str(tmp_path / "sft"),
+        max_steps=25,
+        per_device_train_batch_size=4,
+        max_length=64,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=5,
+        disable_tqdm=True,
+    )
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=sft_args,
+        train_dataset=dataset,
+        processing_class=processing_class,
+        callbacks=[HFZeusMonitor(monitor), plo],
+    )
+    trainer.train()
+    assert plo.optimizer.phase == "done"
+    assert trainer.state.log_history[-1]["energy/total_j"] > 0
+    assert node.gpus[0].power_limit_mw == MAX_W * 1000
+
+
+def test_torchrun_two_ranks_choose_the_same_limit(tmp_path):
+    env = {
+        **os.environ,
+        "ZEUS_CALLBACKS_SIMULATE": "2*a40",
+        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(tmp_path / "sim-state"),
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(ROOT / "examples" / "huggingface" / "train_power_limit.py"),
+        "--steps", "70", "--output-dir", str(tmp_path / "out"),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    chosen = dict(re.findall(r"rank (\d): chose (\d+) W \(SIMULATED\)", run.stdout))
+    assert set(chosen) == {"0", "1"}, run.stdout
+    assert chosen["0"] == chosen["1"]
+    system = sim.simulate("2*a40", state_dir=str(tmp_path / "sim-state"))
+    try:
+        assert [g.power_limit_mw for g in system.gpus] == [MAX_W * 1000] * 2
+    finally:
+        sim.disable()
+
+
+DEMO_ARGS = ["demo", "--steps", "60", "--warmup-steps", "1", "--profile-steps", "4", "--pl-step", "100"]
+
+
+def test_demo_json(sim_state_dir, capsys):
+    from zeus_callbacks.cli import main
+
+    assert main([*DEMO_ARGS, "--json", "--noise", "0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["simulated"] is True
+    profiled = {r["power_limit_w"] for r in report["power_limits"]}
+    assert MAX_W in profiled
+    assert report["optimal_power_limit_w"] in profiled
+    assert report["gpu"] == "NVIDIA A40"
+    assert {"energy_saved_pct", "time_lost_pct", "profiling_energy_j"} <= set(report)
+    system = sim.simulate("a40", state_dir=str(sim_state_dir))  # the demo ran in this state directory
+    assert system.gpus[0].power_limit_mw == MAX_W * 1000
+    sim.disable()
+
+
+def test_demo_table_and_plot(sim_state_dir, tmp_path, capsys):
+    from zeus_callbacks.cli import main
+
+    png = tmp_path / "demo.png"
+    assert main([*DEMO_ARGS, "--gpu", "v100", "--selector", "max-slowdown", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "SIMULATED GPU" in out
+    assert re.search(r"Chosen power limit: \d+ W \(SIMULATED\)", out)
+    assert "Tesla V100" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_refuses_bad_arguments(capsys):
+    from zeus_callbacks.cli import main
+
+    assert main(["demo", "--real", "--gpu", "a40"]) == 2
+    assert "--real" in capsys.readouterr().err
+
+
+def test_signature_matches_zeus():
+    zeus_pl = pytest.importorskip("zeus.optimizer.power_limit")
+    ours = list(inspect.signature(HFGlobalPowerLimitOptimizer).parameters)
+    theirs = list(inspect.signature(zeus_pl.HFGlobalPowerLimitOptimizer).parameters)
+    assert ours[: len(theirs)] == theirs
+
+
+def test_import_does_not_load_transformers():
+    code = "import sys, zeus_callbacks; assert 'transformers' not in sys.modules, 'transformers imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_monitor_none_without_an_instance_to_adopt(node):
+    HFGlobalPowerLimitOptimizer._built.clear()
+    with pytest.raises(TypeError, match=r"HFGlobalPowerLimitOptimizer\(monitor=None\)"):
+        HFGlobalPowerLimitOptimizer(None)  # type: ignore[arg-type]

@@ -1,0 +1,174 @@
+"""The Perseus solver against brute force on tiny pipelines, and its energy model and frontier."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from zeus_callbacks.core.pipeline_frequency.frontier import (
+    FrequencyOption,
+    evaluate,
+    frontier,
+    max_frequency_plan,
+    pareto_options,
+    solve,
+)
+from zeus_callbacks.core.pipeline_frequency.dag import build_dag, build_schedule
+
+
+def _options(seed: int, num_stages: int, num_freqs: int) -> dict:
+    """Unequal stages, backward ~2x forward, a few frequencies with a noisy time/power curve."""
+    rng = random.Random(seed)
+    options = {}
+    for s in range(num_stages):
+        base = rng.uniform(0.7, 1.3)
+        for kind, mult in (("forward", 1.0), ("backward", 2.0)):
+            freqs = sorted(rng.sample(range(900, 1741, 30), num_freqs), reverse=True)
+            opts = []
+            for f in freqs:
+                t = base * mult * (0.3 + 0.7 * 1740 / f) * rng.uniform(0.97, 1.03)
+                p = 60 + 240 * (f / 1740) ** 3 * rng.uniform(0.9, 1.1)
+                opts.append(FrequencyOption(f, t, p * t))
+            options[s, kind] = opts
+    return options
+
+
+def _brute_force(dag, options, p_blk: float, target: float) -> float:
+    """Least energy over every assignment of profiled options whose iteration time meets `target`."""
+    n = len(dag)
+    choices = [options[i.stage, i.kind] for i in dag.instructions]
+    idx = np.array(list(itertools.product(*[range(len(c)) for c in choices])), dtype=np.int8)
+    width = max(len(c) for c in choices)
+    times = np.array([[o.time_s for o in c] + [0.0] * (width - len(c)) for c in choices])
+    energies = np.array([[o.energy_j for o in c] + [0.0] * (width - len(c)) for c in choices])
+    d = times[np.arange(n), idx]
+    start = np.zeros_like(d)
+    for v in range(n):
+        for u in dag.predecessors(v):
+            np.maximum(start[:, v], start[:, u] + d[:, u], out=start[:, v])
+    t_iter = (start + d).max(axis=1)
+    energy = energies[np.arange(n), idx].sum(axis=1) + p_blk * (dag.num_stages * t_iter - d.sum(axis=1))
+    return float(energy[t_iter <= target * (1 + 1e-9)].min())
+
+
+CASES = [
+    # (schedule, stages, microbatches, frequencies, seed)
+    ("1f1b", 2, 2, 3, 0),
+    ("1f1b", 2, 3, 3, 1),
+    ("gpipe", 2, 3, 3, 2),
+    ("1f1b", 3, 3, 2, 3),
+    ("gpipe", 3, 3, 2, 4),
+    ("1f1b", 2, 4, 2, 5),
+]
+
+
+@pytest.mark.parametrize("kind,stages,microbatches,freqs,seed", CASES)
+def test_matches_brute_force_at_max_frequency_time(kind, stages, microbatches, freqs, seed):
+    dag = build_dag(build_schedule(kind, stages, microbatches))
+    options = _options(seed, stages, freqs)
+    p_blk = 60 + 10 * seed
+    ref = max_frequency_plan(dag, options, p_blk)
+    plan = solve(dag, options, p_blk)
+    assert plan.iteration_time_s <= ref.iteration_time_s * (1 + 1e-9)
+    best = _brute_force(dag, options, p_blk, ref.iteration_time_s)
+    assert plan.energy_j == pytest.approx(best, rel=1e-9)
+    assert plan.energy_j < ref.energy_j
+
+
+@pytest.mark.parametrize("kind,stages,microbatches,freqs,seed", CASES[:4])
+def test_near_brute_force_with_looser_target(kind, stages, microbatches, freqs, seed):
+    dag = build_dag(build_schedule(kind, stages, microbatches))
+    options = _options(seed, stages, freqs)
+    target = 1.1 * max_frequency_plan(dag, options, 80.0).iteration_time_s
+    plan = solve(dag, options, 80.0, target_time_s=target)
+    assert plan.iteration_time_s <= target * (1 + 1e-9)
+    best = _brute_force(dag, options, 80.0, target)
+    assert best * (1 - 1e-9) <= plan.energy_j <= best * 1.015  # exact on most; within 1.5 % on all seen
+
+
+def test_energy_model_counts_blocking_power_per_stage():
+    schedule = build_schedule("1f1b", 2, 2)
+    options = {
+        (0, "forward"): [FrequencyOption(1500, 1.0, 100.0)],
+        (0, "backward"): [FrequencyOption(1500, 2.0, 200.0)],
+        (1, "forward"): [FrequencyOption(1500, 1.0, 100.0)],
+        (1, "backward"): [FrequencyOption(1500, 2.0, 200.0)],
+    }
+    plan = evaluate(schedule, options, [10.0, 20.0], {i: 1500 for order in schedule for i in order})
+    # Stage 1 runs F0 [1,2] B0 [2,4] F1 [4,5] B1 [5,7]; stage 0 runs B0 [4,6] and B1 [7,9].
+    assert plan.iteration_time_s == pytest.approx(9.0)
+    # 4 x (100 + 200) J of compute, and each stage is busy 6 s of 9 s: 3 s blocking at 10 W and at 20 W.
+    assert plan.energy_j == pytest.approx(1200.0 + 10.0 * 3 + 20.0 * 3)
+    assert plan.stage_frequencies() == [[1500] * 4, [1500] * 4]
+
+
+def test_blocking_power_makes_slow_options_useless():
+    opts = [
+        FrequencyOption(1740, 1.0, 200.0),
+        FrequencyOption(1200, 1.5, 170.0),
+        FrequencyOption(900, 2.0, 160.0),
+    ]
+    # Effective energy e - P t: 0 W keeps all three; 80 W: 120, 50, 0 keeps all; 150 W: 50, -55, -140.
+    assert [o.frequency_mhz for o in pareto_options(opts, 0.0)] == [1740, 1200, 900]
+    # A slower, costlier option is dropped; so is a duplicate time with more energy.
+    extra = opts + [FrequencyOption(1000, 2.5, 300.0), FrequencyOption(1710, 1.0, 210.0)]
+    assert [o.frequency_mhz for o in pareto_options(extra, 50.0)] == [1740, 1200, 900]
+    # With P_blk = 0 the slowest option wins on an off-critical instruction; with a huge P_blk nothing
+    # off the critical path is worth slowing (blocking there costs as much as computing).
+    assert [o.frequency_mhz for o in pareto_options(opts, 100.0)] == [1740, 1200, 900]
+    assert [o.frequency_mhz for o in pareto_options([opts[0], FrequencyOption(900, 2.0, 420.0)], 200.0)] == [
+        1740
+    ]
+
+
+def test_slack_goes_to_the_off_critical_stage_only():
+    # Stage 1 is twice as slow as stage 0, so stage 0's instructions can slow down for free.
+    options = {}
+    for s, scale in ((0, 1.0), (1, 2.0)):
+        for kind, mult in (("forward", 1.0), ("backward", 2.0)):
+            options[s, kind] = [
+                FrequencyOption(1740, scale * mult, scale * mult * 300),
+                FrequencyOption(1300, scale * mult * 1.3, scale * mult * 1.3 * 150),
+            ]
+    schedule = build_schedule("1f1b", 2, 4)
+    ref = max_frequency_plan(schedule, options, 50.0)
+    plan = solve(schedule, options, 50.0)
+    assert plan.iteration_time_s <= ref.iteration_time_s * (1 + 1e-9)
+    assert all(f == 1740 for f in plan.stage_frequencies()[1])
+    assert any(f == 1300 for f in plan.stage_frequencies()[0])
+    assert plan.energy_j < ref.energy_j
+
+
+def test_target_time_is_respected_and_infeasible_target_raises():
+    schedule = build_schedule("1f1b", 3, 6)
+    options = _options(7, 3, 4)
+    ref = max_frequency_plan(schedule, options, 80.0)
+    for factor in (1.0, 1.05, 1.2, 1.5):
+        plan = solve(schedule, options, 80.0, target_time_s=factor * ref.iteration_time_s)
+        assert plan.iteration_time_s <= factor * ref.iteration_time_s * (1 + 1e-9)
+    with pytest.raises(ValueError, match="infeasible"):
+        solve(schedule, options, 80.0, target_time_s=0.5 * ref.iteration_time_s)
+    with pytest.raises(ValueError, match="No profiled options"):
+        solve(schedule, {k: v for k, v in options.items() if k != (2, "backward")}, 80.0)
+    with pytest.raises(ValueError, match="3 stages"):
+        solve(schedule, options, [80.0, 80.0])
+
+
+def test_frontier_is_pareto_and_choose_meets_target():
+    schedule = build_schedule("1f1b", 4, 8)
+    options = _options(11, 4, 8)
+    front = frontier(schedule, options, [85.0, 90.0, 95.0, 100.0], num_points=12)
+    times = [p.iteration_time_s for p in front.plans]
+    energies = [p.energy_j for p in front.plans]
+    assert times == sorted(times) and all(a > b for a, b in zip(energies, energies[1:], strict=False))
+    chosen = front.choose()
+    assert chosen.iteration_time_s <= front.max_frequency.iteration_time_s * (1 + 1e-9)
+    assert chosen.energy_j < front.max_frequency.energy_j
+    assert front.choose(times[-1] * 2) is front.plans[-1]
+    with pytest.raises(ValueError, match="No plan meets"):
+        front.choose(times[0] * 0.5)
+    # solve() refines one target at least as well as the frontier's point for it.
+    assert solve(schedule, options, [85.0, 90.0, 95.0, 100.0]).energy_j <= chosen.energy_j * (1 + 1e-12)

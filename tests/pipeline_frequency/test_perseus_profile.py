@@ -1,0 +1,113 @@
+"""Perseus profile CSV: round trip, and clear errors on bad files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zeus_callbacks.cli import main
+from zeus_callbacks.core.pipeline_frequency.frontier import FrequencyOption
+from zeus_callbacks.core.pipeline_frequency.profile_file import read_profile, write_profile
+
+
+def _profile(num_stages: int = 2) -> dict:
+    options = {}
+    for s in range(num_stages):
+        scale = 1.0 + 0.3 * s
+        for kind, mult in (("forward", 0.02), ("backward", 0.04)):
+            opts = []
+            for f in range(1740, 1100, -90):
+                t = scale * mult * (0.2 + 0.8 * 1740 / f)
+                opts.append(FrequencyOption(f, t, (80 + 200 * (f / 1740) ** 3) * t))
+            options[s, kind] = opts
+    return options
+
+
+def test_round_trip(tmp_path):
+    path = tmp_path / "profile.csv"
+    options = _profile(3)
+    write_profile(path, options)
+    assert path.read_text().splitlines()[0] == "stage,instruction,frequency,time,energy"
+    assert read_profile(path) == options
+    assert read_profile(path, num_stages=3) == options
+
+
+def test_reads_zeus_style_rows_in_any_order(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text(
+        "stage, instruction, frequency, time, energy\n"
+        "0,backward,1410,0.05,9.5\n0,forward,1740,0.02,5.0\n0,forward,1410,0.025,4.5\n0,backward,1740,0.04,10\n"
+    )
+    options = read_profile(path)
+    assert options[0, "forward"] == [FrequencyOption(1740, 0.02, 5.0), FrequencyOption(1410, 0.025, 4.5)]
+    assert [o.frequency_mhz for o in options[0, "backward"]] == [1740, 1410]
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("stage,instruction,frequency,time\n0,forward,1740,0.1\n", "missing column.*energy"),
+        ("stage,instruction,frequency,time,energy\n", "no profile rows"),
+        (
+            "stage,instruction,frequency,time,energy\n0,forward,1740,-0.1,5\n0,backward,1740,0.1,5\n",
+            "time must be",
+        ),
+        (
+            "stage,instruction,frequency,time,energy\n0,forward,1740,0.1,-5\n0,backward,1740,0.1,5\n",
+            "energy must",
+        ),
+        ("stage,instruction,frequency,time,energy\n0,forward,1740,abc,5\n", "cannot parse"),
+        ("stage,instruction,frequency,time,energy\n0,recompute,1740,0.1,5\n", "not one of"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1740,0.1,5\n0,forward,1740,0.2,5\n", "twice"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1740,0.1,5\n", "stage 0 has no backward"),
+        (
+            "stage,instruction,frequency,time,energy\n0,forward,1740,0.1,5\n0,backward,1740,0.1,5\n"
+            "2,forward,1740,0.1,5\n2,backward,1740,0.1,5\n",
+            "stage 1 has no forward",
+        ),
+    ],
+)
+def test_bad_files(tmp_path, text, match):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        read_profile(path)
+
+
+def test_stage_count_is_checked(tmp_path):
+    path = tmp_path / "p.csv"
+    write_profile(path, _profile(2))
+    with pytest.raises(ValueError, match="stage 2 has no forward"):
+        read_profile(path, num_stages=3)
+    with pytest.raises(ValueError, match="out of range"):
+        read_profile(path, num_stages=1)
+
+
+def test_cli_pipeline_plan_json(tmp_path, capsys):
+    path = tmp_path / "profile.csv"
+    write_profile(path, _profile(3))
+    argv = ["pipeline-plan", "--profile", str(path), "--p-blk", "85,90,95", "--microbatches", "6", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref, plan = out["max_frequency"], out["plan"]
+    assert out["num_stages"] == 3 and out["schedule"] == "1f1b"
+    assert plan["iteration_time_s"] <= ref["iteration_time_s"] * (1 + 1e-9)
+    assert plan["energy_j"] < ref["energy_j"] and plan["energy_saving"] > 0
+    assert [len(stage) for stage in plan["stages"]] == [12, 12, 12]
+    assert {e["frequency_mhz"] for stage in plan["stages"] for e in stage} <= set(range(1740, 1100, -90))
+    times = [p["iteration_time_s"] for p in out["frontier"]]
+    assert times == sorted(times)
+
+
+def test_cli_pipeline_plan_text_and_errors(tmp_path, capsys):
+    path = tmp_path / "profile.csv"
+    write_profile(path, _profile(2))
+    base = ["pipeline-plan", "--profile", str(path), "--microbatches", "4"]
+    assert main([*base, "--p-blk", "90", "--schedule", "gpipe", "--target-time", "1.0"]) == 0
+    text = capsys.readouterr().out
+    assert "stage 1:" in text and "chosen plan" in text
+    assert main([*base, "--p-blk", "90,90,90"]) == 2
+    assert "3 values for 2 stages" in capsys.readouterr().err
+    assert main([*base, "--p-blk", "90", "--target-time", "0.001"]) == 2
+    assert "infeasible" in capsys.readouterr().err

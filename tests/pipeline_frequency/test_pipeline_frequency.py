@@ -1,0 +1,392 @@
+"""PipelineFrequencyOptimizer in one process: the sweep, early stop, planning, fallback, restoring, permissions."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
+from zeus_callbacks.core.pipeline_frequency.clock_sweep import (
+    ProfileRow,
+    StageSample,
+    clock_sweep,
+    instruction_kind,
+    load_profile_csv,
+    match_schedule,
+    merge_replicas,
+    options_from_rows,
+    passed_valley,
+    save_profile_csv,
+    undisturbed_estimate,
+)
+from zeus_callbacks.core.pipeline_frequency.frontier import max_frequency_plan, solve
+from zeus_callbacks.core.pipeline_frequency.dag import build_schedule
+from zeus_callbacks.sim.system import SimulatedSystem
+
+FAST = dict(wait_steps=1, warmup_steps=0, profile_steps=1, frequency_stride_mhz=180, patience=2)
+
+
+def _kinds(schedule: str, microbatches: int) -> list[str]:
+    return [i.kind for i in build_schedule(schedule, 1, microbatches)[0]]
+
+
+def _burn(seconds: float) -> None:
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        pass
+
+
+def run_steps(
+    pfo: PipelineFrequencyOptimizer,
+    steps: int,
+    kinds: list[str],
+    until: str | None = None,
+    work_s: float = 0.002,
+) -> int:
+    """A fake single-stage schedule: each forward burns `work_s` of CPU (simulated GPU work), a backward twice,
+    and between instructions the stage waits for its peers without computing (a sleep, as a blocking recv)."""
+    for n in range(steps):
+        pfo.on_step_begin()
+        for kind in kinds:
+            pfo.on_instruction_begin(kind)
+            _burn(work_s if kind == "forward" else 2 * work_s)
+            pfo.on_instruction_end(kind)
+            time.sleep(work_s / 2)
+        pfo.on_step_end()
+        if until is not None and pfo.phase == until:
+            return n + 1
+    return steps
+
+
+@pytest.fixture
+def node(sim_gpus) -> SimulatedSystem:
+    return sim_gpus("a40")
+
+
+# -- pure pieces -------------------------------------------------------------------------------------
+def test_instruction_names():
+    assert instruction_kind("forward") == ("forward", None)
+    assert instruction_kind("BACKWARD") == ("backward", None)
+    assert instruction_kind("backward_input") == ("backward", "input")
+    assert instruction_kind("backward_weight") == ("backward", "weight")
+    with pytest.raises(ValueError, match="Unknown pipeline instruction 'optimizer'"):
+        instruction_kind("optimizer")
+
+
+def test_clock_sweep_stride_and_floor():
+    supported = list(range(1740, 209, -15))
+    sweep = clock_sweep(supported, 90)
+    assert sweep[0] == 1740 and all(a - b == 90 for a, b in zip(sweep, sweep[1:], strict=False))
+    assert set(sweep) <= set(supported)
+    assert clock_sweep(supported, 100, min_mhz=1400) == [1740, 1635, 1530, 1425]
+
+
+def test_passed_valley_uses_effective_energy():
+    # (time, energy) from the highest clock down: energy falls, then rises.
+    pts = [(1.0, 10.0), (1.1, 8.0), (1.2, 8.5), (1.3, 9.0)]
+    assert not passed_valley(pts[:3], p_blk_w=0.0, patience=2)
+    assert passed_valley(pts, p_blk_w=0.0, patience=2)
+    # With a high blocking power, being slower is worth it: the time would be spent blocked anyway.
+    assert not passed_valley(pts, p_blk_w=8.0, patience=2)
+
+
+def test_merge_replicas_max_time_sum_energy():
+    seq = ("forward", "backward")
+    a = StageSample(0, 1740, {"forward": (1.0, 10.0, 4), "backward": (2.0, 20.0, 4)}, 2.0, 60.0, seq)
+    b = StageSample(0, 1740, {"forward": (1.5, 12.0, 4), "backward": (1.8, 18.0, 4)}, 1.0, 40.0, seq)
+    c = StageSample(1, 1740, {"forward": (1.0, 9.0, 4)}, 1.0, 30.0, seq)
+    merged = merge_replicas([a, b, c])
+    assert merged[0].kinds == {"forward": (1.5, 22.0, 4), "backward": (2.0, 38.0, 4)}
+    assert merged[0].blocked_energy_j / merged[0].blocked_time_s == pytest.approx(30.0 + 40.0)
+    assert merged[1].kinds == c.kinds
+    with pytest.raises(ValueError, match="different instruction sequences"):
+        merge_replicas([a, StageSample(0, 1740, a.kinds, 1.0, 1.0, ("forward",))])
+
+
+def test_match_schedule_detects_1f1b_and_gpipe():
+    for kind in ("1f1b", "gpipe"):
+        sched = build_schedule(kind, 4, 8)
+        seqs = {s: [i.kind for i in order] for s, order in enumerate(sched)}
+        assert match_schedule(seqs) == (kind, 8)
+    seqs = {s: [i.kind for i in order] for s, order in enumerate(build_schedule("gpipe", 4, 8))}
+    with pytest.raises(ValueError, match="not a 1f1b schedule"):
+        match_schedule(seqs, preferred="1f1b")
+
+
+def test_undisturbed_estimate_is_a_low_quantile():
+    assert undisturbed_estimate([5.0]) == 5.0
+    assert undisturbed_estimate([float(v) for v in range(1, 12)]) == pytest.approx(2.0)
+    assert undisturbed_estimate([3.0, 1.0, 2.0], 0) == 1.0
+    assert undisturbed_estimate([3.0, 1.0, 2.0], 1) == 3.0
+    assert undisturbed_estimate([1.0, 2.0], 0.1) == pytest.approx(1.1)
+    # Interference only ever adds time: a few preempted instances do not move the estimate.
+    assert undisturbed_estimate([1.0] * 9 + [50.0]) == 1.0
+    with pytest.raises(ValueError):
+        undisturbed_estimate([])
+    with pytest.raises(ValueError):
+        undisturbed_estimate([1.0], 1.5)
+
+
+def test_profile_csv_roundtrip(tmp_path: Path):
+    rows = [ProfileRow(0, "forward", 1740, 0.01, 2.5), ProfileRow(0, "backward", 1650, 0.02, 4.25)]
+    path = tmp_path / "profile.csv"
+    save_profile_csv(path, rows)
+    assert path.read_text().splitlines()[0] == "stage,instruction,frequency,time,energy"
+    assert sorted(load_profile_csv(path), key=str) == sorted(rows, key=str)
+    path.write_text("stage,instruction,frequency,time\n0,forward,1740,0.1\n")
+    with pytest.raises(ValueError, match="missing column"):
+        load_profile_csv(path)
+
+
+def test_plan_from_simulated_curve_is_valid():
+    """4 unequal stages with the A40's clock curve: time within the max-clock time, clocks from the sweep."""
+    gpu = SimulatedSystem("a40", state_dir="").gpus[0]
+    clocks = clock_sweep(gpu.spec.supported_sm_clocks_mhz(), 90)[:6]
+    rows = []
+    for stage, size in enumerate((8, 5, 5, 5)):
+        for kind, work in (("forward", 0.01 * size), ("backward", 0.02 * size)):
+            for f in clocks:
+                rel, power = gpu._compute_operating_point(300, (f, f))
+                rows.append(ProfileRow(stage, kind, f, work * rel, work * rel * power))
+    schedule = build_schedule("1f1b", 4, 8)
+    options = options_from_rows(rows)
+    ref = max_frequency_plan(schedule, options, 30.0)
+    plan = solve(schedule, options, 30.0)
+    assert plan.iteration_time_s <= ref.iteration_time_s * (1 + 1e-9)
+    assert plan.energy_j < 0.92 * ref.energy_j
+    assert {f for fs in plan.stage_frequencies() for f in fs} <= set(clocks)
+    at_max = [fs.count(1740) for fs in plan.stage_frequencies()]
+    assert at_max[0] > max(at_max[1:])  # the heavy stage is the critical path
+
+
+def test_constructor_errors(node):
+    with pytest.raises(ValueError, match=r"PipelineFrequencyOptimizer\(schedule='zb'\)"):
+        PipelineFrequencyOptimizer(schedule="zb")
+    with pytest.raises(ValueError, match=r"PipelineFrequencyOptimizer\(pp_rank=None\).*required"):
+        PipelineFrequencyOptimizer(dp_degree=2)
+    with pytest.raises(ValueError, match="exactly this rank's GPU"):
+        PipelineFrequencyOptimizer(monitor=ZeusMonitor(gpu_indices=[0]), device_id=1)
+
+
+# -- the loop on a simulated GPU ------------------------------------------------------------------------
+def test_sweep_stops_early_and_applies_plan(node, tmp_path: Path):
+    gpu = node.gpus[0]
+    csv_path = tmp_path / "profile.csv"
+    pfo = PipelineFrequencyOptimizer(
+        device_id=0, warmup_steps=1, profile_steps=2, frequency_stride_mhz=90, profile_path=csv_path
+    )
+    kinds = _kinds("1f1b", 4)
+    run_steps(pfo, 80, kinds, until="applying")
+    assert pfo.phase == "applying"
+    sweep = clock_sweep(gpu.spec.supported_sm_clocks_mhz(), 90)
+    profiled = sorted({r.frequency_mhz for r in pfo.profile_rows()}, reverse=True)
+    assert profiled == sweep[: len(profiled)]  # from the top, in order
+    assert 3 <= len(profiled) < len(sweep)  # stopped early, past the energy valley
+    for kind in ("forward", "backward"):
+        pts = [(r.time_s, r.energy_j) for r in pfo.profile_rows() if r.instruction == kind]
+        assert min(e for _, e in pts) < pts[0][1]  # a lower clock saved energy
+    assert pfo.profiling_steps == len(profiled) * 3  # 1 warm-up + 2 measured steps per clock
+    report = pfo.report()
+    assert report["simulated"] and report["schedule"] == "1f1b" and report["num_microbatches"] == 4
+    assert len(pfo.plan_frequencies_mhz) == len(kinds) and set(pfo.plan_frequencies_mhz) <= set(profiled)
+    assert report["predicted"]["iteration_time_s"] <= report["predicted"]["max_clock_iteration_time_s"] * (
+        1 + 1e-9
+    )
+    assert load_profile_csv(csv_path) == sorted(
+        pfo.profile_rows(), key=lambda r: (r.stage, r.instruction, -r.frequency_mhz)
+    )
+    run_steps(pfo, 2, kinds)
+    last = pfo.plan_frequencies_mhz[-1]
+    pfo._controller.wait(5)
+    assert gpu.locked_sm_clocks_mhz in {(last, last), (pfo.plan_frequencies_mhz[0],) * 2}
+    pfo.on_train_end()
+    assert gpu.locked_sm_clocks_mhz is None
+
+
+def test_straggler_target_slows_instructions(node):
+    gpu = node.gpus[0]
+    pfo = PipelineFrequencyOptimizer(
+        device_id=0, target_time_s=10.0, **FAST
+    )  # a far slower pipeline elsewhere
+    kinds = _kinds("1f1b", 2)
+    run_steps(pfo, 40, kinds, until="applying")
+    assert pfo.phase == "applying"
+    freqs = pfo.plan_frequencies_mhz
+    profiled = {r.frequency_mhz for r in pfo.profile_rows()}
+    assert set(freqs) <= profiled and min(freqs) < max(profiled)
+    run_steps(pfo, 1, kinds)
+    assert gpu.locked_sm_clocks_mhz is not None and gpu.locked_sm_clocks_mhz[0] in freqs
+    pfo.close()
+    assert gpu.locked_sm_clocks_mhz is None
+
+
+@pytest.mark.parametrize(
+    ("new_kinds", "when"),
+    [(_kinds("1f1b", 3), "the step ran 6 instructions"), (_kinds("gpipe", 4), "instruction 1 of the step")],
+)
+def test_fallback_to_max_clock_on_sequence_mismatch(node, caplog, new_kinds, when):
+    gpu = node.gpus[0]
+    pfo = PipelineFrequencyOptimizer(device_id=0, target_time_s=10.0, **FAST)
+    run_steps(pfo, 40, _kinds("1f1b", 4), until="applying")
+    assert pfo.phase == "applying"
+    with caplog.at_level(logging.WARNING):
+        run_steps(pfo, 2, new_kinds)  # e.g. the number of microbatches changed
+    assert pfo.phase == "fallback" and when in pfo.report()["reason"]
+    assert any("maximum clock" in r.message for r in caplog.records)
+    max_clock = gpu.spec.max_sm_clock_mhz
+    assert pfo.frequency_mhz == max_clock and gpu.locked_sm_clocks_mhz == (max_clock, max_clock)
+    pfo.on_train_end()
+    assert gpu.locked_sm_clocks_mhz is None
+
+
+def test_redundant_clock_changes_are_skipped(node):
+    gpu = node.gpus[0]
+    controller = FrequencyController(gpu)
+    controller.set_now(1740)
+    for _ in range(5):
+        controller.request(1740)
+    controller.request(1560)
+    controller.request(1560)
+    assert controller.wait(5)
+    assert controller.changes == 2 and gpu.locked_sm_clocks_mhz == (1560, 1560)
+    controller.close()
+    controller.request(1200)  # after close: nothing changes any more
+    assert gpu.locked_sm_clocks_mhz == (1560, 1560)
+
+    pfo = PipelineFrequencyOptimizer(device_id=0, **FAST)
+    kinds = _kinds("1f1b", 4)
+    run_steps(pfo, 40, kinds, until="applying")
+    run_steps(pfo, 1, kinds)
+    pfo._controller.wait(5)
+    changes = pfo._controller.changes
+    run_steps(pfo, 3, kinds)
+    pfo._controller.wait(5)
+    freqs = pfo.plan_frequencies_mhz
+    switches = sum(a != b for a, b in zip(freqs, freqs[1:] + freqs[:1], strict=True))
+    assert pfo._controller.changes - changes <= 3 * switches  # only real switches reach NVML
+    pfo.close()
+    assert gpu.locked_sm_clocks_mhz is None
+
+
+def test_split_backward_halves_are_one_instruction(node):
+    pfo = PipelineFrequencyOptimizer(device_id=0, **FAST)
+    names = ["forward", "backward_input", "backward_weight", "forward", "backward_input", "backward_weight"]
+    for _ in range(12):
+        pfo.on_step_begin()
+        for name in names:
+            pfo.on_instruction_begin(name)
+            _burn(0.001)
+            pfo.on_instruction_end(name)
+        pfo.on_step_end()
+        if pfo.phase == "applying":
+            break
+    assert pfo.phase == "applying" and pfo.report()["num_microbatches"] == 2
+    assert len(pfo.plan_frequencies_mhz) == 4
+    pfo.close()
+
+
+def test_no_permission_measures_and_warns_once(sim_gpus, caplog):
+    node = sim_gpus("a40", faults="no_permission")
+    with caplog.at_level(logging.WARNING):
+        pfo = PipelineFrequencyOptimizer(device_id=0, **FAST)
+        run_steps(pfo, 6, _kinds("1f1b", 2))
+    warnings = [r for r in caplog.records if "may not lock GPU clocks" in r.message]
+    assert len(warnings) == 1
+    report = pfo.report()
+    assert pfo.phase == "inactive" and "no per-clock profile" in report["reason"]
+    assert {r["frequency_mhz"] for r in report["profile"]} == {0}  # measured at the clock in force
+    assert all(r["time_s"] > 0 and r["energy_j"] > 0 for r in report["profile"])
+    assert pfo.metrics()["iteration_energy_j"] > 0
+    assert node.gpus[0].locked_sm_clocks_mhz is None
+    pfo.close()
+
+
+def test_no_permission_with_profile_reports_plan_without_applying(sim_gpus, tmp_path: Path):
+    node = sim_gpus("a40", faults="no_permission")
+    path = tmp_path / "profile.csv"
+    save_profile_csv(
+        path,
+        [
+            ProfileRow(0, kind, f, t * rel, t * rel * p)
+            for kind, t in (("forward", 0.01), ("backward", 0.02))
+            for f, rel, p in ((1740, 1.0, 235.0), (1560, 1.115, 172.6))
+        ],
+    )
+    pfo = PipelineFrequencyOptimizer(device_id=0, target_time_s=10.0, profile_path=path, **FAST)
+    run_steps(pfo, 6, _kinds("1f1b", 2))
+    report = pfo.report()
+    assert pfo.phase == "inactive" and report["plan_applied"] is False
+    assert report["predicted"]["energy_saved_pct"] > 0
+    assert set(report["plan_frequencies_mhz"][0]) == {1560}
+    assert node.gpus[0].locked_sm_clocks_mhz is None
+    pfo.close()
+
+
+# -- restoring the clocks --------------------------------------------------------------------------------
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from test_pipeline_frequency import FAST, _kinds, run_steps
+    from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
+    pfo = PipelineFrequencyOptimizer(device_id=0, target_time_s=10.0, **FAST)
+    kinds = _kinds("1f1b", 2)
+    run_steps(pfo, 40, kinds, until="applying")
+    run_steps(pfo, 1, kinds)
+    pfo._controller.wait(5)
+    print("locked", pfo.frequency_mhz, flush=True)
+    if {mode!r} == "raise":
+        raise RuntimeError("boom")
+    while True:
+        run_steps(pfo, 1, kinds)
+    """
+)
+
+
+def _child(mode: str) -> str:
+    return _CHILD.format(tests=str(Path(__file__).parent), mode=mode)
+
+
+def test_clocks_restored_after_exception(node, run_python):
+    out = run_python(_child("raise"), timeout=90)
+    assert "locked" in out.stdout and "RuntimeError: boom" in out.stderr
+    assert int(out.stdout.split()[1]) < node.gpus[0].spec.max_sm_clock_mhz
+    assert node.gpus[0].locked_sm_clocks_mhz is None
+
+
+def test_clocks_restored_after_sigterm(node):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _child("loop")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("locked"), proc.stderr.read()
+        assert node.gpus[0].locked_sm_clocks_mhz is not None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        proc.kill()
+    assert node.gpus[0].locked_sm_clocks_mhz is None
+
+
+def test_slack_margin_plans_lowered_clocks_longer_at_the_same_effective_energy(node):
+    from zeus_callbacks.core.pipeline_frequency.optimizer import _with_margin
+    from zeus_callbacks.core.pipeline_frequency.frontier import FrequencyOption
+
+    options = {(0, "forward"): [FrequencyOption(1740, 1.0, 200.0), FrequencyOption(1500, 1.2, 180.0)]}
+    padded = _with_margin(options, 0.1, [50.0])[0, "forward"]
+    assert padded[0] == options[0, "forward"][0]  # the fastest option is untouched
+    assert padded[1].time_s == pytest.approx(1.32)
+    assert padded[1].energy_j - 50.0 * padded[1].time_s == pytest.approx(180.0 - 50.0 * 1.2)
+    assert _with_margin(options, 0.0, [50.0]) is options
+    with pytest.raises(ValueError, match="slack_margin"):
+        PipelineFrequencyOptimizer(slack_margin=1.5)

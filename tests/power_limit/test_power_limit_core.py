@@ -1,0 +1,425 @@
+"""GlobalPowerLimitOptimizer in a plain loop on simulated GPUs (virtual clock: fast and deterministic)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zeus_callbacks import sim
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
+from zeus_callbacks.core.power_limit.search import (
+    PowerLimitStats,
+    adaptive_budget_steps,
+    clearly_worse,
+    contenders,
+    measurement_verdict,
+    next_power_limit,
+    pooled_noise,
+    power_limit_grid,
+)
+from zeus_callbacks.core.power_limit.selectors import Energy, MaxSlowdownConstraint, Time, ZeusCost
+
+WORK_S = 0.1
+
+
+@pytest.fixture(autouse=True)
+def _sim_off():
+    yield
+    sim.disable()
+
+
+def vsim(spec: str = "a40", **kw) -> sim.SimulatedSystem:
+    kw.setdefault("noise", 0.02)
+    kw.setdefault("seed", 1)
+    return sim.simulate(spec, virtual_clock=True, **kw)
+
+
+def drive(opt: GlobalPowerLimitOptimizer, system: sim.SimulatedSystem, max_steps: int = 5000, **kw) -> int:
+    """Train until the optimizer settles; returns the steps run."""
+    epoch_every = kw.get("epoch_every")
+    work = kw.get("work", lambda i: WORK_S)
+    between = kw.get("between", 0.0)
+    for i in range(max_steps):
+        opt.on_step_begin()
+        system.run_step(work(i))
+        opt.on_step_end()
+        if between:
+            system.run_step(between)  # evaluation/logging between steps: not part of any step
+        if epoch_every and (i + 1) % epoch_every == 0:
+            opt.on_epoch_end()
+        if opt.phase in ("done", "inactive"):
+            return i + 1
+    raise AssertionError(f"optimizer still {opt.phase} after {max_steps} steps")
+
+
+def true_costs(trace: sim.Trace, grid: list[int], selector) -> np.ndarray:
+    t = np.array([WORK_S * trace.relative_time(pl) for pl in grid])
+    e = t * np.array([trace.power(pl) for pl in grid])
+    return selector.score(t, e, float(grid[0]), t[0])
+
+
+def power_limit_w(system: sim.SimulatedSystem, i: int = 0) -> float:
+    return system.gpus[i].power_limit_mw / 1000
+
+
+def test_min_limit_profiled_when_range_not_multiple_of_step():
+    for search in ("sweep", "adaptive"):
+        system = vsim()
+        opt = GlobalPowerLimitOptimizer(ZeusMonitor(), Time(), pl_step=30, search=search)
+        drive(opt, system)
+        assert opt.grid == [300, 270, 240, 210, 180, 150, 120, 100]
+        assert 100 in opt.stats, search
+        sim.disable()
+
+
+def test_sweep_profiles_every_limit_like_zeus():
+    from zeus.optimizer.power_limit import PowerLimitMeasurement as ZeusMeasurement
+    from zeus.optimizer.power_limit import ZeusCost as ZeusZeusCost
+
+    system = vsim("a40:imagenet/resnet50/256", noise=0.0)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), search="sweep")
+    drive(opt, system)
+    assert sorted(opt.stats, reverse=True) == opt.grid == list(range(300, 99, -25))
+    assert all(s.steps == 40 and not s.pruned for s in opt.stats.values())
+    assert opt.profiling_steps == len(opt.grid) * (10 + 40)
+    zeus_choice = ZeusZeusCost(0.5).select(
+        [ZeusMeasurement(power_limit=pl, energy=s.energy_j, time=s.time_s) for pl, s in opt.stats.items()]
+    )
+    assert opt.optimal_power_limit_w == zeus_choice
+    trace = system.gpus[0].trace
+    assert opt.optimal_power_limit_w == opt.grid[int(np.argmin(true_costs(trace, opt.grid, ZeusCost(0.5))))]
+    assert power_limit_w(system) == opt.optimal_power_limit_w
+
+
+@pytest.mark.parametrize(
+    "workload",
+    [
+        "a40:imagenet/resnet50/256",
+        "a40:librispeech/deepspeech2/192",
+        "v100:resnet50",
+        "a40:bert-base-uncased",
+    ],
+)
+@pytest.mark.parametrize("selector", [ZeusCost(0.5), Energy()], ids=repr)
+def test_adaptive_within_one_percent_for_half_the_steps(workload, selector):
+    system = vsim(workload, seed=3)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), selector)
+    drive(opt, system)
+    costs = true_costs(system.gpus[0].trace, opt.grid, selector)
+    chosen = costs[opt.grid.index(opt.optimal_power_limit_w)]
+    assert chosen <= 1.01 * costs.min(), (opt.optimal_power_limit_w, opt.report())
+    sweep_steps = len(opt.grid) * (10 + 40)
+    # One run may refine near-ties up to 3/4 of a sweep; on average it takes under half (next test).
+    assert opt.profiling_steps <= adaptive_budget_steps(len(opt.grid), 10, 40) == sweep_steps * 3 // 4
+    assert any(s.visits > 1 for s in opt.stats.values()) or opt.profiling_steps <= sweep_steps / 2
+
+
+def test_adaptive_takes_under_half_a_sweep_on_average():
+    ratios = []
+    for workload in ("a40:imagenet/resnet50/256", "a40:librispeech/deepspeech2/192", "v100:resnet50"):
+        for selector in (ZeusCost(0.5), Energy(), Time(), MaxSlowdownConstraint(1.1)):
+            for seed in (0, 1):
+                system = vsim(workload, seed=seed)
+                opt = GlobalPowerLimitOptimizer(ZeusMonitor(), selector)
+                drive(opt, system)
+                ratios.append(opt.profiling_steps / (len(opt.grid) * (10 + 40)))
+                sim.disable()
+    assert np.mean(ratios) <= 0.5, ratios
+
+
+def _stats(pl: int, mean_t: float, mean_e: float, steps: int, rel_sd: float = 0.02) -> PowerLimitStats:
+    """Stats of `steps` steps alternating around the means by `rel_sd` (sample SD about `rel_sd`)."""
+    s = PowerLimitStats(pl)
+    for i in range(steps):
+        d = rel_sd if i % 2 else -rel_sd
+        s.add(mean_t * (1 + d), mean_e * (1 + d))
+    return s
+
+
+def test_pooled_noise_is_a_floor_under_a_lucky_limit():
+    noisy = {pl: _stats(pl, 0.1, 20.0, 20, rel_sd=0.05) for pl in (300, 275)}
+    lucky = _stats(250, 0.1, 19.0, 4, rel_sd=0.0)  # 5% cheaper, measured with no spread at all
+    time_var, energy_var = pooled_noise({**noisy, 250: lucky})
+    assert time_var == pytest.approx(0.05**2 * 20 / 19 * 38 / 41, rel=1e-6)
+    assert energy_var == pytest.approx(time_var)
+    best = noisy[300]
+    # Alone, its zero spread makes 250 W's bound tight; with the pool's, 5% is within the noise.
+    assert clearly_worse(best, lucky, Energy(), 300, best) is True
+    noise = pooled_noise({**noisy, 250: lucky})
+    assert clearly_worse(best, lucky, Energy(), 300, best, noise) is False
+
+
+def test_contenders_are_the_near_ties_of_the_best():
+    ref = _stats(300, 0.100, 30.0, 40)
+    stats = {300: ref, 275: _stats(275, 0.101, 25.0, 40), 250: _stats(250, 0.102, 25.1, 6)}
+    noise = pooled_noise(stats)
+    # 250 W, measured briefly, might still be more than 1% below 275 W; 300 W cannot.
+    assert contenders(stats, Energy(), 300, ref, noise) == [275, 250]
+    stats[250] = _stats(250, 0.102, 25.1, 40, rel_sd=0.005)
+    assert contenders(stats, Energy(), 300, ref, pooled_noise(stats)) == []
+    # Under a slowdown bound, a rival just past the bound makes the reference a contender too.
+    near = {300: ref, 275: _stats(275, 0.100, 25.0, 40), 250: _stats(250, 0.1105, 24.9, 8)}
+    assert contenders(near, MaxSlowdownConstraint(1.1), 300, ref, pooled_noise(near)) == [275, 250, 300]
+    assert contenders(near, Energy(), 300, ref, pooled_noise(near)) == [250, 275]
+
+
+def test_refinement_revisits_the_contender_with_fewest_steps_within_the_budget():
+    ref = _stats(300, 0.100, 30.0, 40)
+    stats = {300: ref, 275: _stats(275, 0.101, 25.0, 20), 250: _stats(250, 0.102, 25.1, 6)}
+    grid = [300, 275, 250]
+    assert next_power_limit(grid[:2] + [225], stats, Energy(), 300) == 225  # unvisited limits first
+    assert next_power_limit(grid, stats, Energy(), 300, warmup_steps=10, profile_steps=40) == 250
+    assert next_power_limit(grid, stats, Energy(), 300, search="sweep") is None
+    # With 66 steps and 4 warm-ups spent of a budget of 3/4 x 3 x 50 = 112, no room for 10 + 5 more.
+    stats[275].visits = 2
+    assert next_power_limit(grid, stats, Energy(), 300, warmup_steps=10, profile_steps=40) is None
+    # A revisit adds to the earlier samples and goes on while the limit is a contender.
+    again = replace(stats[250], visits=2)
+    verdict = measurement_verdict(again, stats, Energy(), 300, ref, 5, 40, budget_left_steps=20)
+    assert verdict == "more"
+    assert measurement_verdict(again, stats, Energy(), 300, ref, 5, 40, budget_left_steps=0) == "measured"
+
+
+def test_refinement_adds_to_the_earlier_visits():
+    system = vsim("a40:librispeech/deepspeech2/192", seed=3)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=None)
+    limits = []
+    while opt.phase not in ("done", "inactive"):
+        opt.on_step_begin()
+        system.run_step(WORK_S)
+        if opt.phase == "profiling" and (not limits or limits[-1] != opt.power_limit_w):
+            limits.append(opt.power_limit_w)
+        opt.on_step_end()
+    revisited = [pl for pl, s in opt.stats.items() if s.visits > 1]
+    assert (
+        revisited
+        and limits[: len(opt.grid)] == opt.grid
+        and sorted(limits[len(opt.grid) :]) == sorted(revisited)
+    )
+    measured = sum(s.steps for s in opt.stats.values())
+    warmups = 10 * sum(s.visits for s in opt.stats.values())
+    assert opt.profiling_steps == measured + warmups
+    assert all(s.steps <= 40 for s in opt.stats.values())
+
+
+def test_zeus_cost_uses_the_jobs_maximum_power():
+    system = vsim("2*a40", noise=0.0)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5))
+    drive(opt, system)
+    assert opt.num_gpus == 2 and opt.max_power_w == 600
+    measured = [s.measurement(40) for s in opt.stats.values() if not s.pruned]
+    assert opt.optimal_power_limit_w == ZeusCost(0.5).select(measured, max_power_w=600)
+    assert power_limit_w(system, 0) == power_limit_w(system, 1) == opt.optimal_power_limit_w
+
+
+def test_short_epochs_still_converge():
+    system = vsim()
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5))
+    drive(opt, system, epoch_every=7)  # 7 < warmup + profile steps
+    assert opt.phase == "done" and opt.optimal_power_limit_w is not None
+
+
+def test_no_wait_no_warmup():
+    system = vsim()
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), wait_steps=0, warmup_steps=0)
+    opt.on_step_begin()
+    assert opt.phase == "profiling" and power_limit_w(system) == 300
+    system.run_step(WORK_S)
+    opt.on_step_end()
+    drive(opt, system)
+    assert opt.phase == "done"
+
+
+def test_steps_without_work_do_not_crash():
+    system = vsim()
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), Energy())
+    drive(opt, system, work=lambda i: 0.0 if i % 3 == 0 else WORK_S)
+    assert opt.phase == "done"
+    assert all(s.steps > 0 for s in opt.stats.values())
+
+
+def test_window_covers_the_step_only():
+    system = vsim(noise=0.0)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), Time(), search="sweep")
+    drive(opt, system, between=1.0)
+    top = opt.stats[300]
+    assert top.mean_time_s == pytest.approx(WORK_S, rel=1e-6)
+    assert top.mean_energy_j == pytest.approx(WORK_S * system.gpus[0].trace.power(300), rel=1e-3)
+
+
+def test_profile_written_as_it_goes_resumed_and_reused(tmp_path: Path):
+    path = tmp_path / "plo.json"
+    system = vsim()
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path)
+    for _ in range(120):
+        opt.on_step_begin()
+        system.run_step(WORK_S)
+        opt.on_step_end()
+    assert opt.phase != "done"
+    partial = json.loads(path.read_text())
+    assert partial["complete"] is False and len(partial["measurements"]) >= 1
+    sim.disable()
+
+    system = vsim()
+    full_steps = drive(GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5)), system)
+    sim.disable()
+    system = vsim()
+    resumed = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path)
+    steps = drive(resumed, system)
+    assert steps < full_steps - 50
+    assert json.loads(path.read_text())["complete"] is True
+    sim.disable()
+
+    system = vsim()
+    reused = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path)
+    reused.on_step_begin()
+    assert reused.phase == "done" and reused.optimal_power_limit_w == resumed.optimal_power_limit_w
+    assert power_limit_w(system) == reused.optimal_power_limit_w and reused.profiling_steps == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "kw", "match"),
+    [
+        ("v100", {}, "measured on 1 x NVIDIA A40"),
+        ("2*a40", {}, "2 x NVIDIA A40"),
+        ("a40", {"pl_step": 50}, "50 W"),
+    ],
+)
+def test_mismatched_profile_is_refused(tmp_path: Path, spec, kw, match):
+    path = tmp_path / "plo.json"
+    system = vsim()
+    drive(GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path), system)
+    sim.disable()
+    vsim(spec)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path, **kw)
+    with pytest.raises(ValueError, match=match):
+        opt.on_step_begin()
+
+
+@pytest.mark.parametrize(
+    "content", ["{not json", '{"measurements": []}', '{"format": "zeus_callbacks.power_limit_profile"}', "[]"]
+)
+def test_corrupted_profile_is_refused(tmp_path: Path, content):
+    path = tmp_path / "plo.json"
+    path.write_text(content)
+    vsim()
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), profile_path=path)
+    with pytest.raises(ValueError, match="plo.json"):
+        opt.on_step_begin()
+
+
+def test_state_dict_round_trip_resumes_without_profiling():
+    system = vsim()
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5))
+    drive(opt, system)
+    state = json.loads(json.dumps(opt.state_dict()))
+    sim.disable()
+    system = vsim()
+    again = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5))
+    again.load_state_dict(state)
+    again.on_step_begin()
+    system.run_step(WORK_S)
+    again.on_step_end()
+    assert again.phase == "done" and again.optimal_power_limit_w == opt.optimal_power_limit_w
+    assert power_limit_w(system) == opt.optimal_power_limit_w and again.profiling_steps == 0
+    with pytest.raises(ValueError, match="version"):
+        again.load_state_dict({"version": 99})
+
+
+def test_no_permission_warns_once_and_trains_on(tmp_path: Path, caplog):
+    path = tmp_path / "plo.json"
+    system = vsim()
+    drive(GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path), system)
+    sim.disable()
+    for profile in (None, path):
+        caplog.clear()
+        system = vsim(faults="no_permission")
+        opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=profile)
+        with caplog.at_level(logging.WARNING, logger="zeus_callbacks"):
+            for _ in range(30):
+                opt.on_step_begin()
+                system.run_step(WORK_S)
+                opt.on_step_end()
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "CAP_SYS_ADMIN" in warnings[0].getMessage()
+        assert opt.phase == "inactive" and power_limit_w(system) == 300
+        if profile is None:
+            assert opt.optimal_power_limit_w is None
+        else:
+            assert opt.optimal_power_limit_w is not None and opt.report()["applied"] is False
+            assert str(opt.optimal_power_limit_w) in warnings[0].getMessage()
+        sim.disable()
+
+
+def test_gpu_lost_mid_run(tmp_path: Path, caplog, run_python):
+    state_dir = str(tmp_path / "node")
+    system = vsim(faults="lost_after=60", state_dir=state_dir)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), warmup_steps=2, profile_steps=8)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(200):
+            opt.on_step_begin()
+            system.run_step(WORK_S)  # training goes on
+            opt.on_step_end()
+        opt.on_train_end()
+    assert opt.phase == "inactive" and opt.metrics()["phase"] == "inactive"
+    assert any("lost" in r.getMessage() for r in caplog.records)
+    sim.disable()
+    # The GPU is back (a fresh node over the same persisted state): the journal puts the limit back, as
+    # `zeus-callbacks restore` does while this process still runs.
+    code = (
+        "from zeus_callbacks import sim; from zeus_callbacks.core.device.gpus import get_gpus; "
+        "from zeus_callbacks.core.device.state_guard import guard; "
+        f"s = sim.simulate('a40', state_dir={state_dir!r}); "
+        "before = s.gpus[0].power_limit_mw; guard().repair_dead_runs(get_gpus(), include_live=True); "
+        "print(before, s.gpus[0].power_limit_mw)"
+    )
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    before, after = map(int, out.stdout.split())
+    assert before != 300_000 and after == 300_000
+
+
+def test_train_end_restores_the_original_limit():
+    system = vsim()
+    system.gpus[0].set_power_limit_mw(250_000)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), Energy())
+    drive(opt, system)
+    assert power_limit_w(system) == opt.optimal_power_limit_w != 250
+    opt.on_train_end()
+    assert power_limit_w(system) == 250
+
+
+@pytest.mark.parametrize(
+    ("kw", "text"),
+    [
+        ({"wait_steps": -1}, "GlobalPowerLimitOptimizer(wait_steps=-1)"),
+        ({"warmup_steps": -2}, "GlobalPowerLimitOptimizer(warmup_steps=-2)"),
+        ({"profile_steps": 0}, "GlobalPowerLimitOptimizer(profile_steps=0)"),
+        ({"pl_step": 0}, "GlobalPowerLimitOptimizer(pl_step=0)"),
+        ({"search": "grid"}, "GlobalPowerLimitOptimizer(search='grid')"),
+        ({"optimum_selector": "energy"}, "GlobalPowerLimitOptimizer(optimum_selector='energy')"),
+    ],
+)
+def test_bad_arguments_quote_the_call(kw, text):
+    vsim()
+    with pytest.raises(ValueError) as e:
+        GlobalPowerLimitOptimizer(ZeusMonitor(), **kw)
+    assert text in str(e.value)
+
+
+def test_max_slowdown_reference_is_the_maximum_limit():
+    system = vsim("a40:imagenet/resnet50/256", seed=2)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), MaxSlowdownConstraint(1.1))
+    drive(opt, system)
+    trace = system.gpus[0].trace
+    assert trace.relative_time(opt.optimal_power_limit_w) <= 1.1 * 1.01
+    grid = power_limit_grid(100, 300, 25)
+    feasible = [pl for pl in grid if trace.relative_time(pl) <= 1.1]
+    energy = {pl: trace.relative_energy(pl) for pl in feasible}
+    assert trace.relative_energy(opt.optimal_power_limit_w) <= 1.01 * min(energy.values())

@@ -1,0 +1,1 @@
+"""The device layer: the only code that calls NVML (GPUs by UUID, errors, the state guard, backends)."""

@@ -1,0 +1,369 @@
+"""GPUs behind NVML (real or simulated): discovery, energy, power limits, clocks and error translation."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+from typing import Any
+
+from zeus_callbacks.core.device.errors import (
+    GPUError,
+    GPULostError,
+    GPUNoPermissionError,
+    GPUNotSupportedError,
+    MIGNotSupportedError,
+    NVMLUnavailableError,
+)
+
+__all__ = ["GPU", "GPUs", "get_gpus", "reset", "SIMULATION_HINT"]
+
+logger = logging.getLogger(__name__)
+
+SIMULATION_HINT = (
+    "To run on simulated GPUs instead, set ZEUS_CALLBACKS_SIMULATE=a40 (or a10g, t4, v100; "
+    "see `zeus_callbacks.sim`)."
+)
+_CAP_SYS_ADMIN = 21
+
+
+def _translate(nvml: ModuleType, err: Exception, what: str, gpu: str) -> GPUError:
+    """Turn an `NVMLError` into the package's exception with a message that says what to do."""
+    code = getattr(err, "value", None)
+    if code == nvml.NVML_ERROR_NO_PERMISSION:
+        return GPUNoPermissionError(
+            f"{what} on {gpu}: no permission. Changing power limits and clocks needs root or the "
+            "CAP_SYS_ADMIN capability (e.g. `docker run --cap-add SYS_ADMIN`); measuring still works."
+        )
+    if code == nvml.NVML_ERROR_NOT_SUPPORTED:
+        return GPUNotSupportedError(f"{what} is not supported on {gpu} by this GPU or driver.")
+    if code in (nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_RESET_REQUIRED):
+        return GPULostError(
+            f"{what} on {gpu}: the GPU is lost (fell off the bus or needs a reset). Check `nvidia-smi` and "
+            "the kernel log; the settings changed by this process are restored when the GPU is back."
+        )
+    if code in (
+        nvml.NVML_ERROR_LIBRARY_NOT_FOUND,
+        nvml.NVML_ERROR_DRIVER_NOT_LOADED,
+        nvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+        nvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
+    ):
+        return NVMLUnavailableError(f"{what}: NVML is unavailable ({err}). {SIMULATION_HINT}")
+    return GPUError(f"{what} on {gpu} failed: {err}")
+
+
+def _has_cap_sys_admin() -> bool:
+    if os.geteuid() == 0:
+        return True
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
+    except OSError:
+        pass
+    return False
+
+
+class GPU:
+    """One GPU: NVML queries and settings in the units NVML uses (mW, mJ, MHz).
+
+    Changes of power limit, clocks and persistence go through the process's `GPUStateGuard`, which
+    records the value in force before the first change and restores it at the end.
+    """
+
+    def __init__(self, nvml: ModuleType, index: int, nvml_index: int, simulated: bool) -> None:
+        self.nvml = nvml
+        self.index = index
+        self.nvml_index = nvml_index
+        self.simulated = simulated
+        try:
+            self.handle = nvml.nvmlDeviceGetHandleByIndex(nvml_index)
+            self.name: str = nvml.nvmlDeviceGetName(self.handle)
+            self.uuid: str = nvml.nvmlDeviceGetUUID(self.handle)
+            self.architecture: int = nvml.nvmlDeviceGetArchitecture(self.handle)
+        except nvml.NVMLError as e:
+            raise _translate(nvml, e, "Querying the GPU", f"GPU {index} (NVML index {nvml_index})") from None
+        self.supports_energy_counter = self.architecture >= nvml.NVML_DEVICE_ARCH_VOLTA
+        if self.supports_energy_counter:
+            try:
+                nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+            except nvml.NVMLError:
+                self.supports_energy_counter = False
+
+    def __repr__(self) -> str:
+        sim = ", simulated" if self.simulated else ""
+        return f"GPU(index={self.index}, nvml_index={self.nvml_index}, name={self.name!r}{sim})"
+
+    @property
+    def label(self) -> str:
+        """A human label: `GPU 0 (NVIDIA A40, simulated)`."""
+        return f"GPU {self.index} ({self.name}{', simulated' if self.simulated else ''})"
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(self.handle, *args)
+        except self.nvml.NVMLError as e:
+            raise _translate(self.nvml, e, what, self.label) from None
+
+    # -- measurement --------------------------------------------------------------------------
+    def energy_mj(self) -> int:
+        """Total energy since the driver loaded (mJ); Volta and newer."""
+        try:
+            return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+        except self.nvml.NVMLError as e:
+            raise _translate(self.nvml, e, "Reading the energy counter", self.label) from None
+
+    def power_mw(self) -> int:
+        """Current power draw (mW)."""
+        return self._call("Reading power", self.nvml.nvmlDeviceGetPowerUsage)
+
+    def memory_bytes(self) -> int:
+        """Total memory (bytes)."""
+        return int(self._call("Reading memory info", self.nvml.nvmlDeviceGetMemoryInfo).total)
+
+    # -- power limits -------------------------------------------------------------------------
+    def power_limit_constraints_mw(self) -> tuple[int, int]:
+        """(minimum, maximum) settable power limit (mW)."""
+        lo, hi = self._call(
+            "Reading power-limit constraints", self.nvml.nvmlDeviceGetPowerManagementLimitConstraints
+        )
+        return int(lo), int(hi)
+
+    def default_power_limit_mw(self) -> int:
+        """The default power limit (mW)."""
+        return int(
+            self._call("Reading the default power limit", self.nvml.nvmlDeviceGetPowerManagementDefaultLimit)
+        )
+
+    def power_limit_mw(self) -> int:
+        """The power limit in force (mW)."""
+        return int(self._call("Reading the power limit", self.nvml.nvmlDeviceGetPowerManagementLimit))
+
+    def set_power_limit_mw(self, value_mw: int) -> None:
+        """Set the power limit (mW), recorded first so that it is restored at the end."""
+        lo, hi = self.power_limit_constraints_mw()
+        if not lo <= value_mw <= hi:
+            raise ValueError(
+                f"Power limit {value_mw / 1000:g} W is outside {self.label}'s range [{lo / 1000:g}, {hi / 1000:g}] W."
+            )
+        from zeus_callbacks.core.device.state_guard import guard
+
+        recorded = guard().before_change(self, "power_limit")
+        if self.power_limit_mw() != value_mw:
+            self._change(
+                recorded,
+                "power_limit",
+                "Setting the power limit",
+                self.nvml.nvmlDeviceSetPowerManagementLimit,
+                int(value_mw),
+            )
+
+    def _change(self, recorded: bool, knob: str, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Make a journaled change; a refused first change leaves no journal entry behind."""
+        try:
+            self._call(what, fn, *args)
+        except (GPUNoPermissionError, GPUNotSupportedError):
+            if recorded:
+                from zeus_callbacks.core.device.state_guard import guard
+
+                guard().discard(self, knob)
+            raise
+
+    # -- persistence --------------------------------------------------------------------------
+    def persistence_mode(self) -> bool:
+        """Whether persistence mode is on."""
+        mode = self._call("Reading persistence mode", self.nvml.nvmlDeviceGetPersistenceMode)
+        return mode == self.nvml.NVML_FEATURE_ENABLED
+
+    def set_persistence_mode(self, enabled: bool) -> None:
+        """Turn persistence mode on or off (restored at the end)."""
+        from zeus_callbacks.core.device.state_guard import guard
+
+        recorded = guard().before_change(self, "persistence")
+        mode = self.nvml.NVML_FEATURE_ENABLED if enabled else self.nvml.NVML_FEATURE_DISABLED
+        self._change(
+            recorded, "persistence", "Setting persistence mode", self.nvml.nvmlDeviceSetPersistenceMode, mode
+        )
+
+    # -- clocks -------------------------------------------------------------------------------
+    def supported_memory_clocks_mhz(self) -> list[int]:
+        """Supported memory clocks, highest first."""
+        return sorted(
+            self._call("Reading memory clocks", self.nvml.nvmlDeviceGetSupportedMemoryClocks), reverse=True
+        )
+
+    def supported_sm_clocks_mhz(self, memory_clock_mhz: int | None = None) -> list[int]:
+        """Supported SM (graphics) clocks at a memory clock (default: the highest), highest first."""
+        mem = memory_clock_mhz if memory_clock_mhz is not None else self.supported_memory_clocks_mhz()[0]
+        clocks = self._call("Reading SM clocks", self.nvml.nvmlDeviceGetSupportedGraphicsClocks, mem)
+        return sorted(clocks, reverse=True)
+
+    def lock_sm_clocks(self, min_mhz: int, max_mhz: int) -> None:
+        """Lock the SM clock into [min_mhz, max_mhz] (reset at the end)."""
+        from zeus_callbacks.core.device.state_guard import guard
+
+        recorded = guard().before_change(self, "sm_clocks")
+        self._change(
+            recorded,
+            "sm_clocks",
+            "Locking SM clocks",
+            self.nvml.nvmlDeviceSetGpuLockedClocks,
+            int(min_mhz),
+            int(max_mhz),
+        )
+
+    def reset_sm_clocks(self) -> None:
+        """Unlock the SM clock."""
+        self._call("Resetting SM clocks", self.nvml.nvmlDeviceResetGpuLockedClocks)
+
+    # -- permissions and synchronisation --------------------------------------------------------
+    def may_change_settings(self) -> bool:
+        """Whether this process may change power limits and clocks (root or CAP_SYS_ADMIN, no fault)."""
+        if self.simulated:
+            return not self.handle.faults.no_permission
+        return _has_cap_sys_admin()
+
+    def synchronize(self) -> None:
+        """Wait for the work queued on this GPU (CUDA, or the simulator's model of it)."""
+        if self.simulated:
+            self.handle.synchronize()
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize(self.index)
+
+
+class GPUs(Sequence[GPU]):
+    """The GPUs this process may use, in framework order (honours `CUDA_VISIBLE_DEVICES`)."""
+
+    def __init__(self, nvml: ModuleType, simulated: bool) -> None:
+        self.nvml = nvml
+        self.simulated = simulated
+        count = nvml.nvmlDeviceGetCount()
+        nvml_indices = _visible_nvml_indices(nvml, count)
+        self._gpus = [GPU(nvml, i, n, simulated) for i, n in enumerate(nvml_indices)]
+        for g in self._gpus:
+            _refuse_mig(g)
+        system = getattr(nvml, "system", lambda: None)()
+        clock = getattr(system, "clock", None)
+        self.clock: Callable[[], float] = clock.now if clock is not None else time.time
+        self.virtual_clock = clock is not None
+        # Settings left by dead processes that discovery put back (`zeus-callbacks restore` reports them).
+        self.repaired: list[Any] = []
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._gpus[index]
+
+    def __len__(self) -> int:
+        return len(self._gpus)
+
+    def __iter__(self) -> Iterator[GPU]:
+        return iter(self._gpus)
+
+    def synchronize(self, indices: Sequence[int]) -> None:
+        """Wait for the work queued on these GPUs."""
+        for i in indices:
+            self._gpus[i].synchronize()
+
+    def step_boundary(self, indices: Sequence[int]) -> None:
+        """Mark the end of a training step.
+
+        A real GPU needs nothing here. A simulated one synchronises, standing in for the bounded launch
+        queue that stops a real host from running more than about a step ahead of its GPU; without it
+        the simulated slowdown would only show at the next explicit synchronisation.
+        """
+        if self.simulated:
+            self.synchronize(indices)
+
+
+def _visible_nvml_indices(nvml: ModuleType, count: int) -> list[int]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    uuids: list[str] | None = None
+    out: list[int] = []
+    for raw in (v.strip() for v in visible.split(",")):
+        if not raw:
+            break
+        if raw.startswith("MIG-"):
+            raise MIGNotSupportedError(
+                f"CUDA_VISIBLE_DEVICES={visible!r} selects a MIG device; NVML cannot measure or control MIG "
+                "instances. Select whole GPUs by index or GPU-<uuid>."
+            )
+        if raw.lstrip("-").isdigit():
+            idx = int(raw)
+            if not 0 <= idx < count:
+                break  # CUDA ignores the rest of the list after an invalid entry
+            out.append(idx)
+            continue
+        if uuids is None:
+            uuids = [nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+        matches = [i for i, u in enumerate(uuids) if u.startswith(raw)]
+        if len(matches) != 1:
+            break
+        out.append(matches[0])
+    if len(set(out)) != len(out):
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} names a GPU twice.")
+    return out
+
+
+def _refuse_mig(gpu: GPU) -> None:
+    try:
+        current, _ = gpu.nvml.nvmlDeviceGetMigMode(gpu.handle)
+    except gpu.nvml.NVMLError:
+        return  # pre-Ampere GPUs do not support MIG
+    if current == gpu.nvml.NVML_DEVICE_MIG_ENABLE:
+        raise MIGNotSupportedError(
+            f"{gpu.label} is in MIG mode; NVML cannot measure or control MIG instances. Disable MIG "
+            f"(`nvidia-smi -i {gpu.nvml_index} -mig 0`) or use another GPU."
+        )
+
+
+_lock = threading.Lock()
+_gpus: GPUs | None = None
+
+
+def get_gpus() -> GPUs:
+    """The process's GPUs (discovered once): simulated if selected, else real ones through NVML.
+
+    Raises:
+        NVMLUnavailableError: no NVML library or driver, and no simulation selected.
+        MIGNotSupportedError: a MIG device or a GPU in MIG mode is visible.
+    """
+    global _gpus
+    with _lock:
+        if _gpus is None:
+            from zeus_callbacks import sim
+
+            system = sim.active()
+            if system is not None:
+                nvml: ModuleType = sim.fake_nvml
+            else:
+                try:
+                    import pynvml as nvml
+                except ImportError as e:  # pragma: no cover - nvidia-ml-py is a dependency
+                    raise NVMLUnavailableError(f"nvidia-ml-py is not installed. {SIMULATION_HINT}") from e
+            try:
+                nvml.nvmlInit()
+            except nvml.NVMLError as e:
+                raise _translate(nvml, e, "Initialising NVML", "this machine") from None
+            _gpus = GPUs(nvml, simulated=system is not None)
+            from zeus_callbacks.core.device.state_guard import guard
+
+            _gpus.repaired = guard().repair_dead_runs(_gpus)
+        return _gpus
+
+
+def reset() -> None:
+    """Forget the discovered GPUs (after the simulation or `CUDA_VISIBLE_DEVICES` changed)."""
+    global _gpus
+    with _lock:
+        _gpus = None
+    from zeus_callbacks.core.device import state_guard as gpu_state
+
+    gpu_state.reset()

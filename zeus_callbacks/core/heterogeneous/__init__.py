@@ -1,0 +1,1 @@
+"""The heterogeneous planner (Zeus²): planning, its profile file, and uneven training."""

@@ -1,0 +1,1 @@
+"""The energy monitor: measurement windows, energy reporting and per-epoch logs."""

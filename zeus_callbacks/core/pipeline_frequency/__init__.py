@@ -1,0 +1,1 @@
+"""The pipeline-frequency optimizer (Perseus): recording, clock sweep, DAG, frontier, control."""

@@ -1,1 +1,0 @@
-"""Offline solvers: the Perseus time-energy frontier and the heterogeneous-GPU allocation."""

@@ -1,0 +1,1 @@
+"""The global power-limit optimizer: the optimizer, its search, selectors and profile file."""

@@ -1,0 +1,518 @@
+"""GlobalPowerLimitOptimizer: profile GPU power limits during real training, pick the best, keep it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.device.errors import GPUError
+from zeus_callbacks.core.device.state_guard import guard
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.power_limit.profile_file import ProfileContext, load_profile, save_profile
+from zeus_callbacks.core.power_limit.search import (
+    SEARCHES,
+    PowerLimitStats,
+    adaptive_budget_steps,
+    choose_power_limit,
+    measurement_verdict,
+    min_measured_steps,
+    next_power_limit,
+    power_limit_grid,
+    spent_steps,
+)
+from zeus_callbacks.core.power_limit.selectors import OptimumSelector, ZeusCost
+
+__all__ = ["GlobalPowerLimitOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+_WINDOW = "__GlobalPowerLimitOptimizer_step"
+
+
+@dataclass
+class _Waiting:
+    steps_left: int
+
+
+@dataclass
+class _Warmup:
+    power_limit_w: int
+    steps_left: int
+    stats: PowerLimitStats  # what the measurement adds to: empty, or the samples of earlier visits
+
+
+@dataclass
+class _Profiling:
+    power_limit_w: int
+    stats: PowerLimitStats
+    steps_done: int = 0  # valid samples or not
+
+
+@dataclass
+class _Done:
+    power_limit_w: int
+
+
+@dataclass
+class _Inactive:
+    reason: str
+    power_limit_w: int | None = None  # the choice it would apply, when a complete profile gave one
+
+
+_Phase = _Waiting | _Warmup | _Profiling | _Done | _Inactive
+
+
+class GlobalPowerLimitOptimizer:
+    """Find the best GPU power limit during training and keep it (Zeus's `GlobalPowerLimitOptimizer`).
+
+    Each power limit is profiled over whole training steps (step begin to step end, so evaluation,
+    logging and checkpointing between steps are not charged to it), after `warmup_steps` steps at that
+    limit. The adaptive search measures each limit only until it is clearly worse than the best so far
+    or cannot beat it by more than 1% (at least `profile_steps // 8` steps), then revisits the few limits
+    still within 1% of the best (warm-up again, then up to `profile_steps` steps in all) while a budget
+    of 3/4 of a sweep's steps lasts; see `power_limit_search`. Profiling carries on across epochs. Under torch.distributed every rank measures its own GPU; each measured step's energy
+    is summed and its time maxed over ranks, so every rank reaches the same decision at the same step.
+    Every change goes through the process's GPU-state guard and is undone at `on_train_end`, at exit, on
+    exceptions and on signals.
+
+    Args:
+        monitor: The `ZeusMonitor` measuring this process's GPU(s).
+        optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
+        wait_steps: Steps to let pass before profiling starts.
+        warmup_steps: Steps run at each power limit before it is measured (0 allowed).
+        profile_steps: Steps measured at each power limit (the most, for the adaptive search).
+        pl_step: Stride between profiled power limits (W); the minimum limit is always profiled.
+        profile_path: JSON file of the profile: loaded if it exists (a complete one skips profiling, a
+            partial one resumes it), written (by rank 0) as profiling goes.
+        search: "adaptive" (default: each limit measured only as long as needed, the near-ties
+            measured again) or "sweep" (every limit for `profile_steps`, as Zeus).
+
+    Raises:
+        ValueError: a bad argument; the message names it.
+
+    Example::
+
+        monitor = ZeusMonitor(gpu_indices=[local_rank])
+        plo = GlobalPowerLimitOptimizer(monitor, MaxSlowdownConstraint(1.1))
+        for epoch in range(epochs):
+            for batch in loader:
+                plo.on_step_begin()
+                train_step(batch)
+                plo.on_step_end()
+            plo.on_epoch_end()
+        plo.on_train_end()
+    """
+
+    def __init__(
+        self,
+        monitor: ZeusMonitor,
+        optimum_selector: OptimumSelector | None = None,
+        wait_steps: int = 1,
+        warmup_steps: int = 10,
+        profile_steps: int = 40,
+        pl_step: int = 25,
+        profile_path: str | Path | None = None,
+        search: str = "adaptive",
+    ) -> None:
+        def bad(name: str, value: Any, want: str) -> ValueError:
+            return ValueError(f"`GlobalPowerLimitOptimizer({name}={value!r})`: {want}.")
+
+        if wait_steps < 0:
+            raise bad("wait_steps", wait_steps, "must be >= 0")
+        if warmup_steps < 0:
+            raise bad("warmup_steps", warmup_steps, "must be >= 0")
+        if profile_steps < 1:
+            raise bad("profile_steps", profile_steps, "must be >= 1")
+        if pl_step <= 0:
+            raise bad("pl_step", pl_step, "must be a positive number of watts")
+        if search not in SEARCHES:
+            raise bad("search", search, f"must be one of {SEARCHES}")
+        if optimum_selector is not None and not isinstance(optimum_selector, OptimumSelector):
+            raise bad(
+                "optimum_selector", optimum_selector, "must be an OptimumSelector (Time(), Energy(), ...)"
+            )
+        self.monitor = monitor
+        self.optimum_selector = optimum_selector or ZeusCost(eta_knob=0.5)
+        self.wait_steps = wait_steps
+        self.warmup_steps = warmup_steps
+        self.profile_steps = profile_steps
+        self.min_steps = min_measured_steps(profile_steps) if search == "adaptive" else profile_steps
+        self.pl_step = int(pl_step)
+        self.profile_path = Path(profile_path) if profile_path is not None else None
+        self.search = search
+        self._gpus = [monitor.gpus[i] for i in monitor.gpu_indices]
+        self._phase: _Phase = _Waiting(wait_steps)
+        self._started = False
+        self._pending_state: dict[str, Any] | None = None
+        self.stats: dict[int, PowerLimitStats] = {}
+        self.grid: list[int] = []
+        self.num_gpus = len(self._gpus)
+        self.max_power_w = 0.0
+        self.may_set = True
+        self.profiling_steps = 0
+        self.profiling_energy_j = 0.0
+        self.power_limit_w: int | None = None
+        self._failed = False
+
+    # -- public state ---------------------------------------------------------------------------
+    @property
+    def phase(self) -> str:
+        """`waiting`, `warmup`, `profiling`, `done` or `inactive`."""
+        return type(self._phase).__name__.lstrip("_").lower()
+
+    @property
+    def optimal_power_limit_w(self) -> int | None:
+        """The chosen power limit once profiling is over (also when this process may not apply it)."""
+        return self._phase.power_limit_w if isinstance(self._phase, (_Done, _Inactive)) else None
+
+    def metrics(self) -> dict[str, float | str]:
+        """Numbers for the trainer's loggers: current limit, phase, profiling cost, the choice."""
+        out: dict[str, float | str] = {"phase": self.phase}
+        if self.power_limit_w is not None:
+            out["power_limit_w"] = float(self.power_limit_w)
+        if self.optimal_power_limit_w is not None:
+            out["optimal_power_limit_w"] = float(self.optimal_power_limit_w)
+        out["profiling_steps"] = float(self.profiling_steps)
+        out["profiling_energy_j"] = self.profiling_energy_j
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """The profile as plain data: one row per profiled limit, the choice, and the saving against the
+        maximum limit (by the measurements; labelled `simulated` when the GPUs are)."""
+        rows = []
+        ref = self.stats.get(self.grid[0]) if self.grid else None
+        ref_time = ref.mean_time_s if ref is not None and ref.steps else float("nan")
+        for pl in sorted(self.stats, reverse=True):
+            s = self.stats[pl]
+            if not s.steps:
+                continue
+            m = s.measurement(self.profile_steps)
+            cost = (
+                float(
+                    self.optimum_selector.score(
+                        np.array([m.time]),
+                        np.array([m.energy]),
+                        self.max_power_w,
+                        ref_time * self.profile_steps,
+                    )[0]
+                )
+                if self.optimum_selector.has_score()
+                else float("nan")
+            )
+            rows.append(
+                {
+                    "power_limit_w": pl,
+                    "time_per_step_s": s.mean_time_s,
+                    "energy_per_step_j": s.mean_energy_j,
+                    "cost": cost,
+                    "steps": s.steps,
+                    "pruned": s.pruned,
+                }
+            )
+        out: dict[str, Any] = {
+            "selector": repr(self.optimum_selector),
+            "search": self.search,
+            "simulated": self.monitor.simulated,
+            "num_gpus": self.num_gpus,
+            "phase": self.phase,
+            "power_limits": rows,
+            "optimal_power_limit_w": self.optimal_power_limit_w,
+            "applied": isinstance(self._phase, _Done),
+            "profiling_steps": self.profiling_steps,
+            "profiling_energy_j": self.profiling_energy_j,
+        }
+        if isinstance(self._phase, _Inactive):
+            out["inactive_reason"] = self._phase.reason
+        best = self.stats.get(self.optimal_power_limit_w or -1)
+        if ref is not None and ref.steps and best is not None and best.steps:
+            out["energy_saved_pct"] = 100 * (1 - best.mean_energy_j / ref.mean_energy_j)
+            out["time_lost_pct"] = 100 * (best.mean_time_s / ref.mean_time_s - 1)
+        return out
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def on_step_begin(self) -> None:
+        """Mark the beginning of a training step."""
+        if not self._started:
+            self._start()
+        if isinstance(self._phase, (_Warmup, _Profiling)) and not self._failed:
+            try:
+                if _WINDOW in self.monitor.open_windows:
+                    self.monitor.end_window(_WINDOW, cancel=True)
+                self.monitor.begin_window(_WINDOW)
+            except GPUError as e:
+                self._gpu_failed(e)
+
+    def on_step_end(self) -> None:
+        """Mark the end of a training step."""
+        if not self._started:
+            return
+        phase = self._phase
+        if isinstance(phase, _Waiting):
+            phase.steps_left -= 1
+            if phase.steps_left <= 0:
+                self._begin_next()
+        elif isinstance(phase, _Warmup):
+            self._record_step(None)
+            phase.steps_left -= 1
+            if phase.steps_left <= 0 and self._phase is phase:
+                self._phase = _Profiling(phase.power_limit_w, phase.stats)
+        elif isinstance(phase, _Profiling):
+            self._record_step(phase)
+        self.monitor.gpus.step_boundary(self.monitor.gpu_indices)
+
+    def on_epoch_end(self) -> None:
+        """Mark the end of an epoch. Profiling carries on across epochs: nothing is restarted."""
+
+    def on_train_end(self) -> None:
+        """Restore the GPUs' settings as they were before training.
+
+        The optimizer can drive another training run afterwards: a finished choice is applied again at
+        its first step, and a limit whose profiling was interrupted is profiled again from its warm-up.
+        """
+        if _WINDOW in self.monitor.open_windows:
+            self.monitor.end_window(_WINDOW, cancel=True)
+        guard().restore()
+        self.power_limit_w = None
+        self._started = False
+        if isinstance(self._phase, (_Warmup, _Profiling)):
+            self._phase = _Waiting(self.wait_steps)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers and strings: the finished profile and, if any, the choice."""
+        return {
+            "version": 1,
+            "optimal_power_limit_w": self.optimal_power_limit_w,
+            "stats": [s.to_dict() for s in self.stats.values()],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`: a finished profile is applied without profiling again; a partial
+        one resumes at the next power limit (the limit being profiled at the checkpoint starts over)."""
+        if state.get("version") != 1:
+            raise ValueError(f"Unknown GlobalPowerLimitOptimizer state version {state.get('version')!r}.")
+        self._pending_state = state
+        if self._started:
+            self._apply_state()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _context(self) -> ProfileContext:
+        from zeus_callbacks import __version__
+
+        lo, hi = self.grid[-1], self.grid[0]
+        return ProfileContext(
+            self._gpus[0].name, (lo, hi), self.pl_step, self.num_gpus, self.monitor.simulated, __version__
+        )
+
+    def _start(self) -> None:
+        self._started = True
+        constraints = {g.power_limit_constraints_mw() for g in self._gpus}
+        lo, hi = min(c[0] for c in constraints), max(c[1] for c in constraints)
+        # Every rank must profile the same grid: refuse mixed GPU models rather than guess.
+        lows = dist.all_reduce([-lo, hi, float(len(constraints) > 1)], op="max")
+        if len(constraints) > 1 or -lows[0] != lo or lows[1] != hi or lows[2]:
+            raise ValueError(
+                "GlobalPowerLimitOptimizer needs GPUs with the same power-limit range on every rank; this job mixes "
+                "GPU models. Plan per-GPU limits with `zeus-callbacks plan` (the heterogeneous planner) instead."
+            )
+        self.grid = power_limit_grid(lo / 1000, hi / 1000, self.pl_step)
+        self.num_gpus = int(dist.all_reduce([len(self._gpus)], op="sum")[0])
+        self.max_power_w = self.grid[0] * self.num_gpus
+        denied = dist.all_reduce([float(not all(g.may_change_settings() for g in self._gpus))], op="sum")[0]
+        self.may_set = denied == 0
+        if isinstance(self._phase, _Done):  # a later run of the same optimizer
+            self._settle(self._phase.power_limit_w)
+            return
+        if isinstance(self._phase, _Inactive):
+            return
+        if self.profile_path is not None and self.profile_path.exists():
+            stats, complete = load_profile(self.profile_path, self._context())
+            self.stats = stats
+            logger.info(
+                "Loaded %s power-limit profile from %s.",
+                "the" if complete else "a partial",
+                self.profile_path,
+            )
+            if complete:
+                self._finish()
+                return
+        if self._pending_state is not None:
+            self._apply_state()
+            if not isinstance(self._phase, _Waiting):
+                return
+        if not self.may_set:
+            self._phase = _Inactive("no permission to change power limits")
+            logger.warning(
+                "GlobalPowerLimitOptimizer: this process may not change GPU power limits (needs root or "
+                "CAP_SYS_ADMIN), so it cannot profile them. Energy is still measured; with a complete "
+                "profile_path it reports the limit it would apply."
+            )
+            return
+        if isinstance(self._phase, _Waiting) and self._phase.steps_left <= 0:
+            self._begin_next()
+
+    def _apply_state(self) -> None:
+        state, self._pending_state = self._pending_state, None
+        assert state is not None
+        self.stats = {int(s["power_limit_w"]): PowerLimitStats(**s) for s in state["stats"]}
+        if state.get("optimal_power_limit_w") is not None:
+            self._settle(int(state["optimal_power_limit_w"]))
+            logger.info(
+                "Resumed with the optimal power limit %d W without profiling again.",
+                self._phase.power_limit_w,
+            )
+
+    def _begin_next(self) -> None:
+        pl = next_power_limit(
+            self.grid,
+            self.stats,
+            self.optimum_selector,
+            self.max_power_w,
+            self.num_gpus,
+            self.search,
+            self.warmup_steps,
+            self.profile_steps,
+        )
+        if pl is None:
+            self._finish()
+            return
+        if not self._set_power_limit(pl):
+            return
+        earlier = self.stats.get(pl)
+        # A revisit (the adaptive search's refinement) adds to the samples of the earlier visits.
+        stats = PowerLimitStats(pl) if earlier is None else replace(earlier, visits=earlier.visits + 1)
+        logger.info("Profiling power limit %d W%s.", pl, "" if earlier is None else " again")
+        if self.warmup_steps > 0:
+            self._phase = _Warmup(pl, self.warmup_steps, stats)
+        else:
+            self._phase = _Profiling(pl, stats)
+
+    def _record_step(self, phase: _Profiling | None) -> None:
+        """Close the step's window and add it to the profiling cost; when measuring, add the job's step
+        (energy summed, time maxed over ranks) to the limit's samples and decide whether to go on."""
+        self.profiling_steps += 1
+        m = None
+        if not self._failed:
+            try:
+                m = self.monitor.end_window(_WINDOW)
+                self.profiling_energy_j += m.total_energy
+            except (GPUError, ValueError) as e:
+                self._gpu_failed(e)
+        if phase is None or (self._phase is not phase and not dist.is_distributed()):
+            return
+        t, e = (m.time, m.total_energy) if m is not None else (0.0, 0.0)
+        # One pair of collectives per measured step, on every rank, whatever happened to its GPU.
+        total = dist.all_reduce([e, float(self._failed), float(t <= 0 or e <= 0)], op="sum")
+        top = dist.all_reduce([t], op="max")
+        if total[1] > 0:
+            self._deactivate("a GPU failed during profiling")
+            return
+        if total[2] == 0:  # a counter that did not move (or a step with no work) is not a sample
+            phase.stats.add(top[0], total[0])
+        phase.steps_done += 1
+        self._decide(phase)
+
+    def _decide(self, phase: _Profiling) -> None:
+        s = phase.stats
+        if self.search == "sweep" or not self.optimum_selector.has_score():
+            verdict = "measured" if s.steps >= self.profile_steps else "more"
+        else:
+            verdict = measurement_verdict(
+                s,
+                self.stats,
+                self.optimum_selector,
+                self.max_power_w,
+                self.stats.get(self.grid[0], s),
+                self.min_steps,
+                self.profile_steps,
+                self._budget_left_steps(s),
+            )
+        if verdict == "more" and phase.steps_done >= 4 * self.profile_steps:
+            verdict = "measured"  # the counter barely moves: settle for what was measured
+        if verdict == "more":
+            return
+        if not s.steps:
+            logger.warning(
+                "No valid measurement at %d W in %d steps (energy counter not moving); skipping it.",
+                s.power_limit_w,
+                phase.steps_done,
+            )
+        s.pruned = verdict == "pruned" or not s.steps
+        self.stats[s.power_limit_w] = s
+        self._after_limit()
+
+    def _budget_left_steps(self, current: PowerLimitStats) -> int:
+        """Steps the adaptive search may still spend (`adaptive_budget_steps`), `current` counted."""
+        budget = adaptive_budget_steps(len(self.grid), self.warmup_steps, self.profile_steps)
+        return budget - spent_steps({**self.stats, current.power_limit_w: current}, self.warmup_steps)
+
+    def _after_limit(self) -> None:
+        self._save(complete=False)
+        self._begin_next()
+
+    def _finish(self) -> None:
+        try:
+            pl = choose_power_limit(self.stats, self.optimum_selector, self.max_power_w, self.profile_steps)
+        except ValueError:
+            logger.warning(
+                "GlobalPowerLimitOptimizer: no power limit could be measured; leaving the GPU as it was."
+            )
+            self._deactivate("no power limit could be measured")
+            return
+        self._save(complete=True)
+        self._settle(pl)
+        logger.info(
+            "Optimal power limit: %d W (%s, %d limits profiled%s).",
+            pl,
+            self.optimum_selector,
+            len(self.stats),
+            ", SIMULATED GPUs" if self.monitor.simulated else "",
+        )
+
+    def _settle(self, pl: int) -> None:
+        """Apply the choice, or, without permission, only report it."""
+        if self.may_set:
+            self._phase = _Done(pl)
+            self._set_power_limit(pl)
+            return
+        self._phase = _Inactive("no permission to change power limits", pl)
+        logger.warning(
+            "GlobalPowerLimitOptimizer: this process may not change GPU power limits (needs root or CAP_SYS_ADMIN); "
+            "it would apply %d W. Energy is still measured.",
+            pl,
+        )
+
+    def _save(self, complete: bool) -> None:
+        if self.profile_path is not None and dist.rank() == 0:
+            save_profile(self.profile_path, self._context(), self.stats, complete)
+
+    def _set_power_limit(self, pl: int) -> bool:
+        try:
+            for g in self._gpus:
+                g.set_power_limit_mw(pl * 1000)
+        except GPUError as e:
+            self._gpu_failed(e)
+            # Under torch.distributed the other ranks carry on until the next decision, which deactivates
+            # every rank together; this rank's limit is not in force, so it reports none.
+            self.power_limit_w = None
+            return dist.is_distributed()
+        self.power_limit_w = pl
+        return True
+
+    def _gpu_failed(self, error: Exception) -> None:
+        logger.warning("GlobalPowerLimitOptimizer: %s. Restoring the GPU and training on without it.", error)
+        self._failed = True
+        if not dist.is_distributed():
+            self._deactivate(str(error))
+
+    def _deactivate(self, reason: str) -> None:
+        self._phase = _Inactive(reason)
+        if _WINDOW in self.monitor.open_windows:
+            self.monitor.end_window(_WINDOW, sync_execution=False, cancel=True)
+        guard().restore()
+        self.power_limit_w = None
