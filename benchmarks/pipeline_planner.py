@@ -21,6 +21,7 @@ import math
 import random
 import time
 
+from zeus_callbacks.core.pipeline_frequency.dag import build_dag, build_schedule
 from zeus_callbacks.core.pipeline_frequency.frontier import (
     FrequencyOption,
     evaluate,
@@ -29,7 +30,6 @@ from zeus_callbacks.core.pipeline_frequency.frontier import (
     pareto_options,
     solve,
 )
-from zeus_callbacks.core.pipeline_frequency.dag import build_dag, build_schedule
 
 F_MAX_MHZ = 1740
 FREQS_MHZ = list(range(F_MAX_MHZ, 899, -30))  # A40-like SM clock grid: 1740 MHz down to 900 MHz.

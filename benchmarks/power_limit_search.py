@@ -38,7 +38,13 @@ from zeus_callbacks import sim
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.search import power_limit_grid
-from zeus_callbacks.core.power_limit.selectors import Energy, MaxSlowdownConstraint, OptimumSelector, Time, ZeusCost
+from zeus_callbacks.core.power_limit.selectors import (
+    Energy,
+    MaxSlowdownConstraint,
+    OptimumSelector,
+    Time,
+    ZeusCost,
+)
 from zeus_callbacks.sim import fake_nvml
 
 KINDS = ("a40", "v100", "a10g", "t4")

@@ -11,8 +11,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_callback import CallbackHandler
 from typing_extensions import override
 
-from zeus_callbacks.core.monitor.reporting import EnergyReporter
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.monitor.reporting import EnergyReporter
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 

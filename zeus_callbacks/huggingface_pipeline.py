@@ -8,8 +8,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from typing_extensions import override
 
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
-from zeus_callbacks.huggingface import _log, _run_before_trackers
 from zeus_callbacks.core.pipeline_frequency.pipelining import find_stage, instrument
+from zeus_callbacks.huggingface import _log, _run_before_trackers
 
 __all__ = ["HFPipelineFrequencyOptimizer"]
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
-from zeus_callbacks.lightning._callbacks import _log_metrics
 from zeus_callbacks.core.pipeline_frequency.pipelining import find_stage, instrument
+from zeus_callbacks.lightning._callbacks import _log_metrics
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl

@@ -22,8 +22,6 @@ from typing import Any, Literal
 from torch.utils.data import DataLoader, Subset
 
 from zeus_callbacks.core.device.state_guard import guard
-from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit.search import power_limit_grid
 from zeus_callbacks.core.monitor.epoch_log import (
     LOG_PREFIX_ENV,
     MONITOR_SLEEP_MS_ENV,
@@ -33,6 +31,8 @@ from zeus_callbacks.core.monitor.epoch_log import (
     subset_indices,
     subset_scaling_factor,
 )
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.power_limit.search import power_limit_grid
 
 __all__ = [
     "ProfileDataLoader",

@@ -6,7 +6,6 @@ import pynvml
 import pytest
 
 from zeus_callbacks.core.device import gpus as devices
-from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.device.errors import (
     GPULostError,
     GPUNoPermissionError,
@@ -14,6 +13,7 @@ from zeus_callbacks.core.device.errors import (
     MIGNotSupportedError,
     NVMLUnavailableError,
 )
+from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 

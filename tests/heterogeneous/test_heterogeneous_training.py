@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from zeus_callbacks import ZeusCost
 from zeus_callbacks.core.device.gpus import get_gpus
-from zeus_callbacks.core.heterogeneous.profile_file import ExtrapolationError, load_profile
 from zeus_callbacks.core.heterogeneous.planner import plan
+from zeus_callbacks.core.heterogeneous.profile_file import ExtrapolationError, load_profile
 from zeus_callbacks.heterogeneous import (
     RankPlan,
     UnevenDistributedSampler,

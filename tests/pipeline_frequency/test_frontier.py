@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from zeus_callbacks.core.pipeline_frequency.dag import build_dag, build_schedule
 from zeus_callbacks.core.pipeline_frequency.frontier import (
     FrequencyOption,
     evaluate,
@@ -16,7 +17,6 @@ from zeus_callbacks.core.pipeline_frequency.frontier import (
     pareto_options,
     solve,
 )
-from zeus_callbacks.core.pipeline_frequency.dag import build_dag, build_schedule
 
 
 def _options(seed: int, num_stages: int, num_freqs: int) -> dict:

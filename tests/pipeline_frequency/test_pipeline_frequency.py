@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 from zeus_callbacks.core.pipeline_frequency.clock_sweep import (
     ProfileRow,
     StageSample,
@@ -28,8 +26,10 @@ from zeus_callbacks.core.pipeline_frequency.clock_sweep import (
     save_profile_csv,
     undisturbed_estimate,
 )
-from zeus_callbacks.core.pipeline_frequency.frontier import max_frequency_plan, solve
+from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
 from zeus_callbacks.core.pipeline_frequency.dag import build_schedule
+from zeus_callbacks.core.pipeline_frequency.frontier import max_frequency_plan, solve
+from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 from zeus_callbacks.sim.system import SimulatedSystem
 
 FAST = dict(wait_steps=1, warmup_steps=0, profile_steps=1, frequency_stride_mhz=180, patience=2)
@@ -379,8 +379,8 @@ def test_clocks_restored_after_sigterm(node):
 
 
 def test_slack_margin_plans_lowered_clocks_longer_at_the_same_effective_energy(node):
-    from zeus_callbacks.core.pipeline_frequency.optimizer import _with_margin
     from zeus_callbacks.core.pipeline_frequency.frontier import FrequencyOption
+    from zeus_callbacks.core.pipeline_frequency.optimizer import _with_margin
 
     options = {(0, "forward"): [FrequencyOption(1740, 1.0, 200.0), FrequencyOption(1500, 1.2, 180.0)]}
     padded = _with_margin(options, 0.1, [50.0])[0, "forward"]

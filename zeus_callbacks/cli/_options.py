@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from zeus_callbacks.core.power_limit.selectors import Energy, MaxSlowdownConstraint, OptimumSelector, Time, ZeusCost
+from zeus_callbacks.core.power_limit.selectors import (
+    Energy,
+    MaxSlowdownConstraint,
+    OptimumSelector,
+    Time,
+    ZeusCost,
+)
 from zeus_callbacks.sim.specs import SPECS
 
 OBJECTIVES = ("zeus-cost", "energy", "time", "max-slowdown")

@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from zeus_callbacks.core.device.gpus import GPU, get_gpus
 from zeus_callbacks.core.device.errors import GPUError, MIGNotSupportedError, NVMLUnavailableError
+from zeus_callbacks.core.device.gpus import GPU, get_gpus
 
 NO_GPU_MESSAGE = (
     "No NVIDIA GPU or driver found. To use simulated GPUs, set ZEUS_CALLBACKS_SIMULATE=a40 "

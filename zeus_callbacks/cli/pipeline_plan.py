@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 
+from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_dag, build_schedule
 from zeus_callbacks.core.pipeline_frequency.frontier import Frontier, Plan, frontier, solve
 from zeus_callbacks.core.pipeline_frequency.profile_file import read_profile
-from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_dag, build_schedule
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -8,8 +8,8 @@ import sys
 from typing import Any
 
 from zeus_callbacks.cli.devices import NO_GPU_MESSAGE
-from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.device.errors import MIGNotSupportedError, NVMLUnavailableError
+from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.device.state_guard import JournalEntry, guard, journal_dir
 
 

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from zeus_callbacks.core.monitor.reporting import EnergyReporter
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.monitor.reporting import EnergyReporter
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 

@@ -6,9 +6,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_schedule
 from zeus_callbacks.core.pipeline_frequency.frontier import FrequencyOption
 from zeus_callbacks.core.pipeline_frequency.profile_file import PROFILE_COLUMNS, read_profile, write_profile
-from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_schedule
 
 __all__ = [
     "FORWARD",

@@ -6,8 +6,8 @@ import logging
 import threading
 from collections import deque
 
-from zeus_callbacks.core.device.gpus import GPU
 from zeus_callbacks.core.device.errors import GPUError
+from zeus_callbacks.core.device.gpus import GPU
 
 __all__ = ["FrequencyController"]
 

@@ -13,7 +13,6 @@ from typing import Any
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.errors import GPUError
-from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.pipeline_frequency.clock_sweep import (
@@ -29,8 +28,14 @@ from zeus_callbacks.core.pipeline_frequency.clock_sweep import (
     save_profile_csv,
     undisturbed_estimate,
 )
-from zeus_callbacks.core.pipeline_frequency.frontier import FrequencyOption, evaluate, max_frequency_plan, solve
+from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
 from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.frontier import (
+    FrequencyOption,
+    evaluate,
+    max_frequency_plan,
+    solve,
+)
 
 __all__ = ["PipelineFrequencyOptimizer"]
 
