@@ -1,11 +1,30 @@
-"""The few torch.distributed collectives the core needs, as no-ops when the job is not distributed."""
+"""Process-level helpers the core shares: torch.distributed collectives (no-ops when the job is not
+distributed), one `Group` for collectives over a process group, `local_rank()`, and the one chain of
+SIGINT/SIGTERM handlers that every part of the core registers its clean-up with."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["is_distributed", "rank", "world_size", "all_reduce", "broadcast_object", "all_gather_object"]
+__all__ = [
+    "is_distributed",
+    "rank",
+    "world_size",
+    "local_rank",
+    "all_reduce",
+    "broadcast_object",
+    "all_gather_object",
+    "Group",
+    "on_termination",
+    "remove_termination_handler",
+]
+
+logger = logging.getLogger(__name__)
 
 
 def is_distributed() -> bool:
@@ -33,6 +52,15 @@ def world_size() -> int:
     import torch.distributed as dist
 
     return dist.get_world_size()
+
+
+def local_rank() -> int:
+    """This process's rank on its node: `LOCAL_RANK` (torchrun, accelerate, Lightning), else 0."""
+    value = os.environ.get("LOCAL_RANK", "")
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={value!r} is not an integer; unset it or set the rank on this node.") from None
 
 
 def _device():
@@ -78,3 +106,99 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+class Group:
+    """The collectives of one process group (the default group when None); no-ops outside torch.distributed."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        if not is_distributed():
+            return 0
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every group member's `obj`, in group-rank order."""
+        if not is_distributed():
+            return [obj]
+        if self.group is None:
+            return all_gather_object(obj)
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """`obj` from the group's first rank."""
+        if not is_distributed():
+            return obj
+        if self.group is None:
+            return broadcast_object(obj, src=0)
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+
+# -- the one signal chain -------------------------------------------------------------------------------
+_TERMINATION_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_handlers: list[Callable[[int], None]] = []
+_previous: dict[int, Any] = {}
+_chain_lock = threading.Lock()
+
+
+def on_termination(handler: Callable[[int], None]) -> bool:
+    """Call `handler(signum)` on SIGINT/SIGTERM, newest first, before the handler that was in place.
+
+    The first registration installs this module's handler (main thread only); the signal then goes on to
+    the handler that was there before (the user's or the framework's), or kills the process as it would
+    have without us. Returns False when not on the main thread (the handler then only runs at exit, through
+    the caller's own `atexit`).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    with _chain_lock:
+        if handler not in _handlers:
+            _handlers.append(handler)
+        for signum in _TERMINATION_SIGNALS:
+            if signal.getsignal(signum) is not _on_signal:
+                _previous[signum] = signal.getsignal(signum)
+                signal.signal(signum, _on_signal)
+    return True
+
+
+def remove_termination_handler(handler: Callable[[int], None]) -> None:
+    """Forget `handler`; with no handler left, put back the signal handlers found at the first registration."""
+    with _chain_lock:
+        if handler in _handlers:
+            _handlers.remove(handler)
+        if _handlers or threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in _previous.items():
+            if signal.getsignal(signum) is _on_signal:
+                signal.signal(signum, previous)
+        _previous.clear()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    logger.warning("Received %s: restoring GPU settings.", signal.Signals(signum).name)
+    for handler in reversed(list(_handlers)):
+        try:
+            handler(signum)
+        except Exception:  # one failing clean-up must not stop the others nor the signal
+            logger.exception("A clean-up handler failed on %s.", signal.Signals(signum).name)
+    previous = _previous.get(signum)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    else:  # SIG_DFL or unknown: die from the signal as the process would have
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)

@@ -13,13 +13,13 @@ import atexit
 import json
 import logging
 import os
-import signal
 import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.errors import GPUError
 
 if TYPE_CHECKING:
@@ -102,7 +102,6 @@ class GPUStateGuard:
         self._gpus: dict[str, GPU] = {}
         self._lock = threading.RLock()
         self._handlers_installed = False
-        self._previous: dict[int, Any] = {}
         self._pid = os.getpid()
         self._path = None if directory is None else directory / f"{self._pid}-{_start_time(self._pid)}.json"
 
@@ -184,24 +183,11 @@ class GPUStateGuard:
             return
         self._handlers_installed = True
         atexit.register(self.restore)
-        if threading.current_thread() is not threading.main_thread():
+        if not dist.on_termination(self._on_signal):
             logger.debug("Not on the main thread: GPU settings are restored at exit, not on signals.")
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.getsignal(signum)
-            signal.signal(signum, self._on_signal)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        logger.warning("Received %s: restoring GPU settings.", signal.Signals(signum).name)
+    def _on_signal(self, signum: int) -> None:
         self.restore()
-        previous = self._previous.get(signum)
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_IGN:
-            return
-        else:  # SIG_DFL or unknown: die from the signal as the process would have
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
 
     # -- repairing dead runs ----------------------------------------------------------------------
     def repair_dead_runs(self, gpus: GPUs, include_live: bool = False) -> list[JournalEntry]:
@@ -276,3 +262,4 @@ def reset() -> None:
         # What could not be restored stays in the journal on disk for the next discovery or
         # `zeus-callbacks restore`; the replaced guard's GPUs are gone, so it must not retry at exit.
         atexit.unregister(old.restore)
+        dist.remove_termination_handler(old._on_signal)

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
-import signal
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,43 +127,6 @@ class _Accumulator:
             if t
         }
         return StageSample(stage, frequency_mhz, kinds, self.blocked_time_s, self.blocked_energy_j, sequence)
-
-
-class _Group:
-    """The collectives of one process group (the default group when None); no-ops outside torch.distributed."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def rank(self) -> int:
-        if not dist.is_distributed():
-            return 0
-        import torch.distributed as tdist
-
-        return tdist.get_rank(self.group)
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if not dist.is_distributed():
-            return [obj]
-        if self.group is None:
-            return dist.all_gather_object(obj)
-        import torch.distributed as tdist
-
-        out: list[Any] = [None] * tdist.get_world_size(self.group)
-        tdist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def broadcast(self, obj: Any) -> Any:
-        """`obj` from the group's first rank."""
-        if not dist.is_distributed():
-            return obj
-        if self.group is None:
-            return dist.broadcast_object(obj, src=0)
-        import torch.distributed as tdist
-
-        box = [obj]
-        tdist.broadcast_object_list(box, src=tdist.get_global_rank(self.group, 0), group=self.group)
-        return box[0]
 
 
 class PipelineFrequencyOptimizer:
@@ -296,7 +256,7 @@ class PipelineFrequencyOptimizer:
             )
         if monitor is None:
             if device_id is None:
-                device_id = int(os.environ.get("LOCAL_RANK", 0))
+                device_id = dist.local_rank()
             monitor = ZeusMonitor(gpu_indices=[device_id])
         elif len(monitor.gpu_indices) != 1 or (device_id is not None and monitor.gpu_indices != [device_id]):
             raise bad(
@@ -325,7 +285,7 @@ class PipelineFrequencyOptimizer:
             raise bad("slack_margin", slack_margin, "must be in [0, 1)")
         self.slack_margin = slack_margin
         self.profile_path = Path(profile_path) if profile_path is not None else None
-        self._group = _Group(process_group)
+        self._group = dist.Group(process_group)
         self._pp_rank = pp_rank
         self.stage: int | None = pp_rank
         self._phase: _Phase = _Waiting(self.wait_steps)
@@ -352,7 +312,6 @@ class PipelineFrequencyOptimizer:
         self._sequences: dict[int, tuple[str, ...]] = {}
         self._plan: dict[str, Any] | None = None
         self._failed: str | None = None
-        self._previous_handlers: dict[int, Any] = {}
         # metrics
         self.iteration_time_s: float | None = None
         self.iteration_energy_j: float | None = None
@@ -550,7 +509,7 @@ class PipelineFrequencyOptimizer:
         guard().restore()
         if self._controller is not None:
             self._controller.forget()
-        self._uninstall_signal_handlers()
+        dist.remove_termination_handler(self._on_signal)
         atexit.unregister(self.close)
 
     # -- start and profiling ----------------------------------------------------------------------
@@ -599,7 +558,7 @@ class PipelineFrequencyOptimizer:
         self._stage_position = dict.fromkeys(stages, 0)
         self._stage_done = dict.fromkeys(stages, False)
         self._controller = FrequencyController(self.gpu)
-        self._install_signal_handlers()
+        dist.on_termination(self._on_signal)
         atexit.register(self.close)
         if self.wait_steps == 0:
             self._begin_profiling()
@@ -798,30 +757,9 @@ class PipelineFrequencyOptimizer:
             )
 
     # -- signals ------------------------------------------------------------------------------------
-    def _install_signal_handlers(self) -> None:
-        # The guard restores the clocks on signals; this stops the worker thread first, so that it cannot
-        # lock a clock again between the guard's restore and the end of the process.
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous_handlers[signum] = signal.getsignal(signum)
-            signal.signal(signum, self._on_signal)
-
-    def _uninstall_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum, previous in self._previous_handlers.items():
-            if signal.getsignal(signum) == self._on_signal:
-                signal.signal(signum, previous)
-        self._previous_handlers.clear()
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int) -> None:
+        # Stop the worker thread before restoring, so that no clock is locked again after the restore
+        # (the guard's own handler may run before or after this one; restoring twice is harmless).
         if self._controller is not None:
             self._controller.close()
         guard().restore()
-        previous = self._previous_handlers.get(signum)
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
