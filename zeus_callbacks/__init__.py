@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from zeus_callbacks.core.device.backend import register_backend
 from zeus_callbacks.core.device.errors import (
     GPUError,
     GPULostError,
@@ -29,6 +30,8 @@ from zeus_callbacks.core.power_limit.selectors import (
 )
 
 __version__ = "0.1.0"
+
+register_backend("zeus_callbacks.sim.backend:simulated_backend")  # the simulator, imported when asked
 
 # name -> module that defines it; imported on first access (PEP 562).
 _LAZY = {

@@ -1,4 +1,7 @@
-"""Simulated GPUs: a fake NVML backed by traces measured on real GPUs.
+"""Simulated GPUs: a fake NVML backed by traces measured on real GPUs, offered as an NVML backend.
+
+The device layer reaches them like real GPUs, through the backend in `zeus_callbacks.sim.backend` (which
+the package root registers); nothing outside the simulator touches its objects.
 
 Select them explicitly, never silently: `ZEUS_CALLBACKS_SIMULATE=a40` (or `simulate("a40")` in Python).
 Spec: comma-separated `[COUNT*]KIND[:WORKLOAD][@TRACE_FILE]` groups, KIND in a40, v100, a10g (a10), t4;
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+from zeus_callbacks.core.device import gpus as devices
 from zeus_callbacks.sim import fake_nvml
 from zeus_callbacks.sim.system import SimulatedGPU, SimulatedSystem, VirtualClock, parse_faults, parse_spec
 from zeus_callbacks.sim.traces import DATA_FORMATS_HELP, Trace, load_trace, shipped_trace, shipped_workloads
@@ -62,8 +66,8 @@ def simulate(
     if virtual_clock and state_dir is None:
         state_dir = ""
     system = SimulatedSystem(spec, noise, seed, faults, state_dir, virtual_clock)
-    _reset_device_cache()  # restores what this process changed on the previous node first
-    fake_nvml._attach(system)
+    devices.reset()  # restores what this process changed on the previous node first
+    fake_nvml.attach(system)
     if export_env and not virtual_clock:
         os.environ[SIMULATE_ENV] = spec
         os.environ[_NOISE_ENV] = str(noise)
@@ -77,7 +81,7 @@ def simulate(
 def active() -> SimulatedSystem | None:
     """The simulated node of this process: the one set by `simulate`, else one built from the environment."""
     if fake_nvml.system() is None and os.environ.get(SIMULATE_ENV):
-        fake_nvml._attach(
+        fake_nvml.attach(
             SimulatedSystem(
                 os.environ[SIMULATE_ENV],
                 float(os.environ.get(_NOISE_ENV) or 0.0),
@@ -108,13 +112,7 @@ def enqueue_work(gpu_index: int, work_s: float) -> None:
 
 def disable() -> None:
     """Stop simulating in this process and forget the exported environment variables."""
-    _reset_device_cache()
-    fake_nvml._attach(None)
+    devices.reset()  # restores what this process changed first
+    fake_nvml.attach(None)
     for name in (SIMULATE_ENV, _NOISE_ENV, _SEED_ENV, _FAULTS_ENV, _STATE_ENV):
         os.environ.pop(name, None)
-
-
-def _reset_device_cache() -> None:
-    from zeus_callbacks.core.device import gpus as devices
-
-    devices.reset()

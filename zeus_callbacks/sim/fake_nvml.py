@@ -26,7 +26,7 @@ _initialized = 0
 _MemoryInfo = namedtuple("_MemoryInfo", "total free used")
 
 
-def _attach(system: SimulatedSystem | None) -> None:
+def attach(system: SimulatedSystem | None) -> None:
     """Make `system` the node this module answers for (None detaches)."""
     global _system, _initialized
     _system = system

@@ -1,71 +1,27 @@
-"""GPUs behind NVML (real or simulated): discovery, energy, power limits, clocks and error translation."""
+"""GPUs behind an NVML backend (real or simulated): discovery, energy, power limits, clocks."""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
+from zeus_callbacks.core.device import state_guard
+from zeus_callbacks.core.device.backend import NVMLBackend, active_backend, reset_backend
 from zeus_callbacks.core.device.errors import (
-    GPUError,
-    GPULostError,
+    SIMULATION_HINT,
     GPUNoPermissionError,
     GPUNotSupportedError,
     MIGNotSupportedError,
-    NVMLUnavailableError,
+    nvml_error,
 )
 
 __all__ = ["GPU", "GPUs", "get_gpus", "reset", "SIMULATION_HINT"]
 
 logger = logging.getLogger(__name__)
-
-SIMULATION_HINT = (
-    "To run on simulated GPUs instead, set ZEUS_CALLBACKS_SIMULATE=a40 (or a10g, t4, v100; "
-    "see `zeus_callbacks.sim`)."
-)
-_CAP_SYS_ADMIN = 21
-
-
-def _translate(nvml: ModuleType, err: Exception, what: str, gpu: str) -> GPUError:
-    """Turn an `NVMLError` into the package's exception with a message that says what to do."""
-    code = getattr(err, "value", None)
-    if code == nvml.NVML_ERROR_NO_PERMISSION:
-        return GPUNoPermissionError(
-            f"{what} on {gpu}: no permission. Changing power limits and clocks needs root or the "
-            "CAP_SYS_ADMIN capability (e.g. `docker run --cap-add SYS_ADMIN`); measuring still works."
-        )
-    if code == nvml.NVML_ERROR_NOT_SUPPORTED:
-        return GPUNotSupportedError(f"{what} is not supported on {gpu} by this GPU or driver.")
-    if code in (nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_RESET_REQUIRED):
-        return GPULostError(
-            f"{what} on {gpu}: the GPU is lost (fell off the bus or needs a reset). Check `nvidia-smi` and "
-            "the kernel log; the settings changed by this process are restored when the GPU is back."
-        )
-    if code in (
-        nvml.NVML_ERROR_LIBRARY_NOT_FOUND,
-        nvml.NVML_ERROR_DRIVER_NOT_LOADED,
-        nvml.NVML_ERROR_FUNCTION_NOT_FOUND,
-        nvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
-    ):
-        return NVMLUnavailableError(f"{what}: NVML is unavailable ({err}). {SIMULATION_HINT}")
-    return GPUError(f"{what} on {gpu} failed: {err}")
-
-
-def _has_cap_sys_admin() -> bool:
-    if os.geteuid() == 0:
-        return True
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> _CAP_SYS_ADMIN & 1)
-    except OSError:
-        pass
-    return False
 
 
 class GPU:
@@ -75,18 +31,20 @@ class GPU:
     records the value in force before the first change and restores it at the end.
     """
 
-    def __init__(self, nvml: ModuleType, index: int, nvml_index: int, simulated: bool) -> None:
-        self.nvml = nvml
+    def __init__(self, backend: NVMLBackend, index: int, nvml_index: int) -> None:
+        self.backend = backend
+        self.nvml: ModuleType = backend.nvml
         self.index = index
         self.nvml_index = nvml_index
-        self.simulated = simulated
+        self.simulated = backend.simulated
+        nvml = self.nvml
         try:
             self.handle = nvml.nvmlDeviceGetHandleByIndex(nvml_index)
             self.name: str = nvml.nvmlDeviceGetName(self.handle)
             self.uuid: str = nvml.nvmlDeviceGetUUID(self.handle)
             self.architecture: int = nvml.nvmlDeviceGetArchitecture(self.handle)
         except nvml.NVMLError as e:
-            raise _translate(nvml, e, "Querying the GPU", f"GPU {index} (NVML index {nvml_index})") from None
+            raise nvml_error(nvml, e, "Querying the GPU", f"GPU {index} (NVML index {nvml_index})") from None
         self.supports_energy_counter = self.architecture >= nvml.NVML_DEVICE_ARCH_VOLTA
         if self.supports_energy_counter:
             try:
@@ -107,7 +65,7 @@ class GPU:
         try:
             return fn(self.handle, *args)
         except self.nvml.NVMLError as e:
-            raise _translate(self.nvml, e, what, self.label) from None
+            raise nvml_error(self.nvml, e, what, self.label) from None
 
     # -- measurement --------------------------------------------------------------------------
     def energy_mj(self) -> int:
@@ -115,7 +73,7 @@ class GPU:
         try:
             return self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
         except self.nvml.NVMLError as e:
-            raise _translate(self.nvml, e, "Reading the energy counter", self.label) from None
+            raise nvml_error(self.nvml, e, "Reading the energy counter", self.label) from None
 
     def power_mw(self) -> int:
         """Current power draw (mW)."""
@@ -150,9 +108,7 @@ class GPU:
             raise ValueError(
                 f"Power limit {value_mw / 1000:g} W is outside {self.label}'s range [{lo / 1000:g}, {hi / 1000:g}] W."
             )
-        from zeus_callbacks.core.device.state_guard import guard
-
-        recorded = guard().before_change(self, "power_limit")
+        recorded = state_guard.guard().before_change(self, "power_limit")
         if self.power_limit_mw() != value_mw:
             self._change(
                 recorded,
@@ -168,9 +124,7 @@ class GPU:
             self._call(what, fn, *args)
         except (GPUNoPermissionError, GPUNotSupportedError):
             if recorded:
-                from zeus_callbacks.core.device.state_guard import guard
-
-                guard().discard(self, knob)
+                state_guard.guard().discard(self, knob)
             raise
 
     # -- persistence --------------------------------------------------------------------------
@@ -181,9 +135,7 @@ class GPU:
 
     def set_persistence_mode(self, enabled: bool) -> None:
         """Turn persistence mode on or off (restored at the end)."""
-        from zeus_callbacks.core.device.state_guard import guard
-
-        recorded = guard().before_change(self, "persistence")
+        recorded = state_guard.guard().before_change(self, "persistence")
         mode = self.nvml.NVML_FEATURE_ENABLED if enabled else self.nvml.NVML_FEATURE_DISABLED
         self._change(
             recorded, "persistence", "Setting persistence mode", self.nvml.nvmlDeviceSetPersistenceMode, mode
@@ -204,9 +156,7 @@ class GPU:
 
     def lock_sm_clocks(self, min_mhz: int, max_mhz: int) -> None:
         """Lock the SM clock into [min_mhz, max_mhz] (reset at the end)."""
-        from zeus_callbacks.core.device.state_guard import guard
-
-        recorded = guard().before_change(self, "sm_clocks")
+        recorded = state_guard.guard().before_change(self, "sm_clocks")
         self._change(
             recorded,
             "sm_clocks",
@@ -222,37 +172,27 @@ class GPU:
 
     # -- permissions and synchronisation --------------------------------------------------------
     def may_change_settings(self) -> bool:
-        """Whether this process may change power limits and clocks (root or CAP_SYS_ADMIN, no fault)."""
-        if self.simulated:
-            return not self.handle.faults.no_permission
-        return _has_cap_sys_admin()
+        """Whether this process may change power limits and clocks (it holds CAP_SYS_ADMIN)."""
+        return self.backend.may_change_settings(self.handle)
 
     def synchronize(self) -> None:
-        """Wait for the work queued on this GPU (CUDA, or the simulator's model of it)."""
-        if self.simulated:
-            self.handle.synchronize()
-            return
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize(self.index)
+        """Wait for the work queued on this GPU."""
+        self.backend.synchronize(self.index, self.handle)
 
 
 class GPUs(Sequence[GPU]):
     """The GPUs this process may use, in framework order (honours `CUDA_VISIBLE_DEVICES`)."""
 
-    def __init__(self, nvml: ModuleType, simulated: bool) -> None:
-        self.nvml = nvml
-        self.simulated = simulated
-        count = nvml.nvmlDeviceGetCount()
-        nvml_indices = _visible_nvml_indices(nvml, count)
-        self._gpus = [GPU(nvml, i, n, simulated) for i, n in enumerate(nvml_indices)]
+    def __init__(self, backend: NVMLBackend) -> None:
+        self.backend = backend
+        self.nvml: ModuleType = backend.nvml
+        self.simulated = backend.simulated
+        self.clock: Callable[[], float] = backend.clock
+        self.virtual_clock = backend.virtual_clock
+        nvml_indices = _visible_nvml_indices(self.nvml, self._count())
+        self._gpus = [GPU(backend, i, n) for i, n in enumerate(nvml_indices)]
         for g in self._gpus:
             _refuse_mig(g)
-        system = getattr(nvml, "system", lambda: None)()
-        clock = getattr(system, "clock", None)
-        self.clock: Callable[[], float] = clock.now if clock is not None else time.time
-        self.virtual_clock = clock is not None
         # Settings left by dead processes that discovery put back (`zeus-callbacks restore` reports them).
         self.repaired: list[Any] = []
 
@@ -265,6 +205,12 @@ class GPUs(Sequence[GPU]):
     def __iter__(self) -> Iterator[GPU]:
         return iter(self._gpus)
 
+    def _count(self) -> int:
+        try:
+            return self.nvml.nvmlDeviceGetCount()
+        except self.nvml.NVMLError as e:
+            raise nvml_error(self.nvml, e, "Counting the GPUs", "this machine") from None
+
     def synchronize(self, indices: Sequence[int]) -> None:
         """Wait for the work queued on these GPUs."""
         for i in indices:
@@ -273,12 +219,34 @@ class GPUs(Sequence[GPU]):
     def step_boundary(self, indices: Sequence[int]) -> None:
         """Mark the end of a training step.
 
-        A real GPU needs nothing here. A simulated one synchronises, standing in for the bounded launch
-        queue that stops a real host from running more than about a step ahead of its GPU; without it
-        the simulated slowdown would only show at the next explicit synchronisation.
+        A real GPU needs nothing here: its bounded launch queue already stops the host from running more
+        than about a step ahead. A backend without one (the simulator) says so with
+        `sync_at_step_boundary`, and the GPUs synchronise here instead, so that a slowdown shows in the
+        step it happened in.
         """
-        if self.simulated:
+        if self.backend.sync_at_step_boundary:
             self.synchronize(indices)
+
+    def energy_reader(self, indices: Sequence[int]) -> Callable[[], list[int]]:
+        """A function that reads the energy counters (mJ) of these GPUs, in this order, in one call.
+
+        The monitor's hot path (two calls per window): the NVML function and handles are bound once.
+
+        Raises (when called):
+            GPUError: a counter could not be read (a lost GPU, or one without an energy counter).
+        """
+        nvml = self.nvml
+        read = nvml.nvmlDeviceGetTotalEnergyConsumption
+        handles = [self._gpus[i].handle for i in indices]
+        labels = ", ".join(self._gpus[i].label for i in indices)
+
+        def read_counters() -> list[int]:
+            try:
+                return list(map(read, handles))
+            except nvml.NVMLError as e:
+                raise nvml_error(nvml, e, "Reading the energy counter", labels) from None
+
+        return read_counters
 
 
 def _visible_nvml_indices(nvml: ModuleType, count: int) -> list[int]:
@@ -329,41 +297,33 @@ _gpus: GPUs | None = None
 
 
 def get_gpus() -> GPUs:
-    """The process's GPUs (discovered once): simulated if selected, else real ones through NVML.
+    """The process's GPUs (discovered once) through the active NVML backend (see `backend`).
 
     Raises:
-        NVMLUnavailableError: no NVML library or driver, and no simulation selected.
+        NVMLUnavailableError: no NVML library or driver, and no other backend (simulation) selected.
         MIGNotSupportedError: a MIG device or a GPU in MIG mode is visible.
     """
     global _gpus
     with _lock:
         if _gpus is None:
-            from zeus_callbacks import sim
-
-            system = sim.active()
-            if system is not None:
-                nvml: ModuleType = sim.fake_nvml
-            else:
-                try:
-                    import pynvml as nvml
-                except ImportError as e:  # pragma: no cover - nvidia-ml-py is a dependency
-                    raise NVMLUnavailableError(f"nvidia-ml-py is not installed. {SIMULATION_HINT}") from e
+            backend = active_backend()
+            nvml = backend.nvml
             try:
                 nvml.nvmlInit()
             except nvml.NVMLError as e:
-                raise _translate(nvml, e, "Initialising NVML", "this machine") from None
-            _gpus = GPUs(nvml, simulated=system is not None)
-            from zeus_callbacks.core.device.state_guard import guard
-
-            _gpus.repaired = guard().repair_dead_runs(_gpus)
+                raise nvml_error(nvml, e, "Initialising NVML", "this machine") from None
+            _gpus = GPUs(backend)
+            _gpus.repaired = state_guard.guard().repair_dead_runs(_gpus)
         return _gpus
 
 
 def reset() -> None:
-    """Forget the discovered GPUs (after the simulation or `CUDA_VISIBLE_DEVICES` changed)."""
+    """Forget the discovered GPUs and the backend (after the simulation or `CUDA_VISIBLE_DEVICES` changed).
+
+    What this process changed on the old GPUs is restored first.
+    """
     global _gpus
     with _lock:
         _gpus = None
-    from zeus_callbacks.core.device import state_guard as gpu_state
-
-    gpu_state.reset()
+    state_guard.reset()
+    reset_backend()

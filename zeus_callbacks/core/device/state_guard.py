@@ -13,14 +13,14 @@ import atexit
 import json
 import logging
 import os
-import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zeus_callbacks.core import distributed as dist
-from zeus_callbacks.core.device.errors import GPUError
+from zeus_callbacks.core.device.backend import active_backend
+from zeus_callbacks.core.device.errors import GPUError, nvml_error
 
 if TYPE_CHECKING:
     from zeus_callbacks.core.device.gpus import GPU, GPUs
@@ -44,17 +44,11 @@ class JournalEntry:
 
 
 def journal_dir() -> Path | None:
-    """Where journals live: `ZEUS_CALLBACKS_JOURNAL_DIR`, else beside the simulated GPUs' state, else a
-    per-user directory under the temp dir (cleared at reboot, like GPU settings). None: memory only."""
+    """Where journals live: `ZEUS_CALLBACKS_JOURNAL_DIR`, else the NVML backend's choice (for real GPUs a
+    per-user directory under the temp dir, cleared at reboot like GPU settings). None: memory only."""
     if os.environ.get(JOURNAL_ENV):
         return Path(os.environ[JOURNAL_ENV])
-    from zeus_callbacks import sim
-
-    system = sim.active()
-    if system is not None:
-        path = system.state_path()
-        return None if path is None else path / "journal"
-    return Path(tempfile.gettempdir()) / f"zeus_callbacks-{os.getuid()}" / "journal"
+    return active_backend().journal_dir()
 
 
 def _start_time(pid: int) -> str | None:
@@ -88,9 +82,7 @@ def _apply(gpu: GPU, entry: JournalEntry) -> None:
             mode = nvml.NVML_FEATURE_ENABLED if entry.original else nvml.NVML_FEATURE_DISABLED
             nvml.nvmlDeviceSetPersistenceMode(handle, mode)
     except nvml.NVMLError as e:
-        from zeus_callbacks.core.device.gpus import _translate
-
-        raise _translate(nvml, e, f"Restoring {entry.knob}", gpu.label) from None
+        raise nvml_error(nvml, e, f"Restoring {entry.knob}", gpu.label) from None
 
 
 class GPUStateGuard:

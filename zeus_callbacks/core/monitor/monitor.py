@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from zeus_callbacks.core.device.gpus import GPU, _translate, get_gpus
+from zeus_callbacks.core.device.gpus import GPU, get_gpus
 
 __all__ = ["ZeusMonitor", "Measurement"]
 
@@ -153,8 +153,7 @@ class ZeusMonitor:
         devices = [self.gpus[i] for i in self.gpu_indices]
         self._counter = [g for g in devices if g.supports_energy_counter]
         self._counter_indices = [g.index for g in self._counter]
-        self._read_energy = self.gpus.nvml.nvmlDeviceGetTotalEnergyConsumption
-        self._handles = [g.handle for g in self._counter]
+        self._read_counters = self.gpus.energy_reader(self._counter_indices)
         sampled = [g for g in devices if not g.supports_energy_counter]
         self._sampled_indices = [g.index for g in sampled]
         self._sampler = _PowerSampler(sampled, self._clock, power_sample_interval_s) if sampled else None
@@ -169,12 +168,6 @@ class ZeusMonitor:
             self._log.flush()
         if self.simulated:
             logger.info("ZeusMonitor on SIMULATED GPUs %s: figures are a simulation.", self.gpu_indices)
-
-    def _read_error(self, e: Exception) -> Exception:
-        nvml = self._counter[0].nvml
-        if isinstance(e, nvml.NVMLError):
-            return _translate(nvml, e, "Reading the energy counter", "a monitored GPU")
-        return e
 
     def sync(self) -> None:
         """Wait for the work queued on the monitored GPUs."""
@@ -192,10 +185,7 @@ class ZeusMonitor:
         if sync_execution:
             self.gpus.synchronize(self.gpu_indices)
         start = self._clock()
-        try:
-            counters = list(map(self._read_energy, self._handles))
-        except Exception as e:
-            raise self._read_error(e) from None
+        counters = self._read_counters()
         self._windows[key] = (start, counters)
 
     def end_window(self, key: str, sync_execution: bool = True, cancel: bool = False) -> Measurement:
@@ -215,10 +205,7 @@ class ZeusMonitor:
         if cancel:
             return Measurement(0.0, dict.fromkeys(self.gpu_indices, 0.0), None, None, self.simulated)
         end = self._clock()
-        try:
-            after = list(map(self._read_energy, self._handles))
-        except Exception as e:
-            raise self._read_error(e) from None
+        after = self._read_counters()
         if len(after) == 1:  # the common case under torch.distributed: one GPU per process
             energy = {self._counter_indices[0]: (after[0] - before[0]) / 1000.0}
         else:

@@ -1,0 +1,159 @@
+"""NVML backends: the NVML-shaped module the device layer calls, and the registry that picks one.
+
+The device layer calls NVML through one `NVMLBackend`. The default backend is the real driver through
+`pynvml`. Another package (the simulator) offers its own with `register_backend(factory)`: at the first
+discovery the registered factories are asked in order, the first one that returns a backend is used, and
+the real one is the fallback. The device layer never asks what a backend is beyond `simulated` (a label).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from zeus_callbacks.core.device.errors import SIMULATION_HINT, NVMLUnavailableError
+
+__all__ = [
+    "NVMLBackend",
+    "BackendFactory",
+    "register_backend",
+    "active_backend",
+    "reset_backend",
+    "has_cap_sys_admin",
+]
+
+logger = logging.getLogger(__name__)
+
+CAP_SYS_ADMIN = 21  # bit of CAP_SYS_ADMIN in /proc/<pid>/status's capability masks
+
+
+def has_cap_sys_admin(status_path: str = "/proc/self/status") -> bool:
+    """Whether this process holds CAP_SYS_ADMIN, which NVML needs to change power limits and clocks.
+
+    Decided from the effective capability set (`CapEff` in `status_path`), not from the user id: root
+    in a container without the capability may not change them, and a non-root process granted it may.
+    """
+    try:
+        with open(status_path) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+class NVMLBackend:
+    """How the device layer reaches GPUs: an NVML-shaped module, plus what NVML itself cannot tell.
+
+    The base class is the real driver. A backend for something else (the simulator) subclasses it,
+    passes its own NVML-shaped module, and overrides what differs.
+
+    Attributes:
+        nvml: The module called exactly as `pynvml` (same function names, units and error classes).
+        clock: The clock windows are timed with (s); `time.time` unless the backend keeps its own.
+        virtual_clock: Whether `clock` is a virtual clock that moves only when simulated work runs.
+        simulated: Whether what the GPUs report is a simulation (used only to label figures).
+        sync_at_step_boundary: Whether the end of a training step must synchronise the GPUs (see
+            `GPUs.step_boundary`).
+    """
+
+    simulated: bool = False
+    sync_at_step_boundary: bool = False
+
+    def __init__(
+        self, nvml: ModuleType, clock: Callable[[], float] = time.time, virtual_clock: bool = False
+    ) -> None:
+        self.nvml = nvml
+        self.clock = clock
+        self.virtual_clock = virtual_clock
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(nvml={self.nvml.__name__!r})"
+
+    def synchronize(self, index: int, handle: Any) -> None:
+        """Wait for the work queued on GPU `index` (framework numbering; `handle` is its NVML handle)."""
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize(index)
+
+    def may_change_settings(self, handle: Any) -> bool:
+        """Whether this process may change the power limit and clocks of the GPU behind `handle`."""
+        return has_cap_sys_admin()
+
+    def journal_dir(self) -> Path | None:
+        """Default directory of the state guard's journals (None: keep them in memory only).
+
+        A per-user directory under the temp dir, cleared at reboot like the GPU settings it records.
+        """
+        return Path(tempfile.gettempdir()) / f"zeus_callbacks-{os.getuid()}" / "journal"
+
+
+def _real_backend() -> NVMLBackend:
+    try:
+        import pynvml
+    except ImportError as e:  # pragma: no cover - nvidia-ml-py is a dependency
+        raise NVMLUnavailableError(f"nvidia-ml-py is not installed. {SIMULATION_HINT}") from e
+    return NVMLBackend(pynvml)
+
+
+BackendFactory = Callable[[], "NVMLBackend | None"]
+"""Returns a backend when it is selected (e.g. by an environment variable), else None."""
+
+_factories: list[BackendFactory | str] = []
+_active: NVMLBackend | None = None
+_lock = threading.Lock()
+
+
+def register_backend(factory: BackendFactory | str) -> None:
+    """Offer a backend to discovery: `factory()` returns one when it is selected, else None.
+
+    A `"package.module:function"` string names a factory imported at the first discovery, so registering
+    one costs nothing at import time. Factories are asked in the order they were registered.
+    """
+    with _lock:
+        if factory not in _factories:
+            _factories.append(factory)
+
+
+def _load(factory: BackendFactory | str) -> BackendFactory:
+    if not isinstance(factory, str):
+        return factory
+    module, _, name = factory.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def active_backend() -> NVMLBackend:
+    """The backend of this process: the first registered factory's, else the real driver's (chosen once).
+
+    Raises:
+        NVMLUnavailableError: no registered backend is selected and `pynvml` is missing.
+    """
+    global _active
+    with _lock:
+        if _active is None:
+            for factory in _factories:
+                backend = _load(factory)()
+                if backend is not None:
+                    logger.debug("NVML backend: %r (from %r).", backend, factory)
+                    _active = backend
+                    break
+            else:
+                _active = _real_backend()
+        return _active
+
+
+def reset_backend() -> None:
+    """Choose the backend again at the next discovery (a registered backend was selected or dropped)."""
+    global _active
+    with _lock:
+        _active = None

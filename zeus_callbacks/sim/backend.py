@@ -1,0 +1,57 @@
+"""The simulator as an NVML backend of the device layer (registered by the package root)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from zeus_callbacks import sim
+from zeus_callbacks.core.device.backend import NVMLBackend
+from zeus_callbacks.sim import fake_nvml
+from zeus_callbacks.sim.system import SimulatedSystem
+
+__all__ = ["SimulatedBackend", "simulated_backend"]
+
+
+class SimulatedBackend(NVMLBackend):
+    """Simulated GPUs of one `SimulatedSystem`, reached through `fake_nvml`.
+
+    Differs from the real driver where NVML cannot say: synchronising runs the simulator's model of the
+    queued work, permission comes from the injected faults, the clock is the node's (virtual or wall),
+    journals live beside the node's persistent state, and every step boundary synchronises (standing in
+    for the bounded launch queue that keeps a real host at most about a step ahead of its GPU).
+    """
+
+    simulated = True
+    sync_at_step_boundary = True
+
+    def __init__(self, system: SimulatedSystem) -> None:
+        clock = system.clock
+        super().__init__(
+            fake_nvml, clock=time.time if clock is None else clock.now, virtual_clock=clock is not None
+        )
+        self.system = system
+
+    def __repr__(self) -> str:
+        return f"SimulatedBackend(spec={self.system.spec!r})"
+
+    # `handle` is a `SimulatedGPU`: this backend's NVML hands out no other.
+    def synchronize(self, index: int, handle: Any) -> None:
+        """Wait for the simulated work queued on the GPU (no-op on a virtual clock)."""
+        handle.synchronize()
+
+    def may_change_settings(self, handle: Any) -> bool:
+        """False only where the `no_permission` fault is injected."""
+        return not handle.faults.no_permission
+
+    def journal_dir(self) -> Path | None:
+        """Beside the node's state, so that the journal outlives the process exactly as long as the state."""
+        path = self.system.state_path()
+        return None if path is None else path / "journal"
+
+
+def simulated_backend() -> SimulatedBackend | None:
+    """The backend factory: simulated GPUs when selected (`simulate()` or `ZEUS_CALLBACKS_SIMULATE`), else None."""
+    system = sim.active()
+    return None if system is None else SimulatedBackend(system)
