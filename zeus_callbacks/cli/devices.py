@@ -124,5 +124,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(_table(rows))
     if not all(r["may_change_settings"] for r in rows):
-        print("Changing power limits or clocks needs root or CAP_SYS_ADMIN; measuring works without.")
+        print(
+            "Changing power limits or clocks needs CAP_SYS_ADMIN (root has it unless a container drops it); "
+            "measuring works without."
+        )
     return 0

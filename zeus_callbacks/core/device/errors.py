@@ -31,7 +31,7 @@ class GPUError(ZeusCallbacksError):
 
 
 class GPUNoPermissionError(GPUError):
-    """The process may not change this GPU setting (needs root or CAP_SYS_ADMIN)."""
+    """The process may not change this GPU setting (needs CAP_SYS_ADMIN, which root has unless dropped)."""
 
 
 class GPUNotSupportedError(GPUError):
@@ -62,8 +62,9 @@ def nvml_error(nvml: ModuleType, err: Exception, what: str, gpu: str) -> GPUErro
     code = getattr(err, "value", None)
     if code == nvml.NVML_ERROR_NO_PERMISSION:
         return GPUNoPermissionError(
-            f"{what} on {gpu}: no permission. Changing power limits and clocks needs root or the "
-            "CAP_SYS_ADMIN capability (e.g. `docker run --cap-add SYS_ADMIN`); measuring still works."
+            f"{what} on {gpu}: no permission. Changing power limits and clocks needs the CAP_SYS_ADMIN "
+            "capability (root has it unless a container drops it; e.g. `docker run --cap-add SYS_ADMIN`); "
+            "measuring still works."
         )
     if code == nvml.NVML_ERROR_NOT_SUPPORTED:
         return GPUNotSupportedError(f"{what} is not supported on {gpu} by this GPU or driver.")

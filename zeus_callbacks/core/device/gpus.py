@@ -172,7 +172,7 @@ class GPU:
 
     # -- permissions and synchronisation --------------------------------------------------------
     def may_change_settings(self) -> bool:
-        """Whether this process may change power limits and clocks (it holds CAP_SYS_ADMIN)."""
+        """Whether this process may change power limits and clocks (for a real GPU: it holds CAP_SYS_ADMIN)."""
         return self.backend.may_change_settings(self.handle)
 
     def synchronize(self) -> None:
