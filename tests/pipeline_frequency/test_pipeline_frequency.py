@@ -382,3 +382,13 @@ def test_slack_margin_plans_lowered_clocks_longer_at_the_same_effective_energy(n
     assert with_margin(options, 0.0, [50.0]) is options
     with pytest.raises(ValueError, match="slack_margin"):
         PipelineFrequencyOptimizer(slack_margin=1.5)
+
+
+def test_close_in_the_middle_of_a_step(node):
+    pfo = PipelineFrequencyOptimizer(device_id=0, **FAST)
+    pfo.on_step_begin()
+    pfo.on_instruction_begin("forward")
+    pfo.close()
+    pfo.on_instruction_end("forward")
+    pfo.on_step_end()  # nothing left to record, nothing raised
+    assert pfo.phase == "waiting" and not pfo.monitor.open_windows

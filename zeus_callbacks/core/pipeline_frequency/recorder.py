@@ -225,12 +225,17 @@ class InstructionRecorder:
         self.in_step = False
         self._cancel(_BLOCKED)
         self._cancel(_INSTRUCTION)
-        m = self._guarded(lambda: self.monitor.end_window(_STEP))
+        m = (
+            self._guarded(lambda: self.monitor.end_window(_STEP))
+            if _STEP in self.monitor.open_windows
+            else None
+        )
         self.sequence = tuple(r.kind for r in self.records)
         return m
 
     def close(self) -> None:
-        """Drop the windows still open."""
+        """Drop the windows still open; a step in progress is not recorded."""
+        self.in_step = self._in_instruction = False
         for key in (_BLOCKED, _INSTRUCTION, _STEP):
             self._cancel(key)
 
