@@ -1,14 +1,26 @@
 """zeus_callbacks: cut the GPU energy of deep-learning training, as callbacks for the trainers you use.
 
-The core (`zeus_callbacks.core`) is framework-free; the HuggingFace and Lightning adapters are exported
-lazily so that `import zeus_callbacks` never imports transformers or lightning.
+The package, by layer (data flows down: a trainer hook → an adapter → the core → the device layer → NVML):
+
+- `core/device/`: the only code that calls NVML: GPUs, errors, the GPU-state guard.
+- `core/monitor/`: `ZeusMonitor` windows, energy reporting (every metric name), epoch logs, `ProfileDataLoader`.
+- `core/power_limit/`: `GlobalPowerLimitOptimizer`, its search, selectors and profile file.
+- `core/pipeline_frequency/`: `PipelineFrequencyOptimizer` (Perseus) and its planner, profile file, instrumentation.
+- `core/heterogeneous/`: the heterogeneous planner, its profile file and profiler, uneven training.
+- `core/distributed.py`: collectives, `local_rank()`, the one signal chain.
+- Adapters, one module per framework: `huggingface`, `lightning` (`lightning.pytorch` and `.pl`), `accelerate`.
+- `sim/`: simulated GPUs behind NVML; `cli/`: the `zeus-callbacks` command.
+
+Names of the core are importable from here; so are the adapters' classes, imported on first access so that
+`import zeus_callbacks` (and `from zeus_callbacks import *`) never imports transformers, lightning or accelerate.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from zeus_callbacks._lazy import lazy_exports
+from zeus_callbacks._version import __version__ as __version__
 from zeus_callbacks.core.device.backend import register_backend
 from zeus_callbacks.core.device.errors import (
     GPUError,
@@ -29,26 +41,62 @@ from zeus_callbacks.core.power_limit.selectors import (
     ZeusCost,
 )
 
-__version__ = "0.1.0"
+_HETEROGENEOUS_TRAINING = "zeus_callbacks.core.heterogeneous.training"
 
-register_backend("zeus_callbacks.sim.backend:simulated_backend")  # the simulator, imported when asked
+# The composition point: the simulator offers itself as an NVML backend (imported only when discovery asks).
+register_backend("zeus_callbacks.sim.backend:simulated_backend")
 
-# name -> module that defines it; imported on first access (PEP 562).
-_LAZY = {
+# Framework-free names, imported on first access: they pull in torch's heavier parts or the planners.
+_CORE = {
     "GlobalPowerLimitOptimizer": "zeus_callbacks.core.power_limit.optimizer",
     "PipelineFrequencyOptimizer": "zeus_callbacks.core.pipeline_frequency.optimizer",
-    "HFZeusMonitor": "zeus_callbacks.huggingface",
-    "HFGlobalPowerLimitOptimizer": "zeus_callbacks.huggingface",
-    "HFPipelineFrequencyOptimizer": "zeus_callbacks.huggingface_pipeline",
-    "LightningZeusMonitor": "zeus_callbacks.lightning",
-    "LightningGlobalPowerLimitOptimizer": "zeus_callbacks.lightning",
-    "LightningPipelineFrequencyOptimizer": "zeus_callbacks.lightning_pipeline",
-    "ProfileDataLoader": "zeus_callbacks.profiling",
-    "HFEpochLog": "zeus_callbacks.profiling",
-    "LightningEpochLog": "zeus_callbacks.profiling",
-    "HeterogeneousTrainer": "zeus_callbacks.heterogeneous",
-    "HFHeterogeneousCallback": "zeus_callbacks.heterogeneous",
-    "LightningHeterogeneous": "zeus_callbacks.heterogeneous",
+    "instrument": "zeus_callbacks.core.pipeline_frequency.pipelining",
+    "ProfileDataLoader": "zeus_callbacks.core.monitor.dataloader",
+    "get_gpus": "zeus_callbacks.core.device.gpus",
+    "local_rank": "zeus_callbacks.core.distributed",
+    "GPUProfile": "zeus_callbacks.core.heterogeneous.profile_file",
+    "PowerLimitWindow": "zeus_callbacks.core.heterogeneous.profile_file",
+    "load_profile": "zeus_callbacks.core.heterogeneous.profile_file",
+    "HeteroPlan": "zeus_callbacks.core.heterogeneous.planner",
+    "plan": "zeus_callbacks.core.heterogeneous.planner",
+    "profile_power_limits": "zeus_callbacks.core.heterogeneous.profiler",
+    "profile_batch_size": "zeus_callbacks.core.heterogeneous.profiler",
+    "RankPlan": _HETEROGENEOUS_TRAINING,
+    "rank_plan": _HETEROGENEOUS_TRAINING,
+    "rank_plans": _HETEROGENEOUS_TRAINING,
+    "match_gpu_type": _HETEROGENEOUS_TRAINING,
+    "loss_scale": _HETEROGENEOUS_TRAINING,
+    "weight_gradients": _HETEROGENEOUS_TRAINING,
+    "UnevenDistributedSampler": _HETEROGENEOUS_TRAINING,
+    "uneven_dataloader": _HETEROGENEOUS_TRAINING,
+    "apply_power_limit": _HETEROGENEOUS_TRAINING,
+    "restore_power_limits": _HETEROGENEOUS_TRAINING,
+    "steps_per_epoch": _HETEROGENEOUS_TRAINING,
+}
+
+# The adapters: importable by name, left out of `__all__` because they import their framework.
+_ADAPTERS = {
+    **dict.fromkeys(
+        [
+            "HFZeusMonitor",
+            "HFGlobalPowerLimitOptimizer",
+            "HFPipelineFrequencyOptimizer",
+            "HFHeterogeneousCallback",
+            "HeterogeneousTrainer",
+            "HFEpochLog",
+        ],
+        "zeus_callbacks.huggingface",
+    ),
+    **dict.fromkeys(
+        [
+            "LightningZeusMonitor",
+            "LightningGlobalPowerLimitOptimizer",
+            "LightningPipelineFrequencyOptimizer",
+            "LightningHeterogeneous",
+            "LightningEpochLog",
+        ],
+        "zeus_callbacks.lightning.pytorch",
+    ),
 }
 
 __all__ = [
@@ -67,22 +115,50 @@ __all__ = [
     "GPULostError",
     "NVMLUnavailableError",
     "MIGNotSupportedError",
-    *_LAZY,
+    *_CORE,
 ]
 
+__getattr__, __dir__ = lazy_exports(__name__, {**_CORE, **_ADAPTERS})
+
 if TYPE_CHECKING:  # pragma: no cover
+    from zeus_callbacks.core.device.gpus import get_gpus  # noqa: F401
+    from zeus_callbacks.core.distributed import local_rank  # noqa: F401
+    from zeus_callbacks.core.heterogeneous.planner import HeteroPlan, plan  # noqa: F401
+    from zeus_callbacks.core.heterogeneous.profile_file import (  # noqa: F401
+        GPUProfile,
+        PowerLimitWindow,
+        load_profile,
+    )
+    from zeus_callbacks.core.heterogeneous.profiler import profile_batch_size, profile_power_limits  # noqa: F401
+    from zeus_callbacks.core.heterogeneous.training import (  # noqa: F401
+        RankPlan,
+        UnevenDistributedSampler,
+        apply_power_limit,
+        loss_scale,
+        match_gpu_type,
+        rank_plan,
+        rank_plans,
+        restore_power_limits,
+        steps_per_epoch,
+        uneven_dataloader,
+        weight_gradients,
+    )
+    from zeus_callbacks.core.monitor.dataloader import ProfileDataLoader  # noqa: F401
     from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer  # noqa: F401
+    from zeus_callbacks.core.pipeline_frequency.pipelining import instrument  # noqa: F401
     from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer  # noqa: F401
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'zeus_callbacks' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+    from zeus_callbacks.huggingface import (  # noqa: F401
+        HeterogeneousTrainer,
+        HFEpochLog,
+        HFGlobalPowerLimitOptimizer,
+        HFHeterogeneousCallback,
+        HFPipelineFrequencyOptimizer,
+        HFZeusMonitor,
+    )
+    from zeus_callbacks.lightning.pytorch import (  # noqa: F401
+        LightningEpochLog,
+        LightningGlobalPowerLimitOptimizer,
+        LightningHeterogeneous,
+        LightningPipelineFrequencyOptimizer,
+        LightningZeusMonitor,
+    )

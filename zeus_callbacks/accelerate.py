@@ -1,27 +1,40 @@
-"""Helpers that drive the core power-limit optimizer from Accelerate training loops (or plain ones)."""
+"""Helpers for Accelerate training loops (or plain ones): the power-limit optimizer and heterogeneous plans.
+
+- `PowerLimitOptimizerHelper` / `prepare_power_limit_optimizer`: Zeus's power-limit optimizer in a loop.
+- `prepare_accelerate_dataloader`: this rank's share of a heterogeneous plan, prepared by the accelerator.
+
+Accelerate itself is never imported here: the helpers take the user's `Accelerator`.
+"""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.heterogeneous.training import RankPlan, uneven_dataloader, unshard_dataloader
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.monitor.steps import OptimizerSteps
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
 
-__all__ = ["PowerLimitOptimizerHelper", "prepare_power_limit_optimizer", "local_gpu_index"]
+__all__ = [
+    "PowerLimitOptimizerHelper",
+    "prepare_power_limit_optimizer",
+    "local_gpu_index",
+    "prepare_accelerate_dataloader",
+]
 
 
 def local_gpu_index(accelerator: Accelerator | None = None) -> int:
     """The GPU of this process: the accelerator's CUDA device, else its local process index (which, on CPU
-    runs with simulated GPUs, picks one simulated GPU per process), else `LOCAL_RANK`, else 0."""
+    runs with simulated GPUs, picks one simulated GPU per process), else `local_rank()`."""
     if accelerator is None:
-        return int(os.environ.get("LOCAL_RANK", 0))
+        return dist.local_rank()
     device = accelerator.device
     if device.type == "cuda" and device.index is not None:
         return device.index
@@ -42,7 +55,7 @@ def prepare_power_limit_optimizer(
     or use `PowerLimitOptimizerHelper`.
 
     Args:
-        accelerator: The run's `Accelerator`; None for a plain loop (GPU from `LOCAL_RANK`, no registration).
+        accelerator: The run's `Accelerator`; None for a plain loop (GPU from `local_rank()`, no registration).
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
         **kwargs: `GlobalPowerLimitOptimizer`'s other arguments (`wait_steps`, `warmup_steps`,
             `profile_steps`, `pl_step`, `profile_path`, `search`).
@@ -51,7 +64,7 @@ def prepare_power_limit_optimizer(
         ValueError: A bad argument; the message names it.
     """
     monitor = ZeusMonitor(gpu_indices=[local_gpu_index(accelerator)])
-    optimizer = GlobalPowerLimitOptimizer(monitor, optimum_selector, **kwargs)
+    optimizer = GlobalPowerLimitOptimizer(monitor=monitor, optimum_selector=optimum_selector, **kwargs)
     if accelerator is not None:
         accelerator.register_for_checkpointing(optimizer)
     return optimizer
@@ -95,7 +108,7 @@ class PowerLimitOptimizerHelper:
     ) -> None:
         self._accelerator = accelerator
         self._optimizer = prepare_power_limit_optimizer(accelerator, optimum_selector, **kwargs)
-        self._in_step = False
+        self._steps = OptimizerSteps()
 
     @property
     def optimizer(self) -> GlobalPowerLimitOptimizer:
@@ -105,13 +118,12 @@ class PowerLimitOptimizerHelper:
     @contextmanager
     def step(self) -> Iterator[None]:
         """Wrap one batch (micro-batch under gradient accumulation) of training."""
-        if not self._in_step:
+        if self._steps.begin():
             self._optimizer.on_step_begin()
-            self._in_step = True
         yield
-        if self._accelerator is None or self._accelerator.sync_gradients:
+        synced = self._accelerator is None or self._accelerator.sync_gradients
+        if synced and self._steps.end():
             self._optimizer.on_step_end()
-            self._in_step = False
 
     def epoch_end(self) -> None:
         """Mark the end of an epoch."""
@@ -122,3 +134,23 @@ class PowerLimitOptimizerHelper:
 
     def __exit__(self, *exc_info: object) -> None:
         self._optimizer.on_train_end()
+
+
+def prepare_accelerate_dataloader(
+    accelerator: Accelerator, dataset: Any, rank_plan: RankPlan, **kwargs: Any
+) -> tuple[Any, float]:
+    """`accelerator.prepare` this rank's uneven loader (`uneven_dataloader`); returns it and the loss scale.
+
+    Accelerate shards every loader it prepares over the processes; this one already holds only this rank's
+    samples, so the sharding is switched off after `prepare` (`unshard_dataloader`; device placement and
+    `set_epoch` stay). Multiply each step's mean loss by the returned scale before `accelerator.backward`,
+    and set the GPU's planned limit once with `apply_power_limit(rank_plan)`.
+
+    Example::
+
+        loader, scale = prepare_accelerate_dataloader(accelerator, train_set, rp)
+        for x, y in loader:
+            accelerator.backward(loss_fn(model(x), y) * scale)
+    """
+    loader = accelerator.prepare(uneven_dataloader(dataset, rank_plan, **kwargs))
+    return unshard_dataloader(loader), rank_plan.loss_scale

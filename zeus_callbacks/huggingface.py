@@ -1,4 +1,12 @@
-"""HuggingFace `transformers.Trainer` adapters: trainer hooks in, core calls out."""
+"""HuggingFace `transformers.Trainer` adapters: every transformers class of zeus_callbacks, trainer hooks in,
+core calls out.
+
+- `HFZeusMonitor`: the GPUs' energy per logging interval and for the run, in the trainer's logs.
+- `HFGlobalPowerLimitOptimizer`: Zeus's power-limit optimizer (`GlobalPowerLimitOptimizer`).
+- `HFPipelineFrequencyOptimizer`: Perseus (`PipelineFrequencyOptimizer`) for pipeline-parallel steps.
+- `HeterogeneousTrainer` and `HFHeterogeneousCallback`: training on a heterogeneous plan.
+- `HFEpochLog`: each epoch's time, energy and power in Zeus's profiler files (`EpochLog`).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +15,28 @@ import weakref
 from pathlib import Path
 from typing import Any, ClassVar
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+import torch
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 from typing_extensions import override
 
+from zeus_callbacks.core.heterogeneous.training import (
+    RankPlan,
+    UnevenDistributedSampler,
+    apply_power_limit,
+    restore_power_limits,
+    unshard_dataloader,
+)
+from zeus_callbacks.core.monitor.epoch_log import EpochLog
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.monitor.reporting import EnergyReporter
+from zeus_callbacks.core.monitor.reporting import (
+    EnergyReporter,
+    pipeline_frequency_metrics,
+    power_limit_metrics,
+)
+from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
+from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 
@@ -24,10 +48,14 @@ except ImportError:  # pragma: no cover - transformers < 4.41 keeps no callback 
         """Stand-in for transformers' `ExportableState` (checkpoints of this version carry no callback state)."""
 
 
-__all__ = ["HFZeusMonitor", "HFGlobalPowerLimitOptimizer"]
-
-OPTIMIZER_PREFIX = "power_limit_optimizer/"
-"""Prefix of the metrics `HFGlobalPowerLimitOptimizer` adds to the trainer's logs."""
+__all__ = [
+    "HFZeusMonitor",
+    "HFGlobalPowerLimitOptimizer",
+    "HFPipelineFrequencyOptimizer",
+    "HFHeterogeneousCallback",
+    "HeterogeneousTrainer",
+    "HFEpochLog",
+]
 
 
 def _run_before_trackers(callback: TrainerCallback) -> None:
@@ -59,7 +87,25 @@ def _log(state: TrainerState, logs: dict[str, Any] | None, metrics: dict[str, An
         state.log_history[-1].update(metrics)
 
 
-class HFZeusMonitor(TrainerCallback):
+class _LogsFirst(TrainerCallback):
+    """A callback that adds metrics to the logs: it runs before the `report_to` trackers, so they get them."""
+
+    @override
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_init_end` → move this callback before the trackers."""
+        _run_before_trackers(self)
+
+    @override
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_train_begin` → move this callback before the trackers (added after `on_init_end`)."""
+        _run_before_trackers(self)
+
+
+class HFZeusMonitor(_LogsFirst):
     """Report the GPUs' energy to the trainer's loggers (`report_to`) and `state.log_history`.
 
     At every log event the logs get the energy of the logging interval (`energy/interval_j`, its average
@@ -68,6 +114,9 @@ class HFZeusMonitor(TrainerCallback):
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s) (under torch.distributed, this rank's).
+
+    Raises:
+        TypeError: `monitor` is not a `ZeusMonitor`.
 
     Example::
 
@@ -89,32 +138,36 @@ class HFZeusMonitor(TrainerCallback):
         self._reporter = EnergyReporter(monitor)
 
     @override
-    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
-        """`on_init_end` → run before the `report_to` trackers, so that they get the energy metrics."""
-        _run_before_trackers(self)
-
-    @override
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """`on_train_begin` → `EnergyReporter.start` (the run and the first interval begin)."""
-        _run_before_trackers(self)
+        super().on_train_begin(args, state, control, **kwargs)
         self._reporter.start()
 
     @override
     def on_log(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs
-    ):
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """`on_log` → `EnergyReporter.interval`, and `EnergyReporter.stop` on the end-of-training summary
         (the log that carries `train_runtime`); the figures are added to `logs` and `state.log_history`."""
         final = logs is not None and "train_runtime" in logs
         _log(state, logs, {**self._reporter.interval(), **(self._reporter.stop() if final else {})})
 
     @override
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """`on_train_end` → `EnergyReporter.stop` if no summary log did (totals go to `state.log_history`)."""
         _log(state, None, self._reporter.stop())
 
 
-class HFGlobalPowerLimitOptimizer(TrainerCallback, ExportableState):
+class HFGlobalPowerLimitOptimizer(_LogsFirst, ExportableState):
     """Find the best GPU power limit during training and keep it (Zeus's `HFGlobalPowerLimitOptimizer`).
 
     Drives `zeus_callbacks.GlobalPowerLimitOptimizer` (see it for the method and the arguments) from the
@@ -180,9 +233,16 @@ class HFGlobalPowerLimitOptimizer(TrainerCallback, ExportableState):
             self.optimizer, self._reporter = owner.optimizer, owner._reporter
             return
         self.optimizer = GlobalPowerLimitOptimizer(
-            monitor, optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search
+            monitor=monitor,
+            optimum_selector=optimum_selector,
+            wait_steps=wait_steps,
+            warmup_steps=warmup_steps,
+            profile_steps=profile_steps,
+            pl_step=pl_step,
+            profile_path=profile_path,
+            search=search,
         )
-        self._reporter = EnergyReporter(monitor, prefix=f"{OPTIMIZER_PREFIX}energy_")
+        self._reporter = EnergyReporter.for_power_limit_optimizer(monitor)
         self._built[:] = [ref for ref in self._built if ref() is not None] + [weakref.ref(self)]
 
     # -- checkpoints (transformers' ExportableState) -----------------------------------------------
@@ -202,44 +262,272 @@ class HFGlobalPowerLimitOptimizer(TrainerCallback, ExportableState):
 
     # -- trainer hooks -----------------------------------------------------------------------------
     @override
-    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
-        """`on_init_end` → run before the `report_to` trackers, so that they get the metrics."""
-        _run_before_trackers(self)
-
-    @override
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """`on_train_begin` → `EnergyReporter.start` (energy per logging interval)."""
-        _run_before_trackers(self)
+        super().on_train_begin(args, state, control, **kwargs)
         self._training = True
         self._reporter.start()
 
     @override
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """`on_step_begin` → `GlobalPowerLimitOptimizer.on_step_begin`."""
         self.optimizer.on_step_begin()
 
     @override
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """`on_step_end` (after the optimizer step) → `GlobalPowerLimitOptimizer.on_step_end`."""
         self.optimizer.on_step_end()
 
     @override
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """`on_epoch_end` → `GlobalPowerLimitOptimizer.on_epoch_end`."""
         self.optimizer.on_epoch_end()
 
     @override
     def on_log(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs
-    ):
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         """`on_log` → `GlobalPowerLimitOptimizer.metrics` and `EnergyReporter.interval`, added to `logs` and
         `state.log_history` under `power_limit_optimizer/`."""
-        metrics = {f"{OPTIMIZER_PREFIX}{k}": v for k, v in self.optimizer.metrics().items()}
-        _log(state, logs, {**metrics, **self._reporter.interval()})
+        _log(state, logs, {**power_limit_metrics(self.optimizer.metrics()), **self._reporter.interval()})
 
     @override
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """`on_train_end` → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs get their settings back)."""
         self._reporter.stop()
         self.optimizer.on_train_end()
         self._training = False
+
+
+class HFPipelineFrequencyOptimizer(_LogsFirst):
+    """Perseus for a `Trainer` whose training step runs a `torch.distributed.pipelining` schedule.
+
+    Drives `zeus_callbacks.PipelineFrequencyOptimizer` (see it for the method and the arguments):
+    `on_train_begin` finds this rank's pipeline stage (`stage`, else an attribute of the model that is a
+    `PipelineStage` or a single-stage schedule) and reports its `forward_one_chunk`/`backward_one_chunk`
+    calls as instructions (`StageAttachment.attach`); `on_step_begin`/`on_step_end` → the optimizer's hooks
+    of the same names (one training step = one pipeline iteration); `on_train_end` →
+    `StageAttachment.detach` (clocks reset). If training raises, the GPU-state guard resets the clocks at
+    exit or on SIGINT/SIGTERM. Every log event gets `PipelineFrequencyOptimizer.metrics()`, prefixed
+    `pipeline_frequency_optimizer/`.
+
+    Args:
+        stage: This rank's `PipelineStage`, or None to find it on the model at `on_train_begin`.
+        *args: Positional arguments of `PipelineFrequencyOptimizer` (Zeus's: rank, dp_rank, pp_rank, ...).
+        **kwargs: Keyword arguments of `PipelineFrequencyOptimizer` (monitor, schedule, profile_path, ...).
+
+    Raises:
+        ValueError: at `on_train_begin`, when the job has no pipeline stage to instrument.
+
+    Example::
+
+        class PipelineTrainer(Trainer):
+            def training_step(self, model, inputs, num_items_in_batch=None):
+                ...  # schedule.step(...) on this rank's stage
+
+        pfo = HFPipelineFrequencyOptimizer(stage, monitor=ZeusMonitor(gpu_indices=[local_rank]))
+        PipelineTrainer(model, training_args, train_dataset=ds, callbacks=[pfo]).train()
+        report = pfo.optimizer.report()
+    """
+
+    def __init__(self, stage: Any = None, *args: Any, **kwargs: Any) -> None:
+        self.optimizer = PipelineFrequencyOptimizer(*args, **kwargs)
+        self._stage = StageAttachment(
+            self.optimizer,
+            stage,
+            adapter="HFPipelineFrequencyOptimizer",
+            alternative="HFGlobalPowerLimitOptimizer",
+        )
+
+    @override
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_train_begin` → `StageAttachment.attach` on the trainer's model."""
+        super().on_train_begin(args, state, control, **kwargs)
+        self._stage.attach(kwargs.get("model"))
+
+    @override
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_step_begin` → `PipelineFrequencyOptimizer.on_step_begin`."""
+        self.optimizer.on_step_begin()
+
+    @override
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_step_end` (after the optimizer step) → `PipelineFrequencyOptimizer.on_step_end`."""
+        self.optimizer.on_step_end()
+
+    @override
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """`on_log` → `PipelineFrequencyOptimizer.metrics`, added to `logs` under `pipeline_frequency_optimizer/`."""
+        _log(state, logs, pipeline_frequency_metrics(self.optimizer.metrics()))
+
+    @override
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_train_end` → `StageAttachment.detach` (clocks reset, instrumentation removed)."""
+        self._stage.detach()
+
+
+class HFHeterogeneousCallback(TrainerCallback):
+    """Run this rank's GPU at its planned power limit during `trainer.train()`.
+
+    `on_train_begin` → `apply_power_limit(rank_plan, gpu_index)`; `on_train_end` → `restore_power_limits()`
+    (also done at exit and on signals by the GPU-state guard). `HeterogeneousTrainer` adds it itself.
+
+    Args:
+        rank_plan: This rank's share of the plan (`rank_plan(plan)`).
+        gpu_index: This rank's GPU; default `local_rank()`.
+    """
+
+    def __init__(self, rank_plan: RankPlan, gpu_index: int | None = None) -> None:
+        self.rank_plan = rank_plan
+        self.gpu_index = gpu_index
+
+    @override
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_train_begin` → `apply_power_limit`."""
+        apply_power_limit(self.rank_plan, self.gpu_index)
+
+    @override
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_train_end` → `restore_power_limits`."""
+        restore_power_limits()
+
+
+class HeterogeneousTrainer(Trainer):
+    """A `Trainer` on a heterogeneous plan: uneven local batches, full-batch gradients, per-rank power.
+
+    `get_train_dataloader` gives this rank `rank_plan.local_batch` samples of every global batch
+    (`per_device_train_batch_size` is ignored for training); `compute_loss` multiplies the training loss
+    by `rank_plan.loss_scale`, except when the Trainer already normalises it by the number of items over
+    all ranks (`average_tokens_across_devices` with a model that takes `num_items_in_batch`), which is
+    exact for uneven batches as it is; `HFHeterogeneousCallback` applies the power limit. The logged
+    loss, averaged over ranks by the Trainer, is then the mean over the global batch.
+
+    Args:
+        *args: As `Trainer`'s.
+        rank_plan: This rank's share of the plan.
+        gpu_index: This rank's GPU; default `local_rank()`.
+        **kwargs: As `Trainer`'s.
+
+    Example::
+
+        rp = rank_plan(plan(profiles, counts, global_batch=1024))
+        HeterogeneousTrainer(model, training_args, train_dataset=ds, rank_plan=rp).train()
+    """
+
+    def __init__(self, *args: Any, rank_plan: RankPlan, gpu_index: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rank_plan = rank_plan
+        self.add_callback(HFHeterogeneousCallback(rank_plan, gpu_index))
+
+    @override
+    def get_train_dataloader(self) -> DataLoader:
+        """This rank's slice of every global batch (`UnevenDistributedSampler`), not sharded again."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        sampler = UnevenDistributedSampler.from_rank_plan(
+            self.train_dataset, self.rank_plan, seed=self.args.seed, drop_last=True
+        )
+        loader = self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self.rank_plan.local_batch,
+            sampler_fn=lambda _: sampler,
+            is_training=True,
+        )
+        return unshard_dataloader(loader)
+
+    @override
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """`Trainer.compute_loss` times `rank_plan.loss_scale` in training (see the class docstring)."""
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        over_ranks = (
+            self.args.average_tokens_across_devices
+            and (self.model_accepts_loss_kwargs or self.compute_loss_func)
+            and num_items_in_batch is not None
+        )
+        if not model.training or over_ranks:
+            return result
+        if return_outputs:
+            loss, outputs = result
+            return loss * self.rank_plan.loss_scale, outputs
+        return result * self.rank_plan.loss_scale
+
+
+class HFEpochLog(TrainerCallback):
+    """Log each training epoch's time, energy and power to Zeus's profiler files (see `EpochLog`).
+
+    `on_epoch_begin` → `EpochLog.begin("train")`, `on_epoch_end` → `EpochLog.end("train")`, `on_evaluate`
+    is not timed (evaluation falls inside the training epoch, as in Zeus), `on_train_end` → `EpochLog.close()`.
+
+    Args:
+        monitor: Measures this process's GPU (default: `local_rank()`'s under torch.distributed, else every
+            visible GPU).
+        log_prefix: Overrides `ZEUS_LOG_PREFIX`.
+
+    Raises:
+        ValueError: no `log_prefix` and `ZEUS_LOG_PREFIX` unset.
+    """
+
+    def __init__(self, monitor: ZeusMonitor | None = None, log_prefix: str | None = None) -> None:
+        self.log = EpochLog(monitor=monitor, log_prefix=log_prefix)
+
+    @override
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_epoch_begin` → `EpochLog.begin("train")`."""
+        self.log.begin("train")
+
+    @override
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_epoch_end` → `EpochLog.end("train")`."""
+        self.log.end("train")
+
+    @override
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_train_end` → `EpochLog.close()`."""
+        self.log.close()

@@ -24,9 +24,8 @@ os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", "2*a40")  # before any GPU is d
 
 from accelerate import Accelerator  # noqa: E402
 
-from zeus_callbacks import MaxSlowdownConstraint  # noqa: E402
+from zeus_callbacks import MaxSlowdownConstraint, get_gpus  # noqa: E402
 from zeus_callbacks.accelerate import PowerLimitOptimizerHelper, local_gpu_index  # noqa: E402
-from zeus_callbacks.core.device.gpus import get_gpus  # noqa: E402
 
 
 def main() -> None:

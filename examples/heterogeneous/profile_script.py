@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from zeus_callbacks.profiling import profile_batch_size, profile_power_limits
+from zeus_callbacks import profile_batch_size, profile_power_limits
 
 
 def main() -> None:

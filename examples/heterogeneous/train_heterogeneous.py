@@ -21,13 +21,17 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
-from zeus_callbacks import ZeusCost, ZeusMonitor, sim
-from zeus_callbacks.core.heterogeneous.planner import HeteroPlan, load_profile, plan
-from zeus_callbacks.heterogeneous import (
+from zeus_callbacks import (
+    HeteroPlan,
     RankPlan,
+    ZeusCost,
+    ZeusMonitor,
     apply_power_limit,
+    load_profile,
+    plan,
     rank_plan,
     restore_power_limits,
+    sim,
     uneven_dataloader,
     weight_gradients,
 )

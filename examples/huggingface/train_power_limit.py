@@ -18,7 +18,13 @@ import random
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from zeus_callbacks import HFGlobalPowerLimitOptimizer, HFZeusMonitor, MaxSlowdownConstraint, ZeusMonitor
+from zeus_callbacks import (
+    HFGlobalPowerLimitOptimizer,
+    HFZeusMonitor,
+    MaxSlowdownConstraint,
+    ZeusMonitor,
+    local_rank,
+)
 
 SEQ_LEN = 64
 
@@ -51,17 +57,17 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank = local_rank()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if not args.real:
         # Select simulated GPUs explicitly: one per process, at least two so that torchrun works as is.
         os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", f"{max(2, world_size)}*a40")
-        if local_rank == 0:
+        if rank == 0:
             print(f"SIMULATED GPUs: ZEUS_CALLBACKS_SIMULATE={os.environ['ZEUS_CALLBACKS_SIMULATE']}")
         # The simulator counts the host's CPU time as GPU work; one thread per process keeps it honest.
         torch.set_num_threads(1)
 
-    monitor = ZeusMonitor(gpu_indices=[local_rank])
+    monitor = ZeusMonitor(gpu_indices=[rank])
     plo = HFGlobalPowerLimitOptimizer(
         monitor, MaxSlowdownConstraint(1.1), wait_steps=5, warmup_steps=2, profile_steps=8, pl_step=50
     )

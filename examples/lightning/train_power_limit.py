@@ -20,8 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", "2*a40")  # before any GPU is discovered
 
-from zeus_callbacks import MaxSlowdownConstraint, ZeusMonitor  # noqa: E402
-from zeus_callbacks.core.device.gpus import get_gpus  # noqa: E402
+from zeus_callbacks import MaxSlowdownConstraint, ZeusMonitor, get_gpus, local_rank  # noqa: E402
 
 
 def main() -> None:
@@ -66,7 +65,7 @@ def main() -> None:
     data = DataLoader(TensorDataset(x, x[:, :1] * 2 + 1), batch_size=256, shuffle=True)
 
     # Launched by Lightning (or torchrun), every process but the first has LOCAL_RANK set: its own GPU.
-    gpu = int(os.environ.get("LOCAL_RANK", 0))
+    gpu = local_rank()
     monitor = ZeusMonitor(gpu_indices=[gpu])
     plo = LightningGlobalPowerLimitOptimizer(
         monitor, MaxSlowdownConstraint(1.1), wait_steps=5, warmup_steps=2, profile_steps=8

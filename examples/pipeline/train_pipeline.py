@@ -25,9 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from zeus_callbacks import ZeusMonitor, sim
-from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
-from zeus_callbacks.core.pipeline_frequency.pipelining import instrument
+from zeus_callbacks import PipelineFrequencyOptimizer, ZeusMonitor, instrument, sim
 
 NUM_STAGES = 4
 

@@ -27,7 +27,8 @@ from transformers import (  # noqa: E402
 
 from zeus_callbacks import sim  # noqa: E402
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor  # noqa: E402
-from zeus_callbacks.huggingface import OPTIMIZER_PREFIX, HFGlobalPowerLimitOptimizer, HFZeusMonitor  # noqa: E402
+from zeus_callbacks.core.monitor.reporting import POWER_LIMIT_PREFIX as OPTIMIZER_PREFIX  # noqa: E402
+from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer, HFZeusMonitor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_W = 300  # the simulated A40's maximum power limit

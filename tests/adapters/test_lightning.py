@@ -111,9 +111,38 @@ def _column(rows: list[dict[str, str]], name: str) -> list[float]:
     return [float(r[name]) for r in rows if r.get(name)]
 
 
+ALL_CALLBACKS = [
+    "LightningZeusMonitor",
+    "LightningGlobalPowerLimitOptimizer",
+    "LightningPipelineFrequencyOptimizer",
+    "LightningHeterogeneous",
+    "LightningEpochLog",
+]
+
+
 def test_callbacks_subclass_their_packages_callback(flavour: Flavour) -> None:
-    assert issubclass(flavour.zeus.LightningGlobalPowerLimitOptimizer, flavour.callbacks.Callback)
-    assert issubclass(flavour.zeus.LightningZeusMonitor, flavour.callbacks.Callback)
+    assert sorted(flavour.zeus.__all__) == sorted(ALL_CALLBACKS)
+    for name in ALL_CALLBACKS:
+        cls = getattr(flavour.zeus, name)
+        assert issubclass(cls, flavour.callbacks.Callback), name
+        assert cls.__qualname__ == name  # module-level: the checkpoint state key is the same in both packages
+
+
+def test_standalone_package_gets_every_callback_without_lightning(run_python) -> None:
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'lightning':\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import pytorch_lightning\n"
+        "from zeus_callbacks.lightning import pl\n"
+        f"names = {ALL_CALLBACKS!r}\n"
+        "print(all(issubclass(getattr(pl, n), pytorch_lightning.Callback) for n in names))\n"
+    )
+    out = run_python(code)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
 
 
 def test_import_does_not_import_lightning(run_python) -> None:

@@ -13,16 +13,16 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, TensorDataset
 
 from zeus_callbacks import ZeusCost
+from zeus_callbacks.accelerate import prepare_accelerate_dataloader
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.heterogeneous.planner import plan
 from zeus_callbacks.core.heterogeneous.profile_file import ExtrapolationError, load_profile
-from zeus_callbacks.heterogeneous import (
+from zeus_callbacks.core.heterogeneous.training import (
     RankPlan,
     UnevenDistributedSampler,
     apply_power_limit,
     loss_scale,
     match_gpu_type,
-    prepare_accelerate_dataloader,
     rank_plans,
     restore_power_limits,
     weight_gradients,
@@ -125,7 +125,8 @@ def test_each_rank_power_limit_is_applied_and_restored(sim_gpus, hetero_plan):
 
 
 def test_hf_and_lightning_adapters_apply_and_restore(sim_gpus, hetero_plan):
-    from zeus_callbacks.heterogeneous import HFHeterogeneousCallback, LightningHeterogeneous
+    from zeus_callbacks.huggingface import HFHeterogeneousCallback
+    from zeus_callbacks.lightning import LightningHeterogeneous
 
     sim_gpus("a10g,t4")
     t4 = get_gpus()[1]
@@ -148,7 +149,7 @@ def test_hf_and_lightning_adapters_apply_and_restore(sim_gpus, hetero_plan):
 def test_hf_trainer_feeds_the_local_batch_and_scales_the_loss(tmp_path):
     from transformers import TrainingArguments
 
-    from zeus_callbacks.heterogeneous import HeterogeneousTrainer
+    from zeus_callbacks.huggingface import HeterogeneousTrainer
 
     class Model(torch.nn.Module):
         def __init__(self):

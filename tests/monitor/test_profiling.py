@@ -15,8 +15,9 @@ from zeus_callbacks.cli import main as cli_main
 from zeus_callbacks.cli.profile import sim_workload_for_batch
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.heterogeneous.profile_file import load_profile
+from zeus_callbacks.core.heterogeneous.profiler import profile_power_limits
+from zeus_callbacks.core.monitor.dataloader import ProfileDataLoader
 from zeus_callbacks.core.monitor.epoch_log import scale_to_full_epoch, subset_indices, subset_scaling_factor
-from zeus_callbacks.profiling import ProfileDataLoader, profile_power_limits
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "heterogeneous" / "profile_script.py"
 
@@ -187,7 +188,8 @@ def test_cli_profile_refuses_bad_runs(tmp_path, monkeypatch, capsys):
 def test_hf_and_lightning_epoch_logs_write_rows(sim_gpus, tmp_path, burn_cpu):
     from types import SimpleNamespace
 
-    from zeus_callbacks.profiling import HFEpochLog, LightningEpochLog
+    from zeus_callbacks.huggingface import HFEpochLog
+    from zeus_callbacks.lightning import LightningEpochLog
 
     sim_gpus("a10g")
     hf = HFEpochLog(log_prefix=str(tmp_path / "hf"))

@@ -188,8 +188,8 @@ def test_adapters_refuse_a_job_without_pipeline_stage(sim_gpus):
     import torch
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from zeus_callbacks.huggingface_pipeline import HFPipelineFrequencyOptimizer
-    from zeus_callbacks.lightning_pipeline import LightningPipelineFrequencyOptimizer
+    from zeus_callbacks.huggingface import HFPipelineFrequencyOptimizer
+    from zeus_callbacks.lightning import LightningPipelineFrequencyOptimizer
 
     model = torch.nn.Linear(2, 2)  # plain data-parallel-style model: no PipelineStage anywhere
     hf = HFPipelineFrequencyOptimizer(device_id=0)

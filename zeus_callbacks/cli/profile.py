@@ -1,8 +1,9 @@
 """`zeus-callbacks profile`: measure a training script over batch sizes x power limits into a Zeus² profile.
 
 Protocol with the script: the command runs once per batch size with these environment variables (see
-`zeus_callbacks.profiling.PROFILE_ENV`), and the script calls `profile_power_limits(step_fn)`, which reads
-them, measures one window per power limit and writes the result where the CLI asked:
+`zeus_callbacks.core.heterogeneous.profiler.PROFILE_ENV`), and the script calls
+`zeus_callbacks.profile_power_limits(step_fn)`, which reads them, measures one window per power limit and
+writes the run where the CLI asked; the runs become one Zeus² profile (`core.heterogeneous.profile_file`):
 
 - `ZEUS_CALLBACKS_PROFILE_BATCH_SIZE`: the local batch size to train with (`profile_batch_size(default)`);
 - `ZEUS_CALLBACKS_PROFILE_POWER_LIMITS` (or `..._PL_STEP`), `..._WARMUP_STEPS`, `..._STEPS_PER_WINDOW`,
@@ -19,15 +20,19 @@ off. Every batch size then needs a shipped trace (a10g/t4: 32..1024 in powers of
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
-from zeus_callbacks.profiling import PROFILE_ENV
+from zeus_callbacks.core.heterogeneous.profile_file import (
+    BatchSizeRun,
+    build_profile,
+    read_run,
+    write_profile,
+)
+from zeus_callbacks.core.heterogeneous.profiler import PROFILE_ENV
 from zeus_callbacks.sim import SIMULATE_ENV, parse_spec, shipped_trace
 
 # Default workload of each simulated kind, with the batch size as the last component.
@@ -46,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="profile a training script over batch sizes and power limits (Zeus² profile JSON)",
         description=(
             "Run a training script once per batch size; the script measures one window of steps per power "
-            "limit with `zeus_callbacks.profiling.profile_power_limits`. Writes one Zeus² profile for this "
+            "limit with `zeus_callbacks.profile_power_limits`. Writes one Zeus² profile for this "
             "GPU type, for `zeus-callbacks plan --profile`."
         ),
         epilog="Example: zeus-callbacks profile --gpu-name a10 --batch-sizes 32,64,128 --output a10.json "
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"zeus-callbacks profile: {e}", file=sys.stderr)
         return 2
 
-    runs: dict[int, dict] = {}
+    runs: dict[int, BatchSizeRun] = {}
     oom_at: int | None = None
     with tempfile.TemporaryDirectory(prefix="zeus-callbacks-profile-") as tmp:
         for b in batch_sizes:
@@ -121,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 1
-            result = json.loads(out.read_text()) if out.is_file() else None
-            if result is not None and result.get("oom"):
+            result = read_run(out)
+            if result is not None and result.oom:
                 oom_at = b
                 print(f"batch size {b}: out of GPU memory; stopping at larger batch sizes", file=sys.stderr)
                 break
@@ -136,20 +141,20 @@ def run(args: argparse.Namespace) -> int:
             if result is None:
                 print(
                     f"zeus-callbacks profile: the script wrote no result at batch size {b}. It must call "
-                    "`zeus_callbacks.profiling.profile_power_limits(step_fn)`.",
+                    "`zeus_callbacks.profile_power_limits(step_fn)`.",
                     file=sys.stderr,
                 )
                 return 1
             runs[b] = result
     try:
-        profile = build_profile(runs, args, command, sim_specs, oom_at)
+        profile = build_profile(
+            runs, gpu_name=args.gpu_name, command=command, simulation=sim_specs, oom_at=oom_at
+        )
     except ValueError as e:
         print(f"zeus-callbacks profile: {e}", file=sys.stderr)
         return 1
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile, indent=2))
-    print(_summary(profile, path))
+    write_profile(args.output, profile)
+    print(_summary(args.gpu_name, runs, Path(args.output)))
     return 0
 
 
@@ -208,69 +213,18 @@ def _sim_specs(batch_sizes: list[int], keep: bool) -> dict[int, str]:
     return out
 
 
-def build_profile(
-    runs: dict[int, dict],
-    args: argparse.Namespace,
-    command: list[str],
-    sim_specs: dict[int, str],
-    oom_at: int | None,
-) -> dict:
-    """The Zeus² profile JSON: `{"<batch>": [{"power_limit", "energy", "time"}], "metadata": {...}}`.
-
-    Raises:
-        ValueError: fewer than two batch sizes measured, or runs that measured different power limits.
-    """
-    if len(runs) < 2:
-        raise ValueError(
-            f"only {len(runs)} batch size(s) measured{f' (out of memory at {oom_at})' if oom_at else ''}; "
-            "a profile needs two or more"
-        )
-    limit_sets = {b: sorted(w["power_limit_w"] for w in r["windows"]) for b, r in runs.items()}
-    if len({tuple(v) for v in limit_sets.values()}) != 1:
-        raise ValueError(f"the runs measured different power limits: {limit_sets}")
+def _summary(gpu_name: str, runs: dict[int, BatchSizeRun], path: Path) -> str:
     first = next(iter(runs.values()))
-    profile: dict = {
-        str(b): [
-            {"power_limit": w["power_limit_w"], "energy": w["energy_j"], "time": w["time_s"]}
-            for w in sorted(r["windows"], key=lambda w: -w["power_limit_w"])
-        ]
-        for b, r in sorted(runs.items())
-    }
-    from zeus_callbacks import __version__
-
-    metadata = {
-        "gpu": args.gpu_name,
-        "gpu_model": first["gpu_model"],
-        "steps_per_window": args.steps_per_window,
-        "warmup_steps": args.warmup_steps,
-        "power_limits": next(iter(limit_sets.values())),
-        "memory_peak_bytes": {str(b): r["memory_peak_bytes"] for b, r in sorted(runs.items())},
-        "simulated": any(r["simulated"] for r in runs.values()),
-        "command": command,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "zeus_callbacks": __version__,
-    }
-    if oom_at is not None:
-        metadata["max_batch_size"] = max(runs)
-        metadata["out_of_memory_at"] = oom_at
-    if sim_specs:
-        metadata["simulation"] = {str(b): sim_specs[b] for b in sorted(runs)}
-    profile["metadata"] = metadata
-    return profile
-
-
-def _summary(profile: dict, path: Path) -> str:
-    meta = profile["metadata"]
-    sim = ", SIMULATED" if meta["simulated"] else ""
+    sim = ", SIMULATED" if any(r.simulated for r in runs.values()) else ""
     lines = [
-        f"{meta['gpu']} ({meta['gpu_model']}{sim}): time (s) / energy (J) per window of {meta['steps_per_window']} steps"
+        f"{gpu_name} ({first.gpu_model}{sim}): time (s) / energy (J) per window of {first.steps_per_window} steps"
     ]
-    limits = sorted(meta["power_limits"], reverse=True)
+    limits = sorted((w.power_limit_w for w in first.windows), reverse=True)
     lines.append(f"{'batch':>7}" + "".join(f"{str(p) + ' W':>18}" for p in limits))
-    for b in sorted((k for k in profile if k != "metadata"), key=int):
-        cells = {m["power_limit"]: m for m in profile[b]}
+    for b, run in sorted(runs.items()):
+        cells = {w.power_limit_w: w for w in run.windows}
         lines.append(
-            f"{b:>7}" + "".join(f"{cells[p]['time']:>9.3f}/{cells[p]['energy']:<8.1f}" for p in limits)
+            f"{b:>7}" + "".join(f"{cells[p].time_s:>9.3f}/{cells[p].energy_j:<8.1f}" for p in limits)
         )
     lines.append(f"written to {path}")
     return "\n".join(lines)

@@ -1,33 +1,34 @@
-"""Lightning `Callback` adapters of the core, for `lightning.pytorch` trainers.
+"""Lightning `Callback` adapters of the core, for `lightning.pytorch` and `pytorch_lightning` trainers.
 
 `from zeus_callbacks.lightning import LightningGlobalPowerLimitOptimizer` gives callbacks built on
-`lightning.pytorch.Callback`; `zeus_callbacks.lightning.pl` has the same classes built on
-`pytorch_lightning.Callback`, for the standalone `pytorch_lightning` package. Both come from one
-implementation (`zeus_callbacks.lightning._callbacks`), and their checkpoint state is interchangeable.
-Lightning is imported on first use of a class, so that `zeus_callbacks.lightning.pl` works without the
-`lightning` package.
+`lightning.pytorch.Callback` (defined in `zeus_callbacks.lightning.pytorch`); `zeus_callbacks.lightning.pl`
+has the same classes built on `pytorch_lightning.Callback`, for the standalone `pytorch_lightning` package.
+Both are `class LightningX(XHooks, Callback)` over the hook bodies of `zeus_callbacks.lightning.hooks`, and
+their checkpoint state is interchangeable. The classes are imported on first access, so that this package
+imports no Lightning and `zeus_callbacks.lightning.pl` works without the `lightning` package.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-__all__ = ["LightningZeusMonitor", "LightningGlobalPowerLimitOptimizer"]
+from zeus_callbacks._lazy import lazy_exports
+
+__all__ = [
+    "LightningZeusMonitor",
+    "LightningGlobalPowerLimitOptimizer",
+    "LightningPipelineFrequencyOptimizer",
+    "LightningHeterogeneous",
+    "LightningEpochLog",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zeus_callbacks.lightning.pl import LightningGlobalPowerLimitOptimizer, LightningZeusMonitor
+    from zeus_callbacks.lightning.pytorch import (
+        LightningEpochLog,
+        LightningGlobalPowerLimitOptimizer,
+        LightningHeterogeneous,
+        LightningPipelineFrequencyOptimizer,
+        LightningZeusMonitor,
+    )
 
-
-def __getattr__(name: str) -> Any:
-    if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from lightning.pytorch import Callback
-
-    from zeus_callbacks.lightning._callbacks import build_callbacks
-
-    globals().update(zip(__all__, build_callbacks(Callback, __name__), strict=True))
-    return globals()[name]
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(__name__, dict.fromkeys(__all__, "zeus_callbacks.lightning.pytorch"))

@@ -1,11 +1,41 @@
-"""The Lightning adapters built on `pytorch_lightning.Callback`, for trainers of the standalone package."""
+"""The Lightning callbacks on `pytorch_lightning.Callback`, for trainers of the standalone package."""
 
 from __future__ import annotations
 
 from pytorch_lightning import Callback
 
-from zeus_callbacks.lightning._callbacks import build_callbacks
+from zeus_callbacks.lightning.hooks import (
+    EpochLogHooks,
+    GlobalPowerLimitOptimizerHooks,
+    HeterogeneousHooks,
+    PipelineFrequencyOptimizerHooks,
+    ZeusMonitorHooks,
+)
 
-__all__ = ["LightningZeusMonitor", "LightningGlobalPowerLimitOptimizer"]
+__all__ = [
+    "LightningZeusMonitor",
+    "LightningGlobalPowerLimitOptimizer",
+    "LightningPipelineFrequencyOptimizer",
+    "LightningHeterogeneous",
+    "LightningEpochLog",
+]
 
-LightningZeusMonitor, LightningGlobalPowerLimitOptimizer = build_callbacks(Callback, __name__)
+
+class LightningZeusMonitor(ZeusMonitorHooks, Callback):
+    """The GPU energy of training in the trainer's loggers; see `ZeusMonitorHooks`."""
+
+
+class LightningGlobalPowerLimitOptimizer(GlobalPowerLimitOptimizerHooks, Callback):
+    """Zeus's power-limit optimizer; see `GlobalPowerLimitOptimizerHooks`."""
+
+
+class LightningPipelineFrequencyOptimizer(PipelineFrequencyOptimizerHooks, Callback):
+    """Perseus for pipeline-parallel training steps; see `PipelineFrequencyOptimizerHooks`."""
+
+
+class LightningHeterogeneous(HeterogeneousHooks, Callback):
+    """Training on a heterogeneous plan; see `HeterogeneousHooks`."""
+
+
+class LightningEpochLog(EpochLogHooks, Callback):
+    """Each epoch's time, energy and power in Zeus's profiler files; see `EpochLogHooks`."""

@@ -1,20 +1,36 @@
-"""Per-GPU-type profiles for the heterogeneous planner: loading, validation and interpolation."""
+"""The Zeus² profile file of the heterogeneous planner: its rows, its writer and its reader (`GPUProfile`).
+
+A profile maps each local batch size to one measured window per power limit,
+`{"<batch>": [{"power_limit": W, "energy": J, "time": s}, ...], "metadata": {...}}`. `zeus-callbacks profile`
+writes it from one `BatchSizeRun` per batch size (each written by the profiled script with `write_run`);
+`load_profile` reads it for the planner.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from zeus_callbacks._version import __version__
+
 __all__ = [
     "DEFAULT_IDLE_POWER_FRACTION",
     "DEFAULT_STEPS_PER_WINDOW",
     "SHIPPED_PROFILES",
+    "PowerLimitWindow",
+    "BatchSizeRun",
+    "write_run",
+    "read_run",
+    "build_profile",
+    "write_profile",
     "GPUProfile",
     "ExtrapolationError",
     "load_profile",
@@ -31,6 +47,128 @@ SHIPPED_PROFILES = {"a10": "cifar_a10.json", "t4": "cifar_t4.json"}
 
 class ExtrapolationError(ValueError):
     """A plan would need a local batch size outside the measured range."""
+
+
+@dataclass(frozen=True)
+class PowerLimitWindow:
+    """One measured window of `steps` training steps at a power limit: one row of a Zeus² profile."""
+
+    power_limit_w: int
+    time_s: float
+    energy_j: float
+    steps: int
+
+    def to_row(self) -> dict[str, float]:
+        """The row as the profile file holds it (time and energy of the whole window)."""
+        return {"power_limit": self.power_limit_w, "energy": self.energy_j, "time": self.time_s}
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any], steps: int) -> PowerLimitWindow:
+        """A row of the profile file, whose windows are `steps` steps long."""
+        return cls(int(row["power_limit"]), float(row["time"]), float(row["energy"]), steps)
+
+
+@dataclass(frozen=True)
+class BatchSizeRun:
+    """What one run of the profiled script measured at one batch size, handed to `zeus-callbacks profile`.
+
+    Attributes:
+        batch_size: The local batch size the run trained with (None outside `zeus-callbacks profile`).
+        gpu_model: The GPU's model name, as NVML reports it.
+        gpu_index: The GPU measured.
+        simulated: The GPU is simulated.
+        warmup_steps: Unmeasured steps run at each power limit.
+        steps_per_window: Steps in each measured window.
+        memory_peak_bytes: Peak CUDA memory of the run (None on simulated GPUs or without CUDA).
+        oom: The run ran out of GPU memory (its windows are those measured before).
+        windows: One window per power limit, highest limit first.
+    """
+
+    batch_size: int | None
+    gpu_model: str
+    gpu_index: int
+    simulated: bool
+    warmup_steps: int
+    steps_per_window: int
+    memory_peak_bytes: int | None
+    oom: bool
+    windows: tuple[PowerLimitWindow, ...]
+
+
+def write_run(path: str | os.PathLike[str], run: BatchSizeRun) -> None:
+    """Write one batch size's run as JSON (read back by `read_run`)."""
+    data = asdict(run)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=2))
+
+
+def read_run(path: str | os.PathLike[str]) -> BatchSizeRun | None:
+    """The run written by `write_run` at `path`; None when the script wrote none."""
+    if not Path(path).is_file():
+        return None
+    data = json.loads(Path(path).read_text())
+    windows = tuple(PowerLimitWindow(**w) for w in data.pop("windows"))
+    return BatchSizeRun(**data, windows=windows)
+
+
+def build_profile(
+    runs: Mapping[int, BatchSizeRun],
+    *,
+    gpu_name: str,
+    command: Sequence[str],
+    simulation: Mapping[int, str] | None = None,
+    oom_at: int | None = None,
+) -> dict[str, Any]:
+    """The Zeus² profile of one GPU type from its runs, one per batch size, as `write_profile` writes it.
+
+    Args:
+        runs: The run of each measured batch size.
+        gpu_name: The GPU type's name in plans (`"a10"`).
+        command: The profiled command, kept in the metadata.
+        simulation: The simulation spec of each batch size, when the GPUs were simulated.
+        oom_at: The batch size that ran out of memory; the largest measured one becomes `max_batch_size`.
+
+    Raises:
+        ValueError: fewer than two batch sizes measured, or runs that measured different power limits.
+    """
+    if len(runs) < 2:
+        raise ValueError(
+            f"only {len(runs)} batch size(s) measured{f' (out of memory at {oom_at})' if oom_at else ''}; "
+            "a profile needs two or more"
+        )
+    limit_sets = {b: sorted(w.power_limit_w for w in r.windows) for b, r in runs.items()}
+    if len({tuple(v) for v in limit_sets.values()}) != 1:
+        raise ValueError(f"the runs measured different power limits: {limit_sets}")
+    first = next(iter(runs.values()))
+    profile: dict[str, Any] = {
+        str(b): [w.to_row() for w in sorted(r.windows, key=lambda w: -w.power_limit_w)]
+        for b, r in sorted(runs.items())
+    }
+    metadata: dict[str, Any] = {
+        "gpu": gpu_name,
+        "gpu_model": first.gpu_model,
+        "steps_per_window": first.steps_per_window,
+        "warmup_steps": first.warmup_steps,
+        "power_limits": next(iter(limit_sets.values())),
+        "memory_peak_bytes": {str(b): r.memory_peak_bytes for b, r in sorted(runs.items())},
+        "simulated": any(r.simulated for r in runs.values()),
+        "command": list(command),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "zeus_callbacks": __version__,
+    }
+    if oom_at is not None:
+        metadata["max_batch_size"] = max(runs)
+        metadata["out_of_memory_at"] = oom_at
+    if simulation:
+        metadata["simulation"] = {str(b): simulation[b] for b in sorted(runs)}
+    profile["metadata"] = metadata
+    return profile
+
+
+def write_profile(path: str | os.PathLike[str], profile: Mapping[str, Any]) -> None:
+    """Write a profile built by `build_profile` (read back by `load_profile`)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(profile, indent=2))
 
 
 @dataclass(frozen=True, eq=False)
@@ -206,10 +344,10 @@ def _parse(data: dict[str, Any], default_name: str, source: str) -> GPUProfile:
     column = {b: j for j, b in enumerate(batch_sizes)}
     row = {p: i for i, p in enumerate(limits)}
     for key, rows in data.items():
-        for m in rows:
-            i, j = row[int(m["power_limit"])], column[int(key)]
-            time_s[i, j] = float(m["time"]) / steps
-            energy_j[i, j] = float(m["energy"]) / steps
+        for w in (PowerLimitWindow.from_row(m, steps) for m in rows):
+            i, j = row[w.power_limit_w], column[int(key)]
+            time_s[i, j] = w.time_s / w.steps
+            energy_j[i, j] = w.energy_j / w.steps
     missing = [(b, p) for p in limits for b in batch_sizes if np.isnan(time_s[row[p], column[b]])]
     if missing:
         raise ValueError(f"profile {source}: (batch size, power limit) pairs not measured: {missing[:5]}.")

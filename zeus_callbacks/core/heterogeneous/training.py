@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from zeus_callbacks.core import distributed as dist
@@ -50,6 +50,8 @@ __all__ = [
     "apply_power_limit",
     "restore_power_limits",
     "steps_per_epoch",
+    "uneven_dataloader",
+    "unshard_dataloader",
 ]
 
 logger = logging.getLogger(__name__)
@@ -171,7 +173,7 @@ def rank_plan(
         plan: The heterogeneous plan, identical on every rank.
         rank_types: The plan's GPU type of every rank, in rank order. Default: each rank's GPU (`gpu_index`)
             matched by name (`match_gpu_type`).
-        gpu_index: This rank's GPU when matching by name; default `LOCAL_RANK`, else 0.
+        gpu_index: This rank's GPU when matching by name; default `local_rank()`.
 
     Raises:
         ValueError: the ranks hold different plans, or do not match the plan's types and counts.
@@ -179,7 +181,7 @@ def rank_plan(
     mine: str | None = None
     error = ""
     if rank_types is None:
-        index = gpu_index if gpu_index is not None else int(os.environ.get("LOCAL_RANK", 0))
+        index = gpu_index if gpu_index is not None else dist.local_rank()
         try:
             mine = match_gpu_type(plan, get_gpus()[index].name)
         except (ValueError, IndexError) as e:
@@ -343,14 +345,15 @@ def weight_gradients(module: torch.nn.Module, rank_plan_or_factor: RankPlan | fl
     return _GradientWeights(module, factor)
 
 
-def apply_power_limit(rank_plan: RankPlan, gpu_index: int) -> GPU:
-    """Set this rank's GPU to its planned power limit, recorded first so that it is restored at the end.
+def apply_power_limit(rank_plan: RankPlan, gpu_index: int | None = None) -> GPU:
+    """Set this rank's GPU (`gpu_index`, default `local_rank()`) to its planned power limit, recorded first
+    so that it is restored at the end.
 
     Raises:
         ValueError: the limit is outside the GPU's range (a plan for another GPU model?).
         GPUNoPermissionError: this process may not change power limits.
     """
-    gpu = get_gpus()[gpu_index]
+    gpu = get_gpus()[gpu_index if gpu_index is not None else dist.local_rank()]
     gpu.set_power_limit_mw(rank_plan.power_limit_w * 1000)
     logger.info(
         "Rank %d: %s at %d W, local batch %d of %d%s.",
@@ -367,3 +370,35 @@ def apply_power_limit(rank_plan: RankPlan, gpu_index: int) -> GPU:
 def restore_power_limits() -> bool:
     """Put back every GPU setting this process changed; True if all were restored."""
     return guard().restore()
+
+
+def uneven_dataloader(
+    dataset: Any,
+    rank_plan: RankPlan,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = True,
+    **kwargs: Any,
+) -> DataLoader:
+    """A `DataLoader` of this rank's slice of every global batch (`batch_size=rank_plan.local_batch`).
+
+    `kwargs` go to `DataLoader` (`num_workers`, `collate_fn`, ...). Call `loader.sampler.set_epoch(epoch)`
+    each epoch when shuffling in a plain loop (Lightning does it itself).
+    """
+    sampler = UnevenDistributedSampler.from_rank_plan(
+        dataset, rank_plan, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
+    return DataLoader(dataset, batch_size=rank_plan.local_batch, sampler=sampler, **kwargs)
+
+
+def unshard_dataloader(loader: Any) -> Any:
+    """Undo Accelerate's sharding of a loader that already holds only this rank's samples.
+
+    Accelerate (and the HF Trainer, through it) shards every loader it prepares over the processes; an
+    uneven loader is rank-aware already, so its batch sampler is told there is one process. Device placement
+    and `set_epoch` stay.
+    """
+    shard = getattr(loader, "batch_sampler", None)
+    if shard is not None and hasattr(shard, "num_processes") and hasattr(shard, "process_index"):
+        shard.num_processes, shard.process_index = 1, 0
+    return loader

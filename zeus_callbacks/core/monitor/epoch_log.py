@@ -71,9 +71,9 @@ def scale_to_full_epoch(first_batch: float, rest: float, scaling_factor: float) 
 
 
 def default_gpu_indices() -> list[int]:
-    """This process's GPU: `LOCAL_RANK` under torch.distributed, else every visible GPU (None)."""
+    """This process's GPU under torch.distributed (`local_rank()`), else every visible GPU (an empty list)."""
     if dist.is_distributed():
-        return [int(os.environ.get("LOCAL_RANK", dist.rank()))]
+        return [dist.local_rank()]
     return []
 
 
@@ -163,7 +163,8 @@ class EpochLog:
     (evaluation inside a training epoch); the outer one's time includes the inner one's.
 
     Args:
-        monitor: Measures this process's GPUs.
+        monitor: Measures this process's GPUs; default `monitor_for(None)` (this rank's GPU under
+            torch.distributed, else every visible GPU).
         log_prefix: Prefix of the files; default `$ZEUS_LOG_PREFIX`.
         sleep_ms: Power sampling period; default `$ZEUS_MONITOR_SLEEP_MS` or 100. 0: no power log.
 
@@ -181,7 +182,10 @@ class EpochLog:
     """
 
     def __init__(
-        self, monitor: ZeusMonitor, log_prefix: str | Path | None = None, sleep_ms: int | None = None
+        self,
+        monitor: ZeusMonitor | None = None,
+        log_prefix: str | Path | None = None,
+        sleep_ms: int | None = None,
     ) -> None:
         prefix = log_prefix if log_prefix is not None else os.environ.get(LOG_PREFIX_ENV)
         if not prefix:
@@ -191,7 +195,7 @@ class EpochLog:
             )
         if sleep_ms is None:
             sleep_ms = int(os.environ.get(MONITOR_SLEEP_MS_ENV) or _DEFAULT_SLEEP_MS)
-        self.monitor = monitor
+        self.monitor = monitor if monitor is not None else monitor_for(None)
         self.log_prefix = str(prefix)
         self.sleep_ms = int(sleep_ms)
         self._epochs: dict[str, int] = {}

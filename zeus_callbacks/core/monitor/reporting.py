@@ -1,15 +1,54 @@
-"""Energy figures for the trainers' loggers: per logging interval and run totals, from monitor windows."""
+"""The figures adapters give the trainers' loggers: every metric name and prefix is made here, once."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 
-__all__ = ["EnergyReporter"]
+__all__ = [
+    "ENERGY_PREFIX",
+    "POWER_LIMIT_PREFIX",
+    "PIPELINE_FREQUENCY_PREFIX",
+    "EnergyReporter",
+    "power_limit_metrics",
+    "pipeline_frequency_metrics",
+]
+
+ENERGY_PREFIX = "energy/"
+"""Prefix of the energy monitor's metrics (`energy/interval_j`, `energy/total_j`, ...)."""
+POWER_LIMIT_PREFIX = "power_limit_optimizer/"
+"""Prefix of the power-limit optimizer's metrics, its energy figures included (`.../energy_interval_j`)."""
+PIPELINE_FREQUENCY_PREFIX = "pipeline_frequency_optimizer/"
+"""Prefix of the pipeline-frequency optimizer's metrics."""
 
 _ids = itertools.count()
+
+
+def _prefixed(prefix: str, metrics: Mapping[str, float | str], numbers_only: bool) -> dict[str, float | str]:
+    return {f"{prefix}{k}": v for k, v in metrics.items() if not numbers_only or isinstance(v, (int, float))}
+
+
+def power_limit_metrics(
+    metrics: Mapping[str, float | str], *, numbers_only: bool = False
+) -> dict[str, float | str]:
+    """`GlobalPowerLimitOptimizer.metrics()` named for the loggers (`power_limit_optimizer/...`).
+
+    `numbers_only` drops the strings (the phase), for loggers that take numbers only (Lightning's).
+    """
+    return _prefixed(POWER_LIMIT_PREFIX, metrics, numbers_only)
+
+
+def pipeline_frequency_metrics(
+    metrics: Mapping[str, float | str], *, numbers_only: bool = False
+) -> dict[str, float | str]:
+    """`PipelineFrequencyOptimizer.metrics()` named for the loggers (`pipeline_frequency_optimizer/...`).
+
+    `numbers_only` drops the strings (the phase), for loggers that take numbers only (Lightning's).
+    """
+    return _prefixed(PIPELINE_FREQUENCY_PREFIX, metrics, numbers_only)
 
 
 class EnergyReporter:
@@ -20,9 +59,14 @@ class EnergyReporter:
     figures come from simulated GPUs). Under torch.distributed the energy figures are the whole job's
     (summed over ranks), so every rank must call `interval` and `stop` at the same points, as trainers'
     logging hooks do; `gpu<i>_interval_j` is this rank's GPU i.
+
+    Args:
+        monitor: The monitor of this process's GPUs.
+        prefix: Prefix of the names; `ENERGY_PREFIX` by default. `for_power_limit_optimizer` gives the
+            figures the power-limit optimizer's adapters log.
     """
 
-    def __init__(self, monitor: ZeusMonitor, prefix: str = "energy/") -> None:
+    def __init__(self, monitor: ZeusMonitor, prefix: str = ENERGY_PREFIX) -> None:
         self.monitor = monitor
         self.prefix = prefix
         self.total_energy_j = 0.0
@@ -31,6 +75,11 @@ class EnergyReporter:
         n = next(_ids)
         self._interval_window = f"__zeus_callbacks_log_interval_{n}"
         self._total_window = f"__zeus_callbacks_run_total_{n}"
+
+    @classmethod
+    def for_power_limit_optimizer(cls, monitor: ZeusMonitor) -> EnergyReporter:
+        """The reporter whose names sit with the optimizer's (`power_limit_optimizer/energy_interval_j`)."""
+        return cls(monitor, prefix=f"{POWER_LIMIT_PREFIX}energy_")
 
     def start(self) -> None:
         """Open the run and the first interval (at train begin)."""
