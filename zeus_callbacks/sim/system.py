@@ -246,8 +246,8 @@ class SimulatedGPU:
                 "persistence": 0.0,
                 "energy_mj": 0.0,
                 "updated_at": self.now(),
-                "refreshed_mj": 0.0,
-                "refreshed_at": float("-inf"),
+                "refreshed_mj": 0.0,  # the last refresh before the state began, as if nothing was drawn yet
+                "refreshed_at": self._last_refresh(self.now()) if energy_refresh_s else float("-inf"),
             },
         )
         self._buf = self._state._buf
@@ -385,6 +385,10 @@ class SimulatedGPU:
         since = now - updated
         return energy + self._idle_mw * since if since > 0 else energy
 
+    def _last_refresh(self, t: float) -> float:
+        """The time of the driver's last refresh of the energy counter at or before `t`."""
+        return t - (t - self._phase_s) % self.energy_refresh_s
+
     def true_energy_mj(self) -> float:
         """The energy the GPU has drawn up to now (mJ), unrounded by the counter's refresh: ground truth."""
         energy, updated, _, _ = _read_energy(self._buf, _ENERGY_OFFSET)
@@ -460,7 +464,7 @@ class SimulatedGPU:
             new_updated = max(updated, end)
             period = self.energy_refresh_s
             if period:  # the driver refreshed the counter at its last tick up to now: remember that value
-                tick = new_updated - (new_updated - self._phase_s) % period
+                tick = self._last_refresh(new_updated)
                 if tick > updated:
                     st.set("refreshed_mj", energy_at(tick))
                     st.set("refreshed_at", tick)
