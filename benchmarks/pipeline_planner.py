@@ -20,8 +20,9 @@ import logging
 import math
 import random
 import time
+from typing import Any
 
-from zeus_callbacks.core.pipeline_frequency.dag import build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.dag import Instruction, build_dag, build_schedule
 from zeus_callbacks.core.pipeline_frequency.frontier import (
     FrequencyOption,
     evaluate,
@@ -71,19 +72,43 @@ def run_lowtime(
     budget_s: float,
 ) -> tuple[float, dict, int, bool]:
     """Perseus-style lowtime run; returns (solve seconds, chosen frequencies, iterations, finished)."""
-    import networkx as nx
-    from lowtime.cost_model import ExponentialModel
-    from lowtime.graph_utils import DependencyResolver, add_sink_node, add_source_node
-    from lowtime.operation import CandidateExecutionOptions, ExecutionOption, OperationSpec
-    from lowtime.perseus.instruction import Backward, Forward, backward_dep, forward_dep
-    from lowtime.perseus.instruction import Instruction as LtInstruction
-    from lowtime.perseus.schedule import Synchronous1F1B
     from lowtime.solver import PhillipsDessouky
 
-    from zeus_callbacks.core.pipeline_frequency.dag import Instruction
-
     start = time.perf_counter()
-    op_spec_map: dict[int, dict[type, OperationSpec]] = {}
+    specs = _lowtime_specs(num_stages, options, p_blk, unit_time_s)
+    dag = _lowtime_dag(num_stages, num_microbatches, specs)
+
+    solver_s, iterations, finished = time.perf_counter() - start, 0, True
+    best, best_energy, last = None, math.inf, None
+    schedule = build_schedule("1f1b", num_stages, num_microbatches)
+    tick = time.perf_counter()
+    for _ in PhillipsDessouky(dag).run():
+        iterations += 1
+        solver_s += time.perf_counter() - tick
+        freqs = _lowtime_knobs(dag)  # Bookkeeping outside the timed region.
+        plan = evaluate(schedule, options, p_blk, freqs)
+        last = freqs
+        if plan.iteration_time_s <= target_time_s * (1 + 1e-9) and plan.energy_j < best_energy:
+            best, best_energy = freqs, plan.energy_j
+        if solver_s > budget_s:
+            finished = False
+            break
+        tick = time.perf_counter()
+    return solver_s, (best if best is not None else last), iterations, finished
+
+
+def _lowtime_specs(
+    num_stages: int,
+    options: dict[tuple[int, str], list[FrequencyOption]],
+    p_blk: list[float],
+    unit_time_s: float,
+) -> dict[int, dict[type, Any]]:
+    """lowtime's operation specs per stage and instruction class, costed in effective energy as Perseus does."""
+    from lowtime.cost_model import ExponentialModel
+    from lowtime.operation import CandidateExecutionOptions, ExecutionOption, OperationSpec
+    from lowtime.perseus.instruction import Backward, Forward
+
+    op_spec_map: dict[int, dict[type, Any]] = {}
     for stage in range(num_stages):
         op_spec_map[stage] = {}
         for cls, kind in ((Forward, "forward"), (Backward, "backward")):
@@ -94,11 +119,19 @@ def run_lowtime(
                 for o in options[stage, kind]
             ]
             cand = CandidateExecutionOptions[int](options=raw)
-            for (
-                opt
-            ) in cand.options:  # Effective energy, as in Perseus: computation energy minus blocking energy.
+            for opt in cand.options:  # Effective energy, as in Perseus: computation minus blocking energy.
                 opt.cost = opt.cost - p_blk[stage] * opt.quant_time * unit_time_s
             op_spec_map[stage][cls] = OperationSpec(options=cand, cost_model=ExponentialModel(cand))
+    return op_spec_map
+
+
+def _lowtime_dag(num_stages: int, num_microbatches: int, op_spec_map: dict[int, dict[type, Any]]) -> Any:
+    """The 1F1B DAG as Perseus' `run_perseus.py` builds it: nodes 2.., dummy source 0 and sink 1."""
+    import networkx as nx
+    from lowtime.graph_utils import DependencyResolver, add_sink_node, add_source_node
+    from lowtime.perseus.instruction import Instruction as LtInstruction
+    from lowtime.perseus.instruction import backward_dep, forward_dep
+    from lowtime.perseus.schedule import Synchronous1F1B
 
     dag = nx.DiGraph()
     node_id = 2  # 0 and 1 are the dummy source and sink.
@@ -122,32 +155,21 @@ def run_lowtime(
     add_sink_node(dag, 1)
     dag.graph["source_node"] = 0
     dag.graph["sink_node"] = 1
+    return dag
 
-    def knobs() -> dict:
-        out = {}
-        for n in range(2, node_id):
-            op = dag.nodes[n]["op"]
-            kind = "forward" if isinstance(op, Forward) else "backward"
-            out[Instruction(op.stage_id, kind, op.micro_batch_id)] = op.assigned_knob
-        return out
 
-    solver_s, iterations, finished = time.perf_counter() - start, 0, True
-    best, best_energy, last = None, math.inf, None
-    schedule = build_schedule("1f1b", num_stages, num_microbatches)
-    tick = time.perf_counter()
-    for _ in PhillipsDessouky(dag).run():
-        iterations += 1
-        solver_s += time.perf_counter() - tick
-        freqs = knobs()  # Bookkeeping outside the timed region.
-        plan = evaluate(schedule, options, p_blk, freqs)
-        last = freqs
-        if plan.iteration_time_s <= target_time_s * (1 + 1e-9) and plan.energy_j < best_energy:
-            best, best_energy = freqs, plan.energy_j
-        if solver_s > budget_s:
-            finished = False
-            break
-        tick = time.perf_counter()
-    return solver_s, (best if best is not None else last), iterations, finished
+def _lowtime_knobs(dag: Any) -> dict[Instruction, int]:
+    """The frequency lowtime currently assigns to each instruction (every node but the source and sink)."""
+    from lowtime.perseus.instruction import Forward
+
+    out = {}
+    for n in dag.nodes:
+        if n < 2:
+            continue
+        op = dag.nodes[n]["op"]
+        kind = "forward" if isinstance(op, Forward) else "backward"
+        out[Instruction(op.stage_id, kind, op.micro_batch_id)] = op.assigned_knob
+    return out
 
 
 def main() -> None:

@@ -8,29 +8,29 @@ import pytest
 
 from zeus_callbacks.cli import main
 from zeus_callbacks.core.pipeline_frequency.frontier import FrequencyOption
-from zeus_callbacks.core.pipeline_frequency.profile_file import read_profile, write_profile
+from zeus_callbacks.core.pipeline_frequency.planning import options_from_rows
+from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow, read_profile, write_profile
 
 
-def _profile(num_stages: int = 2) -> dict:
-    options = {}
+def _profile(num_stages: int = 2) -> list[ProfileRow]:
+    rows = []
     for s in range(num_stages):
         scale = 1.0 + 0.3 * s
         for kind, mult in (("forward", 0.02), ("backward", 0.04)):
-            opts = []
             for f in range(1740, 1100, -90):
                 t = scale * mult * (0.2 + 0.8 * 1740 / f)
-                opts.append(FrequencyOption(f, t, (80 + 200 * (f / 1740) ** 3) * t))
-            options[s, kind] = opts
-    return options
+                rows.append(ProfileRow(s, kind, f, t, (80 + 200 * (f / 1740) ** 3) * t))
+    return rows
 
 
 def test_round_trip(tmp_path):
     path = tmp_path / "profile.csv"
-    options = _profile(3)
-    write_profile(path, options)
+    rows = _profile(3)
+    write_profile(path, reversed(rows))
     assert path.read_text().splitlines()[0] == "stage,instruction,frequency,time,energy"
-    assert read_profile(path) == options
-    assert read_profile(path, num_stages=3) == options
+    assert read_profile(path) == rows  # by stage, forward first, from the highest clock down
+    assert read_profile(path, num_stages=3) == rows
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_reads_zeus_style_rows_in_any_order(tmp_path):
@@ -39,7 +39,9 @@ def test_reads_zeus_style_rows_in_any_order(tmp_path):
         "stage, instruction, frequency, time, energy\n"
         "0,backward,1410,0.05,9.5\n0,forward,1740,0.02,5.0\n0,forward,1410,0.025,4.5\n0,backward,1740,0.04,10\n"
     )
-    options = read_profile(path)
+    rows = read_profile(path)
+    assert [r.instruction for r in rows] == ["backward", "forward", "forward", "backward"]  # file order
+    options = options_from_rows(rows)
     assert options[0, "forward"] == [FrequencyOption(1740, 0.02, 5.0), FrequencyOption(1410, 0.025, 4.5)]
     assert [o.frequency_mhz for o in options[0, "backward"]] == [1740, 1410]
 

@@ -13,23 +13,18 @@ from pathlib import Path
 import pytest
 
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.pipeline_frequency.clock_sweep import (
-    ProfileRow,
-    StageSample,
-    clock_sweep,
-    instruction_kind,
-    load_profile_csv,
-    match_schedule,
-    merge_replicas,
-    options_from_rows,
-    passed_valley,
-    save_profile_csv,
-    undisturbed_estimate,
-)
+from zeus_callbacks.core.pipeline_frequency.clock_sweep import clock_sweep, merge_replicas, passed_valley
 from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
 from zeus_callbacks.core.pipeline_frequency.dag import build_schedule
 from zeus_callbacks.core.pipeline_frequency.frontier import max_frequency_plan, solve
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
+from zeus_callbacks.core.pipeline_frequency.planning import match_schedule, options_from_rows, with_margin
+from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow, read_profile, write_profile
+from zeus_callbacks.core.pipeline_frequency.recorder import (
+    StageSample,
+    instruction_kind,
+    undisturbed_estimate,
+)
 from zeus_callbacks.sim.system import SimulatedSystem
 
 FAST = dict(wait_steps=1, warmup_steps=0, profile_steps=1, frequency_stride_mhz=180, patience=2)
@@ -139,12 +134,12 @@ def test_undisturbed_estimate_is_a_low_quantile():
 def test_profile_csv_roundtrip(tmp_path: Path):
     rows = [ProfileRow(0, "forward", 1740, 0.01, 2.5), ProfileRow(0, "backward", 1650, 0.02, 4.25)]
     path = tmp_path / "profile.csv"
-    save_profile_csv(path, rows)
+    write_profile(path, rows)
     assert path.read_text().splitlines()[0] == "stage,instruction,frequency,time,energy"
-    assert sorted(load_profile_csv(path), key=str) == sorted(rows, key=str)
+    assert read_profile(path) == rows  # forward before backward, as written
     path.write_text("stage,instruction,frequency,time\n0,forward,1740,0.1\n")
     with pytest.raises(ValueError, match="missing column"):
-        load_profile_csv(path)
+        read_profile(path)
 
 
 def test_plan_from_simulated_curve_is_valid():
@@ -201,9 +196,7 @@ def test_sweep_stops_early_and_applies_plan(node, tmp_path: Path):
     assert report["predicted"]["iteration_time_s"] <= report["predicted"]["max_clock_iteration_time_s"] * (
         1 + 1e-9
     )
-    assert load_profile_csv(csv_path) == sorted(
-        pfo.profile_rows(), key=lambda r: (r.stage, r.instruction, -r.frequency_mhz)
-    )
+    assert sorted(read_profile(csv_path), key=str) == sorted(pfo.profile_rows(), key=str)
     run_steps(pfo, 2, kinds)
     last = pfo.plan_frequencies_mhz[-1]
     pfo._controller.wait(5)
@@ -313,7 +306,7 @@ def test_no_permission_measures_and_warns_once(sim_gpus, caplog):
 def test_no_permission_with_profile_reports_plan_without_applying(sim_gpus, tmp_path: Path):
     node = sim_gpus("a40", faults="no_permission")
     path = tmp_path / "profile.csv"
-    save_profile_csv(
+    write_profile(
         path,
         [
             ProfileRow(0, kind, f, t * rel, t * rel * p)
@@ -380,13 +373,22 @@ def test_clocks_restored_after_sigterm(node):
 
 def test_slack_margin_plans_lowered_clocks_longer_at_the_same_effective_energy(node):
     from zeus_callbacks.core.pipeline_frequency.frontier import FrequencyOption
-    from zeus_callbacks.core.pipeline_frequency.optimizer import _with_margin
 
     options = {(0, "forward"): [FrequencyOption(1740, 1.0, 200.0), FrequencyOption(1500, 1.2, 180.0)]}
-    padded = _with_margin(options, 0.1, [50.0])[0, "forward"]
+    padded = with_margin(options, 0.1, [50.0])[0, "forward"]
     assert padded[0] == options[0, "forward"][0]  # the fastest option is untouched
     assert padded[1].time_s == pytest.approx(1.32)
     assert padded[1].energy_j - 50.0 * padded[1].time_s == pytest.approx(180.0 - 50.0 * 1.2)
-    assert _with_margin(options, 0.0, [50.0]) is options
+    assert with_margin(options, 0.0, [50.0]) is options
     with pytest.raises(ValueError, match="slack_margin"):
         PipelineFrequencyOptimizer(slack_margin=1.5)
+
+
+def test_close_in_the_middle_of_a_step(node):
+    pfo = PipelineFrequencyOptimizer(device_id=0, **FAST)
+    pfo.on_step_begin()
+    pfo.on_instruction_begin("forward")
+    pfo.close()
+    pfo.on_instruction_end("forward")
+    pfo.on_step_end()  # nothing left to record, nothing raised
+    assert pfo.phase == "waiting" and not pfo.monitor.open_windows

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from zeus_callbacks.core.pipeline_frequency.clock_sweep import load_profile_csv
+from zeus_callbacks.core.pipeline_frequency.profile_file import read_profile
 
 WORLD = 4
 
@@ -147,7 +147,7 @@ def test_schedule_1f1b_profiles_plans_applies_and_restores(ranks):
         assert pred["energy_j"] <= pred["max_clock_energy_j"] * (1 + 1e-9)
         assert r["locked"] in freqs  # the plan's clocks were in force
     assert results[0]["phases"] == results[3]["phases"]  # one decision, at the same step, on every rank
-    rows = load_profile_csv(out / "pipeline" / "profile.csv")
+    rows = read_profile(out / "pipeline" / "profile.csv")
     assert {r.stage for r in rows} == {0, 1, 2, 3} and {r.instruction for r in rows} == {
         "forward",
         "backward",

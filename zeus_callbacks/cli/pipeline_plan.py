@@ -8,6 +8,7 @@ import sys
 
 from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_dag, build_schedule
 from zeus_callbacks.core.pipeline_frequency.frontier import Frontier, Plan, frontier, solve
+from zeus_callbacks.core.pipeline_frequency.planning import options_from_rows
 from zeus_callbacks.core.pipeline_frequency.profile_file import read_profile
 
 
@@ -41,8 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Solve and print; 2 on bad input."""
     try:
-        options = read_profile(args.profile, num_stages=args.stages)
-        num_stages = args.stages or 1 + max(s for s, _ in options)
+        rows = read_profile(args.profile, num_stages=args.stages)
+        num_stages = args.stages or 1 + max(r.stage for r in rows)
+        options = options_from_rows(rows)
         p_blk = [float(x) for x in str(args.p_blk).split(",")]
         if len(p_blk) == 1:
             p_blk *= num_stages

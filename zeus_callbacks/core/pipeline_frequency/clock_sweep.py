@@ -1,118 +1,16 @@
-"""Online profiling of pipeline instructions: the clock sweep, its early stop, merging replicas, the CSV."""
+"""The in-job clock sweep: which clocks each stage profiles, when it stops, replicas merged, blocking power."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
-from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_schedule
-from zeus_callbacks.core.pipeline_frequency.frontier import FrequencyOption
-from zeus_callbacks.core.pipeline_frequency.profile_file import PROFILE_COLUMNS, read_profile, write_profile
+from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow
+from zeus_callbacks.core.pipeline_frequency.recorder import StageSample
 
-__all__ = [
-    "FORWARD",
-    "BACKWARD",
-    "KINDS",
-    "ProfileRow",
-    "StageSample",
-    "instruction_kind",
-    "clock_sweep",
-    "undisturbed_estimate",
-    "passed_valley",
-    "merge_replicas",
-    "match_schedule",
-    "options_from_rows",
-    "save_profile_csv",
-    "load_profile_csv",
-    "PROFILE_COLUMNS",
-]
+__all__ = ["ClockSweep", "clock_sweep", "passed_valley", "merge_replicas", "stage_clocks"]
 
-FORWARD = "forward"
-BACKWARD = "backward"
-KINDS = (FORWARD, BACKWARD)
-
-# Instruction names accepted by the hooks -> (kind, part of a split backward or None). Schedules that split
-# the backward (zero-bubble) report its input- and weight-gradient halves; a weight half that directly
-# follows an input half is the same backward instruction.
-_NAMES: dict[str, tuple[str, str | None]] = {
-    "forward": (FORWARD, None),
-    "fwd": (FORWARD, None),
-    "f": (FORWARD, None),
-    "backward": (BACKWARD, None),
-    "bwd": (BACKWARD, None),
-    "b": (BACKWARD, None),
-    "full_backward": (BACKWARD, None),
-    "backward_input": (BACKWARD, "input"),
-    "bwd_input": (BACKWARD, "input"),
-    "i": (BACKWARD, "input"),
-    "backward_weight": (BACKWARD, "weight"),
-    "bwd_weight": (BACKWARD, "weight"),
-    "w": (BACKWARD, "weight"),
-}
-
-
-def instruction_kind(name: str) -> tuple[str, str | None]:
-    """`(kind, part)` of an instruction name: kind `"forward"` or `"backward"`, part `"input"`/`"weight"`
-    for the halves of a split backward, else None.
-
-    Raises:
-        ValueError: an unknown name.
-    """
-    try:
-        return _NAMES[name.lower()]
-    except (KeyError, AttributeError):
-        raise ValueError(
-            f"Unknown pipeline instruction {name!r}. Expected 'forward' or 'backward' (or, for a split "
-            "backward, 'backward_input' and 'backward_weight')."
-        ) from None
-
-
-@dataclass(frozen=True)
-class ProfileRow:
-    """Mean time and energy of one instruction type of one stage at one SM clock (replicas merged)."""
-
-    stage: int
-    instruction: str
-    frequency_mhz: int
-    time_s: float
-    energy_j: float
-
-
-@dataclass
-class StageSample:
-    """What one rank measured at one clock: the per-instruction means, the blocking time and energy."""
-
-    stage: int
-    frequency_mhz: int
-    # kind -> (mean time s, mean energy J, number of instructions measured)
-    kinds: dict[str, tuple[float, float, int]]
-    blocked_time_s: float
-    blocked_energy_j: float
-    sequence: tuple[str, ...]
-
-
-def undisturbed_estimate(values: Sequence[float], quantile: float = 0.1) -> float:
-    """An instruction's own time (or energy) from repeated measurements: their `quantile` (linear
-    interpolation between order statistics; 0 is the minimum).
-
-    Interference (preemption by other processes, the host scheduling other ranks on shared cores) only
-    ever adds time, and idle energy with it, so the median drifts with the load of the moment while a low
-    quantile tracks what the instruction itself takes; a quantile above the minimum keeps one lucky
-    measurement from deciding.
-
-    Raises:
-        ValueError: no values, or a quantile outside [0, 1].
-    """
-    if not values:
-        raise ValueError("undisturbed_estimate() needs at least one measurement.")
-    if not 0.0 <= quantile <= 1.0:
-        raise ValueError(f"`undisturbed_estimate(quantile={quantile!r})`: must be in [0, 1].")
-    ordered = sorted(values)
-    position = quantile * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+logger = logging.getLogger(__name__)
 
 
 def clock_sweep(supported_mhz: Iterable[int], stride_mhz: int, min_mhz: int | None = None) -> list[int]:
@@ -126,6 +24,24 @@ def clock_sweep(supported_mhz: Iterable[int], stride_mhz: int, min_mhz: int | No
         if not out or out[-1] - c >= stride_mhz:
             out.append(c)
     return out
+
+
+def stage_clocks(sweeps: Iterable[tuple[int, Sequence[int]]]) -> dict[int, list[int]]:
+    """Each stage's sweep, highest first, from every rank's `(stage, sweep)`: the clocks all its replicas
+    support (empty when they share none).
+
+    Raises:
+        ValueError: stages not numbered 0..S-1.
+    """
+    common: dict[int, set[int]] = {}
+    for stage, sweep in sweeps:
+        common[stage] = common[stage] & set(sweep) if stage in common else set(sweep)
+    stages = sorted(common)
+    if stages != list(range(len(stages))):
+        raise ValueError(
+            f"PipelineFrequencyOptimizer: pipeline stages {stages} are not numbered 0..{len(stages) - 1}."
+        )
+    return {s: sorted(common[s], reverse=True) for s in stages}
 
 
 def passed_valley(points: Sequence[tuple[float, float]], p_blk_w: float, patience: int) -> bool:
@@ -171,70 +87,93 @@ def merge_replicas(samples: Iterable[StageSample]) -> dict[int, StageSample]:
     return out
 
 
-def match_schedule(sequences: Mapping[int, Sequence[str]], preferred: str | None = None) -> tuple[str, int]:
-    """`(schedule, num_microbatches)` whose per-stage order of instruction kinds is the one observed.
+class ClockSweep:
+    """The profile of every stage, built one clock at a time; the same on every rank.
+
+    Each stage walks down its clocks, highest first. After every clock the samples of all ranks are
+    added (`add`): a stage is done once its last `patience` clocks saved no effective energy for any
+    instruction type, or its clocks ran out; a stage that is done runs at its maximum clock until every
+    stage is done (`finished`).
 
     Args:
-        sequences: Stage -> kinds of its instructions in one iteration, in execution order.
-        preferred: The schedule the user named; only it is tried when given.
-
-    Raises:
-        ValueError: stages are not numbered 0..S-1, or no known schedule runs the observed sequences.
+        clocks: Stage -> its clocks, highest first (`stage_clocks`).
+        patience: Clocks without an effective-energy gain before a stage stops.
     """
-    num_stages = len(sequences)
-    if sorted(sequences) != list(range(num_stages)):
-        raise ValueError(f"Pipeline stages {sorted(sequences)} are not numbered 0..{num_stages - 1}.")
-    num_microbatches = sum(k == FORWARD for k in sequences[0])
-    candidates = (preferred,) if preferred else SCHEDULES
-    if num_microbatches >= 1:
-        for kind in candidates:
-            schedule = build_schedule(kind, num_stages, num_microbatches)
-            if all([i.kind for i in schedule[s]] == list(sequences[s]) for s in range(num_stages)):
-                return kind, num_microbatches
-    shown = {s: "".join("F" if k == FORWARD else "B" for k in seq) for s, seq in sorted(sequences.items())}
-    raise ValueError(
-        f"The observed instruction order {shown} is not a {' or '.join(candidates)} schedule of "
-        f"{num_stages} stages and {num_microbatches} microbatches."
-    )
 
+    def __init__(self, clocks: Mapping[int, Sequence[int]], patience: int) -> None:
+        self.clocks = {s: list(c) for s, c in clocks.items()}
+        self.patience = patience
+        self.sequences: dict[int, tuple[str, ...]] = {}  # stage -> kinds of its instructions, in order
+        self._position = dict.fromkeys(self.clocks, 0)
+        self._done = dict.fromkeys(self.clocks, False)
+        # stage -> kind -> [(clock MHz, time s, energy J)] in sweep order
+        self._points: dict[int, dict[str, list[tuple[int, float, float]]]] = {}
+        self._blocked: dict[int, list[float]] = {}  # stage -> [time s, energy J] over the sweep
 
-def options_from_rows(rows: Iterable[ProfileRow]) -> dict[tuple[int, str], list[FrequencyOption]]:
-    """The planner's options table from profile rows.
+    @property
+    def finished(self) -> bool:
+        """Every stage is done."""
+        return all(self._done.values())
 
-    A lower clock never makes an instruction faster, so a measured time shorter than at a higher clock
-    (noise) is raised to it: otherwise the plan would slow the critical path for a speed-up that is not real.
-    """
-    out: dict[tuple[int, str], list[FrequencyOption]] = {}
-    for r in sorted(rows, key=lambda r: (r.stage, r.instruction, -r.frequency_mhz)):
-        opts = out.setdefault((r.stage, r.instruction), [])
-        time_s = max(r.time_s, opts[-1].time_s) if opts else r.time_s
-        opts.append(FrequencyOption(r.frequency_mhz, time_s, r.energy_j))
-    return out
+    def done(self, stage: int) -> bool:
+        """`stage` needs no more clocks."""
+        return self._done[stage]
 
+    def max_clock(self, stage: int) -> int:
+        """The highest clock of `stage`."""
+        return self.clocks[stage][0]
 
-def save_profile_csv(path: str | Path, rows: Iterable[ProfileRow]) -> None:
-    """Write rows as `stage,instruction,frequency,time,energy` (MHz, s, J per instruction), the format that
-    `zeus-callbacks pipeline-plan` reads (by `pipeline_frequency.profile_file`)."""
-    options: dict[tuple[int, str], list[FrequencyOption]] = {}
-    for r in rows:
-        options.setdefault((r.stage, r.instruction), []).append(
-            FrequencyOption(r.frequency_mhz, r.time_s, r.energy_j)
+    def clock(self, stage: int) -> int:
+        """The clock `stage` runs next: its next clock to profile, or its maximum once done."""
+        if self._done[stage]:
+            return self.max_clock(stage)
+        return self.clocks[stage][self._position[stage]]
+
+    def add(self, samples: Iterable[StageSample], sequences: Mapping[int, tuple[str, ...]]) -> None:
+        """Add one clock's samples of every rank (replicas merged) and the order of instructions each
+        stage ran; move each sampled stage to its next clock or mark it done.
+
+        Raises:
+            ValueError: replicas of a stage ran different instruction sequences.
+        """
+        self.sequences.update(sequences)
+        for stage, s in merge_replicas(samples).items():
+            kinds = self._points.setdefault(stage, {})
+            for kind, (t, e, _) in s.kinds.items():
+                kinds.setdefault(kind, []).append((s.frequency_mhz, t, e))
+            blocked = self._blocked.setdefault(stage, [0.0, 0.0])
+            blocked[0] += s.blocked_time_s
+            blocked[1] += s.blocked_energy_j
+            self._position[stage] += 1
+            if self._stops(stage):
+                self._done[stage] = True
+                logger.info("Stage %d: sweep done after %d clocks.", stage, self._position[stage])
+
+    def _stops(self, stage: int) -> bool:
+        kinds = self._points.get(stage, {})
+        p_blk = self.blocking_power_w().get(stage, 0.0)
+        valley = bool(kinds) and all(
+            passed_valley([(t, e) for _, t, e in pts], p_blk, self.patience) for pts in kinds.values()
         )
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    write_profile(tmp, options)
-    tmp.replace(path)
+        return valley or self._position[stage] >= len(self.clocks[stage])
 
+    def profile_rows(self) -> list[ProfileRow]:
+        """The profile measured so far (every stage, replicas merged)."""
+        return [
+            ProfileRow(stage, kind, f, t, e)
+            for stage, kinds in sorted(self._points.items())
+            for kind, pts in sorted(kinds.items())
+            for f, t, e in pts
+        ]
 
-def load_profile_csv(path: str | Path) -> list[ProfileRow]:
-    """Read a `stage,instruction,frequency,time,energy` profile.
+    def blocking_power_w(self) -> dict[int, float]:
+        """Measured power (W) of each stage while blocked between instructions (replicas summed).
 
-    Raises:
-        ValueError: a missing column, a malformed row, or a stage without both instructions.
-    """
-    return [
-        ProfileRow(stage, kind, o.frequency_mhz, o.time_s, o.energy_j)
-        for (stage, kind), opts in sorted(read_profile(path).items())
-        for o in opts
-    ]
+        A blocked GPU draws no more than a computing one: when the gaps are too short for the energy
+        counter's millijoule resolution, the figure is capped at the stage's lowest computing power.
+        """
+        out = {}
+        for s, (t, e) in sorted(self._blocked.items()):
+            computing = [pe / pt for pts in self._points.get(s, {}).values() for _, pt, pe in pts if pt > 0]
+            out[s] = min([e / t if t > 0 else 0.0, *computing])
+        return out

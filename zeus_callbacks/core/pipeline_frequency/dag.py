@@ -133,49 +133,10 @@ def build_dag(schedule: Sequence[Sequence[Instruction]]) -> PipelineDAG:
     Raises:
         ValueError: If the schedule repeats an instruction, misplaces one, or deadlocks (has a cycle).
     """
-    num_stages = len(schedule)
-    position: dict[Instruction, int] = {}
-    for stage, order in enumerate(schedule):
-        for inst in order:
-            if inst.stage != stage:
-                raise ValueError(f"{inst} is listed under stage {stage}.")
-            if inst in position:
-                raise ValueError(f"{inst} appears twice in the schedule.")
-            position[inst] = len(position)
+    position = _positions(schedule)
     flat = list(position)
-
-    raw_edges: set[tuple[int, int]] = set()
-    for order in schedule:
-        for a, b in zip(order, order[1:], strict=False):
-            raw_edges.add((position[a], position[b]))
-    for inst in flat:
-        s, m = inst.stage, inst.microbatch
-        if inst.kind == "forward":
-            nxt = Instruction(s + 1, "forward", m) if s + 1 < num_stages else Instruction(s, "backward", m)
-        else:
-            nxt = Instruction(s - 1, "backward", m) if s > 0 else None
-        if nxt is not None and nxt in position:
-            raw_edges.add((position[inst], position[nxt]))
-
-    # Kahn's algorithm, preferring the earliest-listed ready node so the numbering is deterministic.
-    succs: list[list[int]] = [[] for _ in flat]
-    indeg = [0] * len(flat)
-    for u, v in raw_edges:
-        succs[u].append(v)
-        indeg[v] += 1
-    ready = [i for i, d in enumerate(indeg) if d == 0]
-    heapq.heapify(ready)
-    topo: list[int] = []
-    while ready:
-        u = heapq.heappop(ready)
-        topo.append(u)
-        for v in succs[u]:
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                heapq.heappush(ready, v)
-    if len(topo) != len(flat):
-        raise ValueError("The schedule deadlocks: its dependency graph has a cycle.")
-
+    raw_edges = _dependencies(schedule, position)
+    topo = _topological_order(len(flat), raw_edges)
     renumber = {old: new for new, old in enumerate(topo)}
     edges = sorted((renumber[u], renumber[v]) for u, v in raw_edges)
     preds: list[list[int]] = [[] for _ in flat]
@@ -192,3 +153,62 @@ def build_dag(schedule: Sequence[Sequence[Instruction]]) -> PipelineDAG:
         _preds=tuple(tuple(p) for p in preds),
         _succs=tuple(tuple(s) for s in out),
     )
+
+
+def _positions(schedule: Sequence[Sequence[Instruction]]) -> dict[Instruction, int]:
+    """Every instruction's number in listing order (stage by stage), checking each is listed once, in place."""
+    position: dict[Instruction, int] = {}
+    for stage, order in enumerate(schedule):
+        for inst in order:
+            if inst.stage != stage:
+                raise ValueError(f"{inst} is listed under stage {stage}.")
+            if inst in position:
+                raise ValueError(f"{inst} appears twice in the schedule.")
+            position[inst] = len(position)
+    return position
+
+
+def _dependencies(
+    schedule: Sequence[Sequence[Instruction]], position: dict[Instruction, int]
+) -> set[tuple[int, int]]:
+    """Edges between listing numbers: each stage's order, and the data passed between stages."""
+    num_stages = len(schedule)
+    edges: set[tuple[int, int]] = set()
+    for order in schedule:
+        for a, b in zip(order, order[1:], strict=False):
+            edges.add((position[a], position[b]))
+    for inst in position:
+        s, m = inst.stage, inst.microbatch
+        if inst.kind == "forward":
+            nxt = Instruction(s + 1, "forward", m) if s + 1 < num_stages else Instruction(s, "backward", m)
+        else:
+            nxt = Instruction(s - 1, "backward", m) if s > 0 else None
+        if nxt is not None and nxt in position:
+            edges.add((position[inst], position[nxt]))
+    return edges
+
+
+def _topological_order(num_nodes: int, edges: set[tuple[int, int]]) -> list[int]:
+    """Kahn's algorithm, preferring the earliest-listed ready node so the numbering is deterministic.
+
+    Raises:
+        ValueError: the edges have a cycle (the schedule deadlocks).
+    """
+    succs: list[list[int]] = [[] for _ in range(num_nodes)]
+    indeg = [0] * num_nodes
+    for u, v in edges:
+        succs[u].append(v)
+        indeg[v] += 1
+    ready = [i for i, d in enumerate(indeg) if d == 0]
+    heapq.heapify(ready)
+    topo: list[int] = []
+    while ready:
+        u = heapq.heappop(ready)
+        topo.append(u)
+        for v in succs[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(ready, v)
+    if len(topo) != num_nodes:
+        raise ValueError("The schedule deadlocks: its dependency graph has a cycle.")
+    return topo

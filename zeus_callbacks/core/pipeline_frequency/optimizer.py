@@ -1,4 +1,8 @@
-"""PipelineFrequencyOptimizer: profile pipeline instructions per SM clock, plan (Perseus), lock the clocks."""
+"""PipelineFrequencyOptimizer: the phase machine that profiles, plans (Perseus) and applies SM clocks per instruction.
+
+The pieces live beside it: `recorder` measures instructions, `clock_sweep` builds the profile clock by
+clock, `planning` turns the profile into clocks, `controller` sets them, `profile_file` stores the profile.
+"""
 
 from __future__ import annotations
 
@@ -6,150 +10,116 @@ import atexit
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.pipeline_frequency.clock_sweep import (
-    ProfileRow,
-    StageSample,
-    clock_sweep,
-    instruction_kind,
-    load_profile_csv,
-    match_schedule,
-    merge_replicas,
-    options_from_rows,
-    passed_valley,
-    save_profile_csv,
-    undisturbed_estimate,
-)
+from zeus_callbacks.core.pipeline_frequency.clock_sweep import ClockSweep, clock_sweep, stage_clocks
 from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
-from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_dag, build_schedule
-from zeus_callbacks.core.pipeline_frequency.frontier import (
-    FrequencyOption,
-    evaluate,
-    max_frequency_plan,
-    solve,
+from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES
+from zeus_callbacks.core.pipeline_frequency.planning import plan_pipeline
+from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow, read_profile, write_profile
+from zeus_callbacks.core.pipeline_frequency.recorder import (
+    ClockMeasurements,
+    InstructionRecorder,
+    instruction_kind,
 )
 
 __all__ = ["PipelineFrequencyOptimizer"]
 
-
-def _with_margin(
-    options: dict[tuple[int, str], list[FrequencyOption]], margin: float, p_blk_w: list[float]
-) -> dict[tuple[int, str], list[FrequencyOption]]:
-    """Every option but the fastest of its type taken `margin` longer, for planning only. The added time is
-    charged at the stage's blocking power, so an option's effective energy (`e - P_blk * t`) is unchanged."""
-    if margin == 0:
-        return options
-    out = {}
-    for (stage, kind), opts in options.items():
-        top = max(o.frequency_mhz for o in opts)
-        out[stage, kind] = [
-            o
-            if o.frequency_mhz == top
-            else FrequencyOption(
-                o.frequency_mhz, o.time_s * (1 + margin), o.energy_j + p_blk_w[stage] * o.time_s * margin
-            )
-            for o in opts
-        ]
-    return out
-
-
 logger = logging.getLogger(__name__)
 
-_STEP = "__PipelineFrequencyOptimizer_step"
-_INSTRUCTION = "__PipelineFrequencyOptimizer_instruction"
-_BLOCKED = "__PipelineFrequencyOptimizer_blocked"
-_UNLOCKED = 0  # "frequency" of measurements taken at the clock the GPU chose itself
+_UNLOCKED = 0  # "clock" of measurements taken at the clock the GPU chose itself (no permission to lock)
 
 
+# -- phases -----------------------------------------------------------------------------------------
+# One object per phase; `name` is what `PipelineFrequencyOptimizer.phase` reports. Every rank of the
+# pipeline is in the same phase at the same step, except `fallback`, which a stage enters on its own.
 @dataclass
 class _Waiting:
+    """`waiting`: the first `wait_steps` steps run unchanged (a schedule's first step sets it up).
+
+    Next: `profiling` at the end of the last of them (at the first step when `wait_steps` is 0).
+    """
+
+    name: ClassVar[str] = "waiting"
     steps_left: int
 
 
 @dataclass
 class _Profiling:
-    frequency_mhz: int  # this rank's clock (its stage's sweep clock, or its maximum once the stage is done)
+    """`profiling`: this rank's GPU at one clock of its stage's sweep (its maximum once the stage is done):
+    `warmup_left` steps dropped, then `profile_steps` steps measured.
+
+    Next, after the measured steps, when every rank has shared its measurements: `profiling` at the next
+    clock while a stage's sweep goes on; `applying` once every stage is done and a plan was found;
+    `inactive` when a GPU failed, no plan could be made, or the job may not lock clocks.
+    """
+
+    name: ClassVar[str] = "profiling"
+    frequency_mhz: int
     warmup_left: int
     steps_done: int = 0
+    measurements: ClockMeasurements = field(default_factory=ClockMeasurements)
 
 
 @dataclass
 class _Applying:
+    """`applying`: each instruction of a step runs at its planned clock (`frequencies_mhz[i]` for the
+    `i`-th, of kind `kinds[i]`).
+
+    Next: `fallback` when a step's instructions differ from the plan or a clock change fails.
+    """
+
+    name: ClassVar[str] = "applying"
     kinds: list[str]
     frequencies_mhz: list[int]
 
 
 @dataclass
 class _Fallback:
+    """`fallback`: this stage runs at its maximum clock until training ends; `reason` says why. Final."""
+
+    name: ClassVar[str] = "fallback"
     reason: str
 
 
 @dataclass
 class _Inactive:
+    """`inactive`: the GPU's clocks are as they were found; time and energy are still measured. Final."""
+
+    name: ClassVar[str] = "inactive"
     reason: str
 
 
 _Phase = _Waiting | _Profiling | _Applying | _Fallback | _Inactive
 
 
-@dataclass
-class _Accumulator:
-    """The instructions measured over the profiled steps at one clock, and the blocked time and energy.
-
-    Each instruction type is summarised by a low quantile of its instances' times and of their energies
-    (`undisturbed_estimate`): a host that preempts the job (or simulated GPUs sharing CPU cores) only
-    adds time, to many instances when it is busy, and a lower clock must not look free or dear because
-    the host happened to be busier at another clock. With 4 simulated ranks on 2 cores, the medians of
-    stage 0's forward from 1740 MHz down in 45 MHz steps were 1.00, 1.07, 0.96, 1.13, 0.98, 1.29 of the
-    first; the 10% quantiles 1.00, 1.06, 1.09, 1.11, 1.13, 1.17, as the clocks predict.
-    """
-
-    kinds: dict[str, tuple[list[float], list[float]]] = field(
-        default_factory=dict
-    )  # kind -> (times, energies)
-    blocked_time_s: float = 0.0
-    blocked_energy_j: float = 0.0
-
-    def add(self, kind: str, time_s: float, energy_j: float) -> None:
-        times, energies = self.kinds.setdefault(kind, ([], []))
-        times.append(time_s)
-        energies.append(energy_j)
-
-    def sample(self, stage: int, frequency_mhz: int, sequence: tuple[str, ...]) -> StageSample:
-        kinds = {
-            k: (undisturbed_estimate(t), undisturbed_estimate(e), len(t))
-            for k, (t, e) in self.kinds.items()
-            if t
-        }
-        return StageSample(stage, frequency_mhz, kinds, self.blocked_time_s, self.blocked_energy_j, sequence)
-
-
 class PipelineFrequencyOptimizer:
     """Slow down the pipeline instructions that are off the critical path (Perseus, SOSP'24; Zeus's
     `PipelineFrequencyOptimizer`, without its server: ranks coordinate over torch.distributed).
 
-    Life of a job, every rank in step:
+    Phases (`phase`), every rank in step:
 
-    1. `wait_steps` steps pass unchanged (the first step of a pipeline schedule sets it up).
-    2. Profiling: every stage locks its GPU's SM clock to each clock of a sweep from the highest down
+    1. `waiting`: `wait_steps` steps pass unchanged (the first step of a pipeline schedule sets it up).
+    2. `profiling`: every stage locks its GPU's SM clock to each clock of a sweep from the highest down
        (supported clocks `frequency_stride_mhz` apart), drops `warmup_steps` steps, then measures the time
        and energy of each forward and backward over `profile_steps` steps (synchronising the GPU at every
        instruction boundary), and the power while blocked between instructions. A stage stops once its
        last `patience` clocks saved no effective energy; the sweep ends when every stage stopped.
        Replicas of a stage (same `pp_rank`) are merged: time is the slowest replica's, energy the sum.
-    3. Planning: the measurements are gathered on the group's first rank, which finds the schedule (1F1B
-       or GPipe) that ran, builds its DAG and picks the least-energy clock of every instruction whose
-       iteration time does not exceed the all-maximum-clock one (or `target_time_s`); every rank gets its
-       stage's clocks.
-    4. Applying: each instruction runs at its planned clock, set by a background thread during the
-       communication before it (requests for the clock already in force are skipped). If the order of
-       instructions differs from the plan (e.g. a new number of microbatches), the stage warns and goes
-       back to its maximum clock.
+       Then planning: the measurements are gathered on the group's first rank, which finds the schedule
+       (1F1B or GPipe) that ran, builds its DAG and picks the least-energy clock of every instruction
+       whose iteration time does not exceed the all-maximum-clock one (or `target_time_s`); every rank
+       gets its stage's clocks.
+    3. `applying`: each instruction runs at its planned clock, set by a background thread during the
+       communication before it (requests for the clock already in force are skipped).
+    4. `fallback`: the order of instructions differs from the plan (e.g. a new number of microbatches),
+       or a clock change failed: the stage warns and goes back to its maximum clock.
+    5. `inactive`: no plan (a GPU failed, no known schedule ran, no permission to lock clocks): the
+       clocks are restored and training goes on.
 
     Without permission to lock clocks, time and energy are still measured at the clock in force and
     reported; with a `profile_path` that exists, the plan and its predicted savings are reported, not
@@ -285,43 +255,30 @@ class PipelineFrequencyOptimizer:
             raise bad("slack_margin", slack_margin, "must be in [0, 1)")
         self.slack_margin = slack_margin
         self.profile_path = Path(profile_path) if profile_path is not None else None
-        self._group = dist.Group(process_group)
-        self._pp_rank = pp_rank
         self.stage: int | None = pp_rank
-        self._phase: _Phase = _Waiting(self.wait_steps)
-        self._started = False
-        self._closed = False
-        self._controller: FrequencyController | None = None
         self.may_set = True
-        self._replay: list[ProfileRow] | None = None
-        # per-step recording
-        self._in_step = False
-        self._records: list[list[Any]] = []  # [kind, time s, energy J] per instruction of the step
-        self._last_part: str | None = None
-        self._in_instruction = False
-        self._step_blocked = [0.0, 0.0]
-        self._acc = _Accumulator()
-        self._sequence: tuple[str, ...] = ()
-        self._warned_unstarted = False
-        # sweep state, identical on every rank
-        self._stage_clocks: dict[int, list[int]] = {}
-        self._stage_position: dict[int, int] = {}
-        self._stage_done: dict[int, bool] = {}
-        self._points: dict[int, dict[str, list[tuple[int, float, float]]]] = {}
-        self._blocked: dict[int, list[float]] = {}  # stage -> [time s, energy J] over the sweep
-        self._sequences: dict[int, tuple[str, ...]] = {}
-        self._plan: dict[str, Any] | None = None
-        self._failed: str | None = None
         # metrics
         self.iteration_time_s: float | None = None
         self.iteration_energy_j: float | None = None
         self.profiling_steps = 0
 
+        self._group = dist.Group(process_group)
+        self._phase: _Phase = _Waiting(self.wait_steps)
+        self._recorder = InstructionRecorder(monitor, self._gpu_failed)
+        self._sweep: ClockSweep | None = None  # made at the first step, from every rank's clocks
+        self._controller: FrequencyController | None = None
+        self._replay: list[ProfileRow] | None = None  # the profile read from `profile_path`
+        self._plan: dict[str, Any] | None = None  # plain data, the same on every rank
+        self._failed: str | None = None  # this rank's first GPU error, shared at the next collective
+        self._started = False
+        self._closed = False
+        self._warned_unstarted = False
+
     # -- public state ---------------------------------------------------------------------------
     @property
     def phase(self) -> str:
-        """`waiting`, `profiling`, `applying`, `fallback` or `inactive`."""
-        return type(self._phase).__name__.lstrip("_").lower()
+        """`waiting`, `profiling`, `applying`, `fallback` or `inactive` (see the class docstring)."""
+        return self._phase.name
 
     @property
     def frequency_mhz(self) -> int | None:
@@ -348,12 +305,7 @@ class PipelineFrequencyOptimizer:
 
     def profile_rows(self) -> list[ProfileRow]:
         """The profile measured so far (every stage, replicas merged), as written to `profile_path`."""
-        return [
-            ProfileRow(stage, kind, f, t, e)
-            for stage, kinds in sorted(self._points.items())
-            for kind, pts in sorted(kinds.items())
-            for f, t, e in pts
-        ]
+        return [] if self._sweep is None else self._sweep.profile_rows()
 
     def blocking_power_w(self) -> dict[int, float]:
         """Measured power (W) of each stage while blocked between instructions (replicas summed).
@@ -361,11 +313,7 @@ class PipelineFrequencyOptimizer:
         A blocked GPU draws no more than a computing one: when the gaps are too short for the energy
         counter's millijoule resolution, the figure is capped at the stage's lowest computing power.
         """
-        out = {}
-        for s, (t, e) in sorted(self._blocked.items()):
-            computing = [pe / pt for pts in self._points.get(s, {}).values() for _, pt, pe in pts if pt > 0]
-            out[s] = min([e / t if t > 0 else 0.0, *computing])
-        return out
+        return {} if self._sweep is None else self._sweep.blocking_power_w()
 
     def report(self) -> dict[str, Any]:
         """Plain data: phase, the profile, blocking power, the plan and its predicted time and energy
@@ -395,101 +343,47 @@ class PipelineFrequencyOptimizer:
             return
         if not self._started:
             self._start()
-        self._records = []
-        self._step_blocked = [0.0, 0.0]
-        self._last_part = None
-        self._close_window(_BLOCKED)
-        self._close_window(_STEP)
-        self._guarded(lambda: self.monitor.begin_window(_STEP))
-        self._in_step = True
+        self._recorder.begin_step()
 
     def on_instruction_begin(self, name: str) -> None:
         """Mark the beginning of an instruction: `"forward"` or `"backward"` of one microbatch (or the
         `"backward_input"`/`"backward_weight"` halves of a split backward)."""
         kind, part = instruction_kind(name)
-        if not self._in_step:
+        if not self._recorder.in_step:
             self._warn_unstarted()
             return
-        continuing = part == "weight" and self._last_part == "input"
-        if _BLOCKED in self.monitor.open_windows:
-            m = self._guarded(lambda: self.monitor.end_window(_BLOCKED))
-            if m is not None:
-                self._step_blocked[0] += m.time
-                self._step_blocked[1] += m.total_energy
-        if not continuing:
-            self._records.append([kind, 0.0, 0.0])
-            phase = self._phase
-            if isinstance(phase, _Applying):
-                index = len(self._records) - 1
-                if index >= len(phase.kinds) or phase.kinds[index] != kind:
-                    self._fall_back(
-                        f"instruction {index} of the step is a {kind}, but the plan expects "
-                        + (
-                            f"a {phase.kinds[index]}"
-                            if index < len(phase.kinds)
-                            else f"only {len(phase.kinds)}"
-                        )
-                    )
-                else:
-                    self._request(phase.frequencies_mhz[index])
-        self._guarded(lambda: self.monitor.begin_window(_INSTRUCTION))
-        self._in_instruction = True
+        index = self._recorder.begin_instruction(kind, part)
+        if index is not None and isinstance(self._phase, _Applying):
+            self._check_instruction(self._phase, index, kind)
 
     def on_instruction_end(self, name: str) -> None:
         """Mark the end of an instruction begun with `on_instruction_begin(name)`."""
-        kind, part = instruction_kind(name)
-        if not self._in_step or not self._in_instruction:
+        _, part = instruction_kind(name)
+        if not self._recorder.in_step or not self._recorder.end_instruction(part):
             return
-        self._in_instruction = False
-        m = self._guarded(lambda: self.monitor.end_window(_INSTRUCTION))
-        if m is not None and self._records:
-            self._records[-1][1] += m.time
-            self._records[-1][2] += m.total_energy
-        self._last_part = part
         phase = self._phase
         if isinstance(phase, _Applying) and part != "input":
             # Set the next instruction's clock while this stage communicates.
-            nxt = len(self._records) % len(phase.kinds)
-            self._request(phase.frequencies_mhz[nxt])
-        self._guarded(lambda: self.monitor.begin_window(_BLOCKED, sync_execution=False))
+            self._request(phase.frequencies_mhz[len(self._recorder.records) % len(phase.kinds)])
 
     def on_step_end(self) -> None:
         """Mark the end of a training step."""
-        if not self._in_step:
+        if not self._recorder.in_step:
             return
-        self._in_step = False
-        self._close_window(_BLOCKED)
-        self._close_window(_INSTRUCTION)
-        m = self._guarded(lambda: self.monitor.end_window(_STEP))
+        m = self._recorder.end_step()
         if m is not None:
             self.iteration_time_s, self.iteration_energy_j = m.time, m.total_energy
-        self._sequence = tuple(r[0] for r in self._records)
-        phase = self._phase
         if self._controller is not None and self._controller.error is not None and self._failed is None:
             self._failed = str(self._controller.error)
+        phase = self._phase
         if isinstance(phase, _Waiting):
             phase.steps_left -= 1
             if phase.steps_left <= 0:
                 self._begin_profiling()
         elif isinstance(phase, _Profiling):
-            self.profiling_steps += 1
-            if phase.warmup_left > 0:
-                phase.warmup_left -= 1
-            else:
-                for kind, t, e in self._records:
-                    self._acc.add(kind, t, e)
-                self._acc.blocked_time_s += self._step_blocked[0]
-                self._acc.blocked_energy_j += self._step_blocked[1]
-                phase.steps_done += 1
-                if phase.steps_done >= self.profile_steps:
-                    self._finish_clock(phase)
+            self._profiled_step(phase)
         elif isinstance(phase, _Applying):
-            if len(self._records) != len(phase.kinds):
-                self._fall_back(
-                    f"the step ran {len(self._records)} instructions; the plan has {len(phase.kinds)}"
-                )
-            elif self._failed is not None:
-                self._fall_back(self._failed)
+            self._applied_step(phase)
         self.monitor.gpus.step_boundary(self.monitor.gpu_indices)
 
     def on_train_end(self) -> None:
@@ -503,46 +397,52 @@ class PipelineFrequencyOptimizer:
         self._closed = True
         if self._controller is not None:
             self._controller.close()
-        for key in (_BLOCKED, _INSTRUCTION, _STEP):
-            if key in self.monitor.open_windows:
-                self.monitor.end_window(key, sync_execution=False, cancel=True)
+        self._recorder.close()
         guard().restore()
         if self._controller is not None:
             self._controller.forget()
         dist.remove_termination_handler(self._on_signal)
         atexit.unregister(self.close)
 
-    # -- start and profiling ----------------------------------------------------------------------
+    # -- waiting -> profiling ---------------------------------------------------------------------
     def _start(self) -> None:
+        """At the first step: agree with every rank on the stages and their clocks, read the profile."""
         self._started = True
         if self.stage is None:
             self.stage = self._group.rank()
+        sweep, may_set = self._own_sweep()
+        infos = self._group.all_gather({"stage": self.stage, "sweep": sweep, "may_set": may_set})
+        clocks = stage_clocks((i["stage"], i["sweep"]) for i in infos)
+        if self.pp_degree is not None and self.pp_degree != len(clocks):
+            raise ValueError(
+                f"`PipelineFrequencyOptimizer(pp_degree={self.pp_degree})`: the ranks report {len(clocks)} stages."
+            )
+        self.may_set = all(i["may_set"] and i["sweep"] for i in infos)
+        if self.profile_path is not None and self.profile_path.exists() and self._group.rank() == 0:
+            self._replay = read_profile(self.profile_path)
+        self._replay = self._group.broadcast(self._replay)
+        if self._replay is not None:
+            logger.info("PipelineFrequencyOptimizer: planning from the profile %s.", self.profile_path)
+        self._sweep = ClockSweep(self._clocks_to_profile(clocks), self.patience)
+        self._controller = FrequencyController(self.gpu)
+        dist.on_termination(self._on_signal)
+        atexit.register(self.close)
+        if self.wait_steps == 0:
+            self._begin_profiling()
+
+    def _own_sweep(self) -> tuple[list[int], bool]:
+        """The clocks this rank's GPU would profile, and whether it may lock them."""
         may_set = self.gpu.may_change_settings()
         try:
             supported = self.gpu.supported_sm_clocks_mhz()
         except GPUError as e:
-            supported, may_set = [], False
             logger.warning("PipelineFrequencyOptimizer: cannot read %s's SM clocks: %s", self.gpu.label, e)
+            return [], False
         sweep = clock_sweep(supported, self.frequency_stride_mhz, self.min_frequency_mhz) if supported else []
-        infos = self._group.all_gather({"stage": self.stage, "sweep": sweep, "may_set": may_set})
-        stages = sorted({i["stage"] for i in infos})
-        if stages != list(range(len(stages))):
-            raise ValueError(
-                f"PipelineFrequencyOptimizer: pipeline stages {stages} are not numbered 0..{len(stages) - 1}."
-            )
-        if self.pp_degree is not None and self.pp_degree != len(stages):
-            raise ValueError(
-                f"`PipelineFrequencyOptimizer(pp_degree={self.pp_degree})`: the ranks report {len(stages)} stages."
-            )
-        self.may_set = all(i["may_set"] and i["sweep"] for i in infos)
-        for s in stages:
-            common = set.intersection(*(set(i["sweep"]) for i in infos if i["stage"] == s))
-            self._stage_clocks[s] = sorted(common, reverse=True)
-        if self.profile_path is not None and self.profile_path.exists() and self._group.rank() == 0:
-            self._replay = load_profile_csv(self.profile_path)
-        self._replay = self._group.broadcast(self._replay)
-        if self._replay is not None:
-            logger.info("PipelineFrequencyOptimizer: planning from the profile %s.", self.profile_path)
+        return sweep, may_set
+
+    def _clocks_to_profile(self, clocks: dict[int, list[int]]) -> dict[int, list[int]]:
+        """Each stage's sweep: in full, only its maximum (replaying a profile), or the clock in force."""
         if not self.may_set:
             logger.warning(
                 "PipelineFrequencyOptimizer: this job may not lock GPU clocks (needs root or CAP_SYS_ADMIN on "
@@ -550,106 +450,83 @@ class PipelineFrequencyOptimizer:
                 "still measured at the current clock%s.",
                 "; the plan from profile_path is reported, not applied" if self._replay else "",
             )
-            self._stage_clocks = dict.fromkeys(stages, [_UNLOCKED])
-        elif self._replay is not None:
-            self._stage_clocks = {s: c[:1] for s, c in self._stage_clocks.items()}
-        if any(not c for c in self._stage_clocks.values()):
+            return dict.fromkeys(clocks, [_UNLOCKED])
+        if self._replay is not None:
+            clocks = {s: c[:1] for s, c in clocks.items()}
+        if any(not c for c in clocks.values()):
             raise ValueError("PipelineFrequencyOptimizer: the replicas of a stage share no SM clock.")
-        self._stage_position = dict.fromkeys(stages, 0)
-        self._stage_done = dict.fromkeys(stages, False)
-        self._controller = FrequencyController(self.gpu)
-        dist.on_termination(self._on_signal)
-        atexit.register(self.close)
-        if self.wait_steps == 0:
-            self._begin_profiling()
-
-    def _max_clock(self) -> int:
-        return self._stage_clocks[self.stage][0]
+        return clocks
 
     def _begin_profiling(self) -> None:
-        clock = self._stage_clocks[self.stage][self._stage_position[self.stage]]
+        assert self._sweep is not None and self.stage is not None
+        clock = self._sweep.clock(self.stage)
         self._set_clock(clock)
-        self._acc = _Accumulator()
         self._phase = _Profiling(clock, self.warmup_steps)
         if clock != _UNLOCKED:
             logger.info("Profiling stage %d at %d MHz.", self.stage, clock)
 
-    def _set_clock(self, mhz: int) -> None:
-        if mhz == _UNLOCKED or self._controller is None or self._failed is not None:
+    # -- profiling -> profiling | applying | inactive -----------------------------------------------
+    def _profiled_step(self, phase: _Profiling) -> None:
+        self.profiling_steps += 1
+        if phase.warmup_left > 0:
+            phase.warmup_left -= 1
             return
-        try:
-            self._controller.set_now(mhz)
-        except GPUError as e:
-            logger.warning("PipelineFrequencyOptimizer: %s", e)
-            self._failed = str(e)
+        phase.measurements.add_step(self._recorder)
+        phase.steps_done += 1
+        if phase.steps_done >= self.profile_steps:
+            self._finish_clock(phase)
 
     def _finish_clock(self, phase: _Profiling) -> None:
-        done = self._stage_done[self.stage]
-        sample = None if done else self._acc.sample(self.stage, phase.frequency_mhz, self._sequence)
+        """Share this clock's measurements with every rank; go on to the next clock, or plan."""
+        assert self._sweep is not None and self.stage is not None
+        sequence = self._recorder.sequence
+        sample = (
+            None
+            if self._sweep.done(self.stage)
+            else phase.measurements.sample(self.stage, phase.frequency_mhz, sequence)
+        )
         gathered = self._group.all_gather(
-            {"sample": sample, "stage": self.stage, "sequence": self._sequence, "failed": self._failed}
+            {"sample": sample, "stage": self.stage, "sequence": sequence, "failed": self._failed}
         )
         failures = [g["failed"] for g in gathered if g["failed"]]
         if failures:
             self._deactivate(f"a GPU failed during profiling ({failures[0]})")
             return
-        for g in gathered:
-            self._sequences[g["stage"]] = g["sequence"]
         try:
-            merged = merge_replicas(g["sample"] for g in gathered if g["sample"] is not None)
+            self._sweep.add(
+                (g["sample"] for g in gathered if g["sample"] is not None),
+                {g["stage"]: g["sequence"] for g in gathered},
+            )
         except ValueError as e:
             self._deactivate(str(e))
             return
-        for stage, s in merged.items():
-            kinds = self._points.setdefault(stage, {})
-            for kind, (t, e, _) in s.kinds.items():
-                kinds.setdefault(kind, []).append((s.frequency_mhz, t, e))
-            blocked = self._blocked.setdefault(stage, [0.0, 0.0])
-            blocked[0] += s.blocked_time_s
-            blocked[1] += s.blocked_energy_j
-            self._stage_position[stage] += 1
-            p_blk = self.blocking_power_w().get(stage, 0.0)
-            valley = bool(kinds) and all(
-                passed_valley([(t, e) for _, t, e in pts], p_blk, self.patience) for pts in kinds.values()
-            )
-            if valley or self._stage_position[stage] >= len(self._stage_clocks[stage]):
-                self._stage_done[stage] = True
-                logger.info("Stage %d: sweep done after %d clocks.", stage, self._stage_position[stage])
-        if all(self._stage_done.values()):
+        if self._sweep.finished:
             self._make_plan()
             return
-        if self._stage_done[self.stage]:
-            clock = self._max_clock()
-        else:
-            clock = self._stage_clocks[self.stage][self._stage_position[self.stage]]
+        clock = self._sweep.clock(self.stage)
         if clock != phase.frequency_mhz:
             self._set_clock(clock)
-        self._acc = _Accumulator()
         # Every rank runs the same number of steps per clock, so that the next gather is reached together.
         self._phase = _Profiling(clock, self.warmup_steps)
 
-    # -- planning and applying ----------------------------------------------------------------------
     def _make_plan(self) -> None:
+        """Plan on the group's first rank (and write the profile there); every rank takes its stage's part."""
         result: dict[str, Any] | None = None
         if self._group.rank() == 0:
             result = self._solve()
-            if self.profile_path is not None and self._replay is None and self.may_set:
-                try:
-                    save_profile_csv(self.profile_path, self.profile_rows())
-                except OSError as e:
-                    logger.warning("PipelineFrequencyOptimizer: cannot write %s: %s", self.profile_path, e)
+            self._save_profile()
         result = self._group.broadcast(result)
-        assert result is not None
-        self._plan = {k: v for k, v in result.items()}
+        assert result is not None and self.stage is not None
+        self._plan = dict(result)
         if "error" in result:
             self._deactivate(result["error"])
             return
-        steps = result["stage_plans"][self.stage]
         if not self.may_set:
             self._phase = _Inactive(
                 "no permission to lock SM clocks: the plan from profile_path is predicted, not applied"
             )
             return
+        steps = result["stage_plans"][self.stage]
         self._phase = _Applying([k for k, _ in steps], [f for _, f in steps])
         self._request(steps[0][1])
         pred = result["predicted"]
@@ -663,66 +540,59 @@ class PipelineFrequencyOptimizer:
         )
 
     def _solve(self) -> dict[str, Any]:
-        """On the first rank: the plan, or the reason there is none (plain data, to broadcast)."""
+        """The plan, or `{"error": why}` when there is none (plain data, to broadcast)."""
+        assert self._sweep is not None
         if self._replay is None and not self.may_set:
             return {
                 "error": "no permission to lock SM clocks, so no per-clock profile can be taken; "
                 "measurements at the current clock are in report()['profile']"
             }
+        rows = self._replay if self._replay is not None else self._sweep.profile_rows()
         try:
-            schedule_kind, num_microbatches = match_schedule(self._sequences, self.schedule)
-            schedule = build_schedule(schedule_kind, len(self._sequences), num_microbatches)
-            dag = build_dag(schedule)
-            rows = self._replay if self._replay is not None else self.profile_rows()
-            options = options_from_rows(rows)
-            missing = sorted({(i.stage, i.kind) for i in dag.instructions} - set(options))
-            if missing:
-                raise ValueError(f"the profile has no measurements of {missing}")
-            p_blk_map = self.blocking_power_w()
-            p_blk = [p_blk_map.get(s, 0.0) for s in range(dag.num_stages)]
-            reference = max_frequency_plan(dag, options, p_blk)
-            plan = evaluate(
-                dag,
-                options,
-                p_blk,
-                solve(
-                    dag, _with_margin(options, self.slack_margin, p_blk), p_blk, self.target_time_s
-                ).frequencies_mhz,
+            return plan_pipeline(
+                self._sweep.sequences,
+                rows,
+                self._sweep.blocking_power_w(),
+                self.schedule,
+                self.target_time_s,
+                self.slack_margin,
             )
         except ValueError as e:
             return {"error": f"no plan: {e}"}
-        kinds = [[i.kind for i in order] for order in schedule]
-        stage_plans = {
-            s: list(zip(kinds[s], freqs, strict=True)) for s, freqs in enumerate(plan.stage_frequencies())
-        }
-        return {
-            "schedule": schedule_kind,
-            "num_stages": dag.num_stages,
-            "num_microbatches": num_microbatches,
-            "stage_plans": stage_plans,
-            "plan_frequencies_mhz": {s: [f for _, f in p] for s, p in stage_plans.items()},
-            "predicted": {
-                "max_clock_iteration_time_s": reference.iteration_time_s,
-                "max_clock_energy_j": reference.energy_j,
-                "iteration_time_s": plan.iteration_time_s,
-                "energy_j": plan.energy_j,
-                "energy_saved_pct": 100 * (1 - plan.energy_j / reference.energy_j),
-                "time_change_pct": 100 * (plan.iteration_time_s / reference.iteration_time_s - 1),
-            },
-        }
 
-    def _request(self, mhz: int) -> None:
-        if self._controller is not None:
-            self._controller.request(mhz)
+    def _save_profile(self) -> None:
+        if self.profile_path is None or self._replay is not None or not self.may_set:
+            return
+        try:
+            write_profile(self.profile_path, self.profile_rows())
+        except OSError as e:
+            logger.warning("PipelineFrequencyOptimizer: cannot write %s: %s", self.profile_path, e)
+
+    # -- applying -> fallback -------------------------------------------------------------------------
+    def _check_instruction(self, phase: _Applying, index: int, kind: str) -> None:
+        """The `index`-th instruction of the step begins: at its planned clock, or off the plan."""
+        if index < len(phase.kinds) and phase.kinds[index] == kind:
+            self._request(phase.frequencies_mhz[index])
+            return
+        expected = f"a {phase.kinds[index]}" if index < len(phase.kinds) else f"only {len(phase.kinds)}"
+        self._fall_back(f"instruction {index} of the step is a {kind}, but the plan expects {expected}")
+
+    def _applied_step(self, phase: _Applying) -> None:
+        ran = len(self._recorder.records)
+        if ran != len(phase.kinds):
+            self._fall_back(f"the step ran {ran} instructions; the plan has {len(phase.kinds)}")
+        elif self._failed is not None:
+            self._fall_back(self._failed)
 
     def _fall_back(self, reason: str) -> None:
+        assert self._sweep is not None and self.stage is not None
         logger.warning(
             "PipelineFrequencyOptimizer (stage %s): %s; running at the maximum clock from now on.",
             self.stage,
             reason,
         )
         self._phase = _Fallback(reason)
-        self._request(self._max_clock())
+        self._request(self._sweep.max_clock(self.stage))
 
     def _deactivate(self, reason: str) -> None:
         logger.warning("PipelineFrequencyOptimizer: %s. Restoring the GPU's clocks and training on.", reason)
@@ -733,20 +603,25 @@ class PipelineFrequencyOptimizer:
         if self._controller is not None:
             self._controller.forget()
 
-    # -- measurement helpers ------------------------------------------------------------------------
-    def _guarded(self, fn: Any) -> Any:
-        """Run a monitor call; a GPU error is remembered (and shared at the next collective), not raised."""
+    # -- clocks and errors ------------------------------------------------------------------------------
+    def _set_clock(self, mhz: int) -> None:
+        if mhz == _UNLOCKED or self._controller is None or self._failed is not None:
+            return
         try:
-            return fn()
+            self._controller.set_now(mhz)
         except GPUError as e:
-            if self._failed is None:
-                logger.warning("PipelineFrequencyOptimizer: %s", e)
-                self._failed = str(e)
-            return None
+            logger.warning("PipelineFrequencyOptimizer: %s", e)
+            self._failed = str(e)
 
-    def _close_window(self, key: str) -> None:
-        if key in self.monitor.open_windows:
-            self.monitor.end_window(key, sync_execution=False, cancel=True)
+    def _request(self, mhz: int) -> None:
+        if self._controller is not None:
+            self._controller.request(mhz)
+
+    def _gpu_failed(self, error: GPUError) -> None:
+        """A monitor call failed: remembered (and shared at the next collective), not raised."""
+        if self._failed is None:
+            logger.warning("PipelineFrequencyOptimizer: %s", error)
+            self._failed = str(error)
 
     def _warn_unstarted(self) -> None:
         if not self._warned_unstarted:
@@ -756,7 +631,6 @@ class PipelineFrequencyOptimizer:
                 "(instructions outside steps are ignored)."
             )
 
-    # -- signals ------------------------------------------------------------------------------------
     def _on_signal(self, signum: int) -> None:
         # Stop the worker thread before restoring, so that no clock is locked again after the restore
         # (the guard's own handler may run before or after this one; restoring twice is harmless).

@@ -1,28 +1,42 @@
-"""Read and write instruction profiles in Zeus/Perseus CSV format: `stage,instruction,frequency,time,energy`.
+"""The Perseus instruction profile CSV (`stage,instruction,frequency,time,energy`): its row, reader and writer.
 
-One row per (stage, instruction, SM frequency): `instruction` is `forward` or `backward`, `frequency` in MHz,
-`time` in seconds and `energy` in joules for one instruction (one microbatch on one stage).
+One row per (stage, instruction, SM frequency), as Zeus/Perseus write it: `instruction` is `forward` or
+`backward`, `frequency` in MHz, `time` in seconds and `energy` in joules for one instruction (one microbatch
+on one stage). `PipelineFrequencyOptimizer(profile_path=...)` writes and reads it; so does
+`zeus-callbacks pipeline-plan`.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from zeus_callbacks.core.pipeline_frequency.frontier import FrequencyOption
-
-__all__ = ["PROFILE_COLUMNS", "read_profile", "write_profile"]
+__all__ = ["PROFILE_COLUMNS", "INSTRUCTIONS", "ProfileRow", "read_profile", "write_profile"]
 
 PROFILE_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
-_KINDS = ("forward", "backward")
+INSTRUCTIONS = ("forward", "backward")
 
 
-def read_profile(
-    path: str | Path, num_stages: int | None = None
-) -> dict[tuple[int, str], list[FrequencyOption]]:
-    """Options of each `(stage, kind)` from a profile CSV, ready for `solve`/`frontier`.
+@dataclass(frozen=True)
+class ProfileRow:
+    """Time and energy of one instruction (one microbatch) of one type on one stage at one SM clock.
+
+    In `PipelineFrequencyOptimizer.report()`, 0 MHz stands for the clock the GPU chose itself (measured
+    without permission to lock clocks); a file holds locked clocks only.
+    """
+
+    stage: int
+    instruction: str
+    frequency_mhz: int
+    time_s: float
+    energy_j: float
+
+
+def read_profile(path: str | Path, num_stages: int | None = None) -> list[ProfileRow]:
+    """The rows of a profile CSV, in file order.
 
     Args:
         path: The CSV file.
@@ -34,7 +48,8 @@ def read_profile(
             duplicated (stage, instruction, frequency), or a stage/instruction with no rows.
     """
     path = Path(path)
-    options: dict[tuple[int, str], list[FrequencyOption]] = {}
+    rows: list[ProfileRow] = []
+    seen: set[tuple[int, str, int]] = set()
     with path.open(newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         header = [c.strip() for c in reader.fieldnames or []]
@@ -44,42 +59,40 @@ def read_profile(
                 f"{path}: missing column(s) {', '.join(missing)}; expected {','.join(PROFILE_COLUMNS)}."
             )
         reader.fieldnames = header
-        for line, row in enumerate(reader, start=2):
-            stage, kind, freq, time_s, energy_j = _parse_row(path, line, row)
-            key = (stage, kind)
-            if any(o.frequency_mhz == freq for o in options.get(key, ())):
-                raise ValueError(f"{path}:{line}: stage {stage} {kind} at {freq} MHz appears twice.")
-            options.setdefault(key, []).append(FrequencyOption(freq, time_s, energy_j))
-    if not options:
-        raise ValueError(f"{path}: no profile rows.")
-
-    stages = sorted({s for s, _ in options})
-    expected = range(num_stages if num_stages is not None else stages[-1] + 1)
-    extra = [s for s in stages if s not in expected]
-    if extra:
-        raise ValueError(f"{path}: stage(s) {extra} out of range for {len(expected)} stages.")
-    for s in expected:
-        for kind in _KINDS:
-            if (s, kind) not in options:
-                raise ValueError(f"{path}: stage {s} has no {kind} rows.")
-    for opts in options.values():
-        opts.sort(key=lambda o: -o.frequency_mhz)
-    return options
+        for line, fields in enumerate(reader, start=2):
+            row = _parse_row(path, line, fields)
+            key = (row.stage, row.instruction, row.frequency_mhz)
+            if key in seen:
+                raise ValueError(f"{path}:{line}: stage {key[0]} {key[1]} at {key[2]} MHz appears twice.")
+            seen.add(key)
+            rows.append(row)
+    _check_stages(path, {(r.stage, r.instruction) for r in rows}, num_stages)
+    return rows
 
 
-def write_profile(path: str | Path, options: Mapping[tuple[int, str], Sequence[FrequencyOption]]) -> None:
-    """Write options in the same CSV format (rows by stage, instruction, then decreasing frequency)."""
-    with Path(path).open("w", newline="", encoding="utf-8") as f:
+def write_profile(path: str | Path, rows: Iterable[ProfileRow]) -> None:
+    """Write rows as a profile CSV (by stage, forward before backward, then decreasing frequency).
+
+    The parent folder is created; the file is replaced at once, so a reader never sees half of it.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    order = {kind: i for i, kind in enumerate(INSTRUCTIONS)}
+    ordered = sorted(
+        rows, key=lambda r: (r.stage, order.get(r.instruction, len(order)), r.instruction, -r.frequency_mhz)
+    )
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(PROFILE_COLUMNS)
-        for stage, kind in sorted(options, key=lambda k: (k[0], _KINDS.index(k[1]) if k[1] in _KINDS else 2)):
-            for o in sorted(options[stage, kind], key=lambda o: -o.frequency_mhz):
-                writer.writerow(
-                    [stage, kind, o.frequency_mhz, repr(float(o.time_s)), repr(float(o.energy_j))]
-                )
+        for r in ordered:
+            writer.writerow(
+                [r.stage, r.instruction, r.frequency_mhz, repr(float(r.time_s)), repr(float(r.energy_j))]
+            )
+    tmp.replace(path)
 
 
-def _parse_row(path: Path, line: int, row: Mapping[str, str | None]) -> tuple[int, str, int, float, float]:
+def _parse_row(path: Path, line: int, row: Mapping[str, str | None]) -> ProfileRow:
     try:
         stage = int(str(row["stage"]).strip())
         kind = str(row["instruction"]).strip().lower()
@@ -88,12 +101,27 @@ def _parse_row(path: Path, line: int, row: Mapping[str, str | None]) -> tuple[in
         energy_j = float(str(row["energy"]).strip())
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}:{line}: cannot parse row {dict(row)}: {e}") from None
-    if kind not in _KINDS:
-        raise ValueError(f"{path}:{line}: instruction {kind!r} is not one of {_KINDS}.")
+    if kind not in INSTRUCTIONS:
+        raise ValueError(f"{path}:{line}: instruction {kind!r} is not one of {INSTRUCTIONS}.")
     if stage < 0 or freq_f <= 0 or freq_f != int(freq_f):
         raise ValueError(f"{path}:{line}: stage must be >= 0 and frequency a positive integer (MHz).")
     if not (math.isfinite(time_s) and time_s > 0):
         raise ValueError(f"{path}:{line}: time must be positive and finite, got {time_s}.")
     if not (math.isfinite(energy_j) and energy_j >= 0):
         raise ValueError(f"{path}:{line}: energy must be non-negative and finite, got {energy_j}.")
-    return stage, kind, int(freq_f), time_s, energy_j
+    return ProfileRow(stage, kind, int(freq_f), time_s, energy_j)
+
+
+def _check_stages(path: Path, profiled: set[tuple[int, str]], num_stages: int | None) -> None:
+    """Every expected stage has both instructions; no other stage appears."""
+    if not profiled:
+        raise ValueError(f"{path}: no profile rows.")
+    stages = sorted({s for s, _ in profiled})
+    expected = range(num_stages if num_stages is not None else stages[-1] + 1)
+    extra = [s for s in stages if s not in expected]
+    if extra:
+        raise ValueError(f"{path}: stage(s) {extra} out of range for {len(expected)} stages.")
+    for s in expected:
+        for kind in INSTRUCTIONS:
+            if (s, kind) not in profiled:
+                raise ValueError(f"{path}: stage {s} has no {kind} rows.")

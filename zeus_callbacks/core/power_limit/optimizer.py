@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -34,13 +34,32 @@ logger = logging.getLogger(__name__)
 _WINDOW = "__GlobalPowerLimitOptimizer_step"
 
 
+# -- phases -----------------------------------------------------------------------------------------
+# One object per phase; `name` is what `GlobalPowerLimitOptimizer.phase` reports. Under torch.distributed
+# every rank is in the same phase at the same step.
 @dataclass
 class _Waiting:
+    """`waiting`: `wait_steps` steps pass at the GPU's own power limit (again when a later run starts after
+    `on_train_end` interrupted profiling).
+
+    Next: `warmup` (or `profiling` when `warmup_steps` is 0) at the next limit to profile, at the end of the
+    last waiting step; `done` when a complete profile (from `profile_path` or a checkpoint) leaves nothing
+    to profile; `inactive` when the job may not change power limits or a GPU fails.
+    """
+
+    name: ClassVar[str] = "waiting"
     steps_left: int
 
 
 @dataclass
 class _Warmup:
+    """`warmup`: `steps_left` more steps at `power_limit_w` before it is measured (they count as profiling
+    cost, not as samples).
+
+    Next: `profiling` at the same limit after the last of them; `inactive` when a GPU fails.
+    """
+
+    name: ClassVar[str] = "warmup"
     power_limit_w: int
     steps_left: int
     stats: PowerLimitStats  # what the measurement adds to: empty, or the samples of earlier visits
@@ -48,6 +67,15 @@ class _Warmup:
 
 @dataclass
 class _Profiling:
+    """`profiling`: each step at `power_limit_w` is measured (energy summed, time maxed over ranks) until
+    the search has seen enough of this limit.
+
+    Next: `warmup`/`profiling` at the next limit the search picks (a new one, or a near-tie revisited);
+    `done` when the search is over and the chosen limit is applied; `inactive` when a GPU fails, no limit
+    could be measured, or the choice may not be applied.
+    """
+
+    name: ClassVar[str] = "profiling"
     power_limit_w: int
     stats: PowerLimitStats
     steps_done: int = 0  # valid samples or not
@@ -55,11 +83,19 @@ class _Profiling:
 
 @dataclass
 class _Done:
+    """`done`: the chosen `power_limit_w` is in force for the rest of training (applied again when the
+    optimizer drives a later run). Final."""
+
+    name: ClassVar[str] = "done"
     power_limit_w: int
 
 
 @dataclass
 class _Inactive:
+    """`inactive`: the GPUs are left as they were found; energy is still measured; `reason` says why.
+    Final."""
+
+    name: ClassVar[str] = "inactive"
     reason: str
     power_limit_w: int | None = None  # the choice it would apply, when a complete profile gave one
 
@@ -79,6 +115,9 @@ class GlobalPowerLimitOptimizer:
     is summed and its time maxed over ranks, so every rank reaches the same decision at the same step.
     Every change goes through the process's GPU-state guard and is undone at `on_train_end`, at exit, on
     exceptions and on signals.
+
+    Phases (`phase`): `waiting`, then `warmup` and `profiling` at each limit the search picks, then `done`
+    (the choice applied) or `inactive` (GPUs left as found); each phase class says what moves it on.
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s).
@@ -162,8 +201,8 @@ class GlobalPowerLimitOptimizer:
     # -- public state ---------------------------------------------------------------------------
     @property
     def phase(self) -> str:
-        """`waiting`, `warmup`, `profiling`, `done` or `inactive`."""
-        return type(self._phase).__name__.lstrip("_").lower()
+        """`waiting`, `warmup`, `profiling`, `done` or `inactive` (see the phase classes of this module)."""
+        return self._phase.name
 
     @property
     def optimal_power_limit_w(self) -> int | None:

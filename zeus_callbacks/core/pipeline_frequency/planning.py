@@ -1,0 +1,140 @@
+"""Planning from a profile: find the schedule that ran, solve its DAG, and each stage's clock per instruction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.frontier import (
+    FrequencyOption,
+    evaluate,
+    max_frequency_plan,
+    solve,
+)
+from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow
+
+__all__ = ["match_schedule", "options_from_rows", "with_margin", "plan_pipeline"]
+
+
+def match_schedule(sequences: Mapping[int, Sequence[str]], preferred: str | None = None) -> tuple[str, int]:
+    """`(schedule, num_microbatches)` whose per-stage order of instruction kinds is the one observed.
+
+    Args:
+        sequences: Stage -> kinds of its instructions in one iteration, in execution order.
+        preferred: The schedule the user named; only it is tried when given.
+
+    Raises:
+        ValueError: stages are not numbered 0..S-1, or no known schedule runs the observed sequences.
+    """
+    num_stages = len(sequences)
+    if sorted(sequences) != list(range(num_stages)):
+        raise ValueError(f"Pipeline stages {sorted(sequences)} are not numbered 0..{num_stages - 1}.")
+    num_microbatches = sum(k == "forward" for k in sequences[0])
+    candidates = (preferred,) if preferred else SCHEDULES
+    if num_microbatches >= 1:
+        for kind in candidates:
+            schedule = build_schedule(kind, num_stages, num_microbatches)
+            if all([i.kind for i in schedule[s]] == list(sequences[s]) for s in range(num_stages)):
+                return kind, num_microbatches
+    shown = {s: "".join("F" if k == "forward" else "B" for k in seq) for s, seq in sorted(sequences.items())}
+    raise ValueError(
+        f"The observed instruction order {shown} is not a {' or '.join(candidates)} schedule of "
+        f"{num_stages} stages and {num_microbatches} microbatches."
+    )
+
+
+def options_from_rows(rows: Iterable[ProfileRow]) -> dict[tuple[int, str], list[FrequencyOption]]:
+    """The planner's options table from profile rows, each type's options from the highest clock down.
+
+    A lower clock never makes an instruction faster, so a measured time shorter than at a higher clock
+    (noise) is raised to it: otherwise the plan would slow the critical path for a speed-up that is not real.
+    """
+    out: dict[tuple[int, str], list[FrequencyOption]] = {}
+    for r in sorted(rows, key=lambda r: (r.stage, r.instruction, -r.frequency_mhz)):
+        opts = out.setdefault((r.stage, r.instruction), [])
+        time_s = max(r.time_s, opts[-1].time_s) if opts else r.time_s
+        opts.append(FrequencyOption(r.frequency_mhz, time_s, r.energy_j))
+    return out
+
+
+def with_margin(
+    options: dict[tuple[int, str], list[FrequencyOption]], margin: float, p_blk_w: Sequence[float]
+) -> dict[tuple[int, str], list[FrequencyOption]]:
+    """Every option but the fastest of its type taken `margin` longer, for planning only. The added time is
+    charged at the stage's blocking power, so an option's effective energy (`e - P_blk * t`) is unchanged."""
+    if margin == 0:
+        return options
+    out = {}
+    for (stage, kind), opts in options.items():
+        top = max(o.frequency_mhz for o in opts)
+        out[stage, kind] = [
+            o
+            if o.frequency_mhz == top
+            else FrequencyOption(
+                o.frequency_mhz, o.time_s * (1 + margin), o.energy_j + p_blk_w[stage] * o.time_s * margin
+            )
+            for o in opts
+        ]
+    return out
+
+
+def plan_pipeline(
+    sequences: Mapping[int, Sequence[str]],
+    rows: Iterable[ProfileRow],
+    blocking_power_w: Mapping[int, float],
+    schedule: str | None = None,
+    target_time_s: float | None = None,
+    slack_margin: float = 0.0,
+) -> dict[str, Any]:
+    """Every stage's clock of each instruction, planned on the schedule the stages ran; plain data.
+
+    The plan takes the least energy within `target_time_s` (default: the iteration time with every
+    instruction at its highest clock), planning with `slack_margin` (`with_margin`); its time and energy
+    are predicted from the profile as measured.
+
+    Args:
+        sequences: Stage -> kinds of its instructions in one iteration, in execution order.
+        rows: The profile of every stage and instruction type.
+        blocking_power_w: Stage -> its power while blocked (W); 0 when missing.
+        schedule: The schedule the user named (`match_schedule`), else None.
+        target_time_s: Iteration-time target (s).
+        slack_margin: Planning margin on lowered clocks.
+
+    Returns:
+        `schedule`, `num_stages`, `num_microbatches`, `stage_plans` (stage -> [(kind, MHz)] in execution
+        order), `plan_frequencies_mhz` (stage -> [MHz]) and `predicted` (times, energies, changes).
+
+    Raises:
+        ValueError: no known schedule ran the sequences, or the profile misses an instruction type.
+    """
+    schedule_kind, num_microbatches = match_schedule(sequences, schedule)
+    order = build_schedule(schedule_kind, len(sequences), num_microbatches)
+    dag = build_dag(order)
+    options = options_from_rows(rows)
+    missing = sorted({(i.stage, i.kind) for i in dag.instructions} - set(options))
+    if missing:
+        raise ValueError(f"the profile has no measurements of {missing}")
+    p_blk = [blocking_power_w.get(s, 0.0) for s in range(dag.num_stages)]
+    reference = max_frequency_plan(dag, options, p_blk)
+    planned = solve(dag, with_margin(options, slack_margin, p_blk), p_blk, target_time_s).frequencies_mhz
+    plan = evaluate(dag, options, p_blk, planned)
+    kinds = [[i.kind for i in instructions] for instructions in order]
+    stage_plans = {
+        s: list(zip(kinds[s], freqs, strict=True)) for s, freqs in enumerate(plan.stage_frequencies())
+    }
+    return {
+        "schedule": schedule_kind,
+        "num_stages": dag.num_stages,
+        "num_microbatches": num_microbatches,
+        "stage_plans": stage_plans,
+        "plan_frequencies_mhz": {s: [f for _, f in p] for s, p in stage_plans.items()},
+        "predicted": {
+            "max_clock_iteration_time_s": reference.iteration_time_s,
+            "max_clock_energy_j": reference.energy_j,
+            "iteration_time_s": plan.iteration_time_s,
+            "energy_j": plan.energy_j,
+            "energy_saved_pct": 100 * (1 - plan.energy_j / reference.energy_j),
+            "time_change_pct": 100 * (plan.iteration_time_s / reference.iteration_time_s - 1),
+        },
+    }
