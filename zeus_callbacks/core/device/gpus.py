@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-from zeus_callbacks.core.device import state_guard
+from zeus_callbacks.core.device import power, state_guard
 from zeus_callbacks.core.device.backend import NVMLBackend, active_backend, nvml_inventory, reset_backend
 from zeus_callbacks.core.device.errors import (
     SIMULATION_HINT,
@@ -282,8 +282,11 @@ _lock = threading.Lock()
 _gpus: GPUs | None = None
 
 
-def get_gpus() -> GPUs:
+def get_gpus(repair: bool = True) -> GPUs:
     """The process's GPUs (discovered once) through the active NVML backend (see `backend`).
+
+    At the first discovery, settings left changed by processes that died hard are put back, unless
+    `repair` is False (read-only callers such as `zeus-callbacks doctor`).
 
     Raises:
         NVMLUnavailableError: no NVML library or driver, and no other backend (simulation) selected.
@@ -299,7 +302,8 @@ def get_gpus() -> GPUs:
             except nvml.NVMLError as e:
                 raise nvml_error(nvml, e, "Initialising NVML", "this machine") from None
             _gpus = GPUs(backend)
-            _gpus.repaired = state_guard.guard().repair_dead_runs(_gpus)
+            if repair:
+                _gpus.repaired = state_guard.guard().repair_dead_runs(_gpus)
         return _gpus
 
 
@@ -312,4 +316,5 @@ def reset() -> None:
     with _lock:
         _gpus = None
     state_guard.reset()
+    power.forget_refresh_periods()
     reset_backend()
