@@ -95,3 +95,19 @@ def test_training_completes(
         for g in system.gpus:
             assert g.power_limit_mw == 300_000 and g.locked_sm_clocks_mhz is None
         assert not list(journal_dir().glob("*.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost_after", [1, 6])  # lost at discovery, lost while the command runs
+def test_measure_runs_the_command_and_reports_the_other_gpus(lost_after: int, sim_gpus) -> None:
+    sim_gpus("2*a40", faults=f"lost_after={lost_after}@1")
+    cmd = [sys.executable, "-m", "zeus_callbacks.cli", "measure", "--json", "--", "sh", "-c", "exit 3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 3, proc.stderr  # the command's exit code is kept
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "GPU 1" in proc.stderr and "lost" in proc.stderr
+    if lost_after == 6:
+        res = json.loads(proc.stdout.splitlines()[-1])
+        assert res["returncode"] == 3
+        assert list(res["gpu_energy_j"]) == ["0"] and res["gpu_energy_j"]["0"] > 0
+        assert list(res["lost"]) == ["1"]
