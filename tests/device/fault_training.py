@@ -41,7 +41,8 @@ def _full_disk() -> None:
 
 
 def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    """This rank's GPU index (every rank GPU 0 with `SAME_GPU=1`: a misconfigured job)."""
+    return 0 if os.environ.get("SAME_GPU") else int(os.environ.get("RANK", "0"))
 
 
 def _observe() -> None:
@@ -162,7 +163,11 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ:
         torch.distributed.init_process_group("gloo")
     {"plain": plain, "pipeline": pipeline, "hf": hf, "lightning": lightning}[sys.argv[1]]()
-    print("RESULT " + json.dumps({"rank": _rank(), "seen": sorted(seen), "steps": steps_run}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps({"rank": int(os.environ.get("RANK", "0")), "seen": sorted(seen), "steps": steps_run}),
+        flush=True,
+    )
     if "WORLD_SIZE" in os.environ:
         torch.distributed.destroy_process_group()
 

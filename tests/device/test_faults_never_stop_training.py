@@ -111,3 +111,28 @@ def test_measure_runs_the_command_and_reports_the_other_gpus(lost_after: int, si
         assert res["returncode"] == 3
         assert list(res["gpu_energy_j"]) == ["0"] and res["gpu_energy_j"]["0"] > 0
         assert list(res["lost"]) == ["1"]
+
+
+@pytest.mark.slow
+def test_ranks_sharing_a_gpu_refuse_before_any_change(tmp_path: Path, sim_state_dir: Path) -> None:
+    env = {
+        **os.environ,
+        "ZEUS_CALLBACKS_SIMULATE": "2*a40",
+        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(sim_state_dir),
+        "SAME_GPU": "1",  # both ranks on GPU 0
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(SCRIPT),
+        "plain",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert [r["seen"] for r in results] == [["300W"], ["300W"]]  # never changed, not even for a step
+    assert proc.stderr.count("used by more than one rank") == 2

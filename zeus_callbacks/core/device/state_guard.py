@@ -16,6 +16,8 @@ import atexit
 import logging
 import os
 import threading
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -412,6 +414,22 @@ class GPUStateGuard:
             entry.original,
         )
         return True
+
+
+def job_gpu_overlap(gpus: Sequence[GPU]) -> str | None:
+    """Why this job must not change its GPUs: two ranks use one GPU (None: no rank shares one).
+
+    A collective over torch.distributed: every rank calls it, and every rank gets the same answer.
+    """
+    everyone = dist.all_gather_object([g.uuid for g in gpus])
+    users = Counter(u for uuids in everyone for u in set(uuids))
+    shared = sorted({u for u, n in users.items() if n > 1})
+    if not shared:
+        return None
+    return (
+        f"{len(shared)} GPU(s) are used by more than one rank of this job ({', '.join(shared)}); their settings "
+        "are left alone (energy is still measured). Give each rank its own GPU (LOCAL_RANK, CUDA_VISIBLE_DEVICES)."
+    )
 
 
 def restore_defaults(gpus: GPUs, include_live: bool = False) -> list[tuple[GPU, str]]:

@@ -11,7 +11,7 @@ import numpy as np
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.errors import GPUError
-from zeus_callbacks.core.device.state_guard import guard
+from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.profile_file import ProfileContext, load_profile, save_profile
 from zeus_callbacks.core.power_limit.search import (
@@ -362,6 +362,11 @@ class GlobalPowerLimitOptimizer:
         lows = dist.all_reduce([-lo, hi, float(len(constraints) > 1), float(hi == 0)], op="max")
         if lows[3]:
             self._phase = _Inactive("a GPU does not support power-limit control")
+            return
+        overlap = job_gpu_overlap(self._gpus)  # before any change, on every rank
+        if overlap is not None:
+            logger.warning("GlobalPowerLimitOptimizer: %s", overlap)
+            self._phase = _Inactive("GPUs shared between ranks")
             return
         if len(constraints) > 1 or -lows[0] != lo or lows[1] != hi or lows[2]:
             raise ValueError(
