@@ -44,6 +44,8 @@ def _train(framework: str, fault: str, tmp_path: Path, sim_state_dir: Path) -> t
         ) + at
     else:
         env["ZEUS_CALLBACKS_SIM_FAULTS"] = "lost_after=30" + at
+        # A simulated GPU is lost to one process only; the restore watchdog would still reach it.
+        env["ZEUS_CALLBACKS_WATCHDOG"] = "0"
     if framework == "torchrun":
         cmd = [
             sys.executable,

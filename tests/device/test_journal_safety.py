@@ -103,7 +103,12 @@ def test_default_journal_dir_lives_as_long_as_the_gpu_settings(monkeypatch, tmp_
 def test_two_journal_dirs_and_sigkill_warn_and_restore_to_default(sim_gpus, tmp_path, monkeypatch):
     system = sim_gpus("a40")
     # A run whose journal lived in one place (say, a job's private /tmp) is killed hard...
-    first = _start(SET_AND_WAIT.format(mw=150_000), ZEUS_CALLBACKS_JOURNAL_DIR=str(tmp_path / "a"))
+    # (Its restore watchdog went with it, as in a container torn down.)
+    first = _start(
+        SET_AND_WAIT.format(mw=150_000),
+        ZEUS_CALLBACKS_JOURNAL_DIR=str(tmp_path / "a"),
+        ZEUS_CALLBACKS_WATCHDOG="0",
+    )
     first.kill()
     first.communicate(timeout=20)
     assert system.gpus[0].power_limit_mw == 150_000
@@ -233,7 +238,8 @@ def test_concurrent_repair_loses_no_update(sim_gpus):
             g.set_power_limit_mw(150_000)
         print("ready", flush=True)
         import time; time.sleep(60)
-        """
+        """,
+        ZEUS_CALLBACKS_WATCHDOG="0",  # the journal is left for the next job (as when the watchdog died too)
     )
     dead.kill()
     dead.communicate(timeout=20)

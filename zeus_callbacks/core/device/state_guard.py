@@ -41,6 +41,7 @@ from zeus_callbacks.core.device.journal import (
     trusted_dir,
     write_atomic,
 )
+from zeus_callbacks.core.device.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from zeus_callbacks.core.device.gpus import GPU, GPUs
@@ -78,12 +79,18 @@ def journal_dir() -> Path | None:
     return active_backend().journal_dir()
 
 
-def _start_time(pid: int) -> str | None:
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (state first); [] when unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return None
+        return []
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[19] if len(fields) > 19 else None
 
 
 def _alive(pid: int, start: str | None) -> bool:
@@ -93,7 +100,10 @@ def _alive(pid: int, start: str | None) -> bool:
         return False
     except PermissionError:
         return True
-    return start is None or _start_time(pid) == start
+    fields = _stat(pid)
+    if fields and fields[0] in ("Z", "X"):  # dead, not yet reaped
+        return False
+    return start is None or (fields[19] if len(fields) > 19 else None) == start
 
 
 def _apply(gpu: GPU, entry: JournalEntry) -> None:
@@ -144,6 +154,7 @@ class GPUStateGuard:
         self._warned: set[str] = set()
         self._written = False  # whether this process's journal file exists
         self._unrestored: set[tuple[str, str]] = set()  # entries whose restore failed (reported once)
+        self._watchdog: Watchdog | None = None  # restores at once if this process dies hard
 
     @property
     def directory(self) -> Path | None:
@@ -178,6 +189,8 @@ class GPUStateGuard:
                 self._release_unused(gpu.uuid)
                 raise self._journal_error(gpu, e) from None
             self._install()
+            if self._watchdog is None and self._path is not None:
+                self._watchdog = Watchdog.start()
             if knob == "power_limit":
                 self._warn_if_unexplained(gpu, original)
             return True
@@ -310,6 +323,9 @@ class GPUStateGuard:
                 logger.warning("Could not update the GPU-state journal %s: %s", self._path, e)
             for uuid in list(self._gpus):
                 self._release_unused(uuid)
+            if not self._entries and self._watchdog is not None:
+                self._watchdog.stop()
+                self._watchdog = None
             return ok
 
     def _install(self) -> None:
