@@ -34,14 +34,14 @@ def _child_code(tail: str = "", setup: str = "") -> str:
     return _CHILD.format(setup=textwrap.dedent(setup), tail=textwrap.dedent(tail))
 
 
-def _start(code: str) -> subprocess.Popen:
+def _start(code: str, **env: str) -> subprocess.Popen:
     """Start a child and wait until it has changed the power limit."""
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ),
+        env={**os.environ, **env},
     )
     line = proc.stdout.readline()
     if line.strip() != "ready":
@@ -141,9 +141,10 @@ def test_restore_on_sigint_with_default_handler_raises_keyboard_interrupt(sim_gp
 
 
 def _killed_child(system) -> dict:
-    """An admin set 250 W; a run then set 150 W and was killed with SIGKILL. Returns its journal."""
+    """An admin set 250 W; a run then set 150 W and was killed with SIGKILL (no restore watchdog, which
+    would put the limit back at once: see test_restore_watchdog.py). Returns its journal."""
     system.gpus[0].set_power_limit_mw(250_000)  # outside this package: not journaled
-    proc = _start(_child_code("time.sleep(30)"))
+    proc = _start(_child_code("time.sleep(30)"), ZEUS_CALLBACKS_WATCHDOG="0")
     proc.kill()
     proc.communicate(timeout=20)
     assert proc.returncode == -signal.SIGKILL

@@ -12,7 +12,8 @@ import threading
 from typing import Any
 
 from zeus_callbacks.cli.devices import NO_GPU_MESSAGE
-from zeus_callbacks.core.device.errors import MIGNotSupportedError, NVMLUnavailableError
+from zeus_callbacks.core.device.errors import GPUError, MIGNotSupportedError, NVMLUnavailableError
+from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.monitor.monitor import Measurement, ZeusMonitor
 
 
@@ -34,8 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def result(command: list[str], returncode: int, m: Measurement) -> dict[str, Any]:
-    """The report as plain numbers (s, J, W)."""
+def result(
+    command: list[str], returncode: int, m: Measurement, lost: dict[int, str] | None = None
+) -> dict[str, Any]:
+    """The report as plain numbers (s, J, W); `lost`: GPUs that could not be measured, and why."""
     return {
         "command": command,
         "returncode": returncode,
@@ -43,6 +46,7 @@ def result(command: list[str], returncode: int, m: Measurement) -> dict[str, Any
         "time_s": m.time,
         "gpu_energy_j": {str(i): e for i, e in m.gpu_energy.items()},
         "total_energy_j": m.total_energy,
+        "lost": {str(i): why for i, why in (lost or {}).items()},
     }
 
 
@@ -56,6 +60,8 @@ def _table(res: dict[str, Any], names: dict[int, str]) -> str:
     rows = [["GPU", "name", "energy J", "average power W"]]
     for i, e in res["gpu_energy_j"].items():
         rows.append([i, names[int(i)], f"{e:.3f}", f"{e / t:.1f}" if t > 0 else "n/a"])
+    for i in res.get("lost", {}):
+        rows.append([i, "", "not measured", "(see above)"])
     total = res["total_energy_j"]
     rows.append(["all", "", f"{total:.3f}", f"{total / t:.1f}" if t > 0 else "n/a"])
     widths = [max(len(r[c]) for r in rows) for c in range(4)]
@@ -95,28 +101,69 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         indices = None if args.gpus is None else [int(i) for i in args.gpus.split(",") if i.strip()]
-        monitor = ZeusMonitor(gpu_indices=indices)
+        monitors, lost = _begin(indices)
     except NVMLUnavailableError:
         print(NO_GPU_MESSAGE, file=sys.stderr)
         return 1
     except (MIGNotSupportedError, ValueError) as e:
         print(f"zeus-callbacks measure: {e}", file=sys.stderr)
         return 2
-    # The child does the GPU work, so this process does not synchronise (that would set up CUDA here).
-    monitor.begin_window("command", sync_execution=False)
+    except GPUError as e:  # discovery itself failed (a GPU lost): the command still runs, unmeasured
+        print(f"zeus-callbacks measure: {e} Running the command without measuring.", file=sys.stderr)
+        monitors, lost = {}, {}
     try:
         child = subprocess.Popen(command)
     except OSError as e:
-        monitor.end_window("command", sync_execution=False, cancel=True)
+        for monitor in monitors.values():
+            monitor.end_window("command", sync_execution=False, cancel=True)
         print(f"zeus-callbacks measure: cannot run {command[0]!r}: {e}", file=sys.stderr)
         return 127
     returncode = _wait(child)
-    m = monitor.end_window("command", sync_execution=False)
-    monitor.close()
-    res = result(command, returncode, m)
+    if not monitors and not lost:
+        return _exit_code(returncode)
+    m = _end(monitors, lost)
+    for i, why in lost.items():
+        print(f"zeus-callbacks measure: GPU {i} not measured: {why}", file=sys.stderr)
+    res = result(command, returncode, m, lost)
     if args.json:
         print(json.dumps(res), flush=True)
     else:
-        names = {g.index: g.name for g in monitor.gpus}
+        names = {i: mon.gpus[i].name for i, mon in monitors.items()}
         print(_table(res, names), flush=True)
     return _exit_code(returncode)
+
+
+def _begin(indices: list[int] | None) -> tuple[dict[int, ZeusMonitor], dict[int, str]]:
+    """One monitor per GPU with its window open, so that a GPU lost before or during the command costs only
+    its own figures; returns the monitors and the GPUs that failed already."""
+    if indices is None:
+        indices = list(range(len(get_gpus())))
+    ZeusMonitor(gpu_indices=indices)  # checks the indices once, with the monitor's own message
+    monitors: dict[int, ZeusMonitor] = {}
+    lost: dict[int, str] = {}
+    for i in indices:
+        try:
+            monitor = ZeusMonitor(gpu_indices=[i])
+            # The child does the GPU work, so this process does not synchronise (that would set up CUDA here).
+            monitor.begin_window("command", sync_execution=False)
+            monitors[i] = monitor
+        except GPUError as e:
+            lost[i] = str(e)
+    return monitors, lost
+
+
+def _end(monitors: dict[int, ZeusMonitor], lost: dict[int, str]) -> Measurement:
+    """Close every window; a GPU lost meanwhile joins `lost`. One measurement of the GPUs still answering."""
+    times, energy, simulated = [], {}, False
+    for i, monitor in monitors.items():
+        try:
+            m = monitor.end_window("command", sync_execution=False)
+        except GPUError as e:
+            lost[i] = str(e)
+            continue
+        finally:
+            monitor.close()
+        times.append(m.time)
+        energy.update(m.gpu_energy)
+        simulated = simulated or m.simulated
+    return Measurement(time=max(times, default=0.0), gpu_energy=energy, simulated=simulated)

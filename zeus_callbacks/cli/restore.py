@@ -10,7 +10,8 @@ from typing import Any
 from zeus_callbacks.cli.devices import NO_GPU_MESSAGE
 from zeus_callbacks.core.device.errors import MIGNotSupportedError, NVMLUnavailableError
 from zeus_callbacks.core.device.gpus import get_gpus
-from zeus_callbacks.core.device.state_guard import JournalEntry, guard, journal_dir
+from zeus_callbacks.core.device.journal import read_journal, trusted_dir
+from zeus_callbacks.core.device.state_guard import JournalEntry, guard, journal_dir, restore_defaults
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,6 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--include-live",
         action="store_true",
         help="also undo the changes of processes still running (they may change the GPU again)",
+    )
+    parser.add_argument(
+        "--to-default",
+        action="store_true",
+        help=(
+            "also put every visible GPU back to its default power limit and unlocked SM clocks (for a limit "
+            "left by a run whose journal is lost); GPUs a running process owns are skipped unless --include-live"
+        ),
     )
     parser.add_argument("--json", action="store_true", help="print the restored settings as JSON")
     parser.set_defaults(func=run)
@@ -47,13 +56,14 @@ def _as_dict(entry: JournalEntry) -> dict[str, Any]:
 def _left_behind() -> int:
     """Journal entries still on disk (other processes', or for GPUs not visible here)."""
     directory = journal_dir()
-    if directory is None or not directory.is_dir():
+    # The guard already warned about what it would not read: count quietly.
+    if directory is None or not trusted_dir(directory, warn=False):
         return 0
     count = 0
     for path in directory.glob("*.json"):
         try:
-            count += len(json.loads(path.read_text())["entries"])
-        except (OSError, ValueError, KeyError):
+            count += len(read_journal(path)["entries"])
+        except (OSError, ValueError):
             continue
     return count
 
@@ -70,17 +80,23 @@ def run(args: argparse.Namespace) -> int:
         return 1
     restored, gpus.repaired = list(gpus.repaired), []
     restored += guard().repair_dead_runs(gpus, include_live=args.include_live)
+    defaults = restore_defaults(gpus, include_live=args.include_live) if args.to_default else []
     left = _left_behind()
     if args.json:
-        print(
-            json.dumps(
-                {"simulated": gpus.simulated, "restored": [_as_dict(e) for e in restored], "left": left}
-            )
-        )
+        out: dict[str, Any] = {
+            "simulated": gpus.simulated,
+            "restored": [_as_dict(e) for e in restored],
+            "left": left,
+        }
+        if args.to_default:
+            out["to_default"] = {g.uuid: what for g, what in defaults}
+        print(json.dumps(out))
         return 0
     label = " (SIMULATED GPUs)" if gpus.simulated else ""
+    for g, what in defaults:
+        print(f"{g.label}: {what}{'' if what.startswith(('skipped', 'not ')) else ' (defaults)'}.")
     by_uuid = {g.uuid: g.label for g in gpus}
-    if not restored:
+    if not restored and not defaults:
         print(f"Nothing to restore{label}.")
     for e in restored:
         print(f"Restored {e.knob} of {by_uuid.get(e.uuid, e.name)} to {_value(e)}{label}.")

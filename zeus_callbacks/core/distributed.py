@@ -60,7 +60,9 @@ def local_rank() -> int:
     try:
         return int(value) if value else 0
     except ValueError:
-        raise ValueError(f"LOCAL_RANK={value!r} is not an integer; unset it or set the rank on this node.") from None
+        raise ValueError(
+            f"LOCAL_RANK={value!r} is not an integer; unset it or set the rank on this node."
+        ) from None
 
 
 def _device():
@@ -152,6 +154,7 @@ _TERMINATION_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _handlers: list[Callable[[int], None]] = []
 _previous: dict[int, Any] = {}
 _chain_lock = threading.Lock()
+_installed_by: int | None = None  # the pid whose handlers these are: a forked child passes signals on
 
 
 def on_termination(handler: Callable[[int], None]) -> bool:
@@ -162,9 +165,13 @@ def on_termination(handler: Callable[[int], None]) -> bool:
     have without us. Returns False when not on the main thread (the handler then only runs at exit, through
     the caller's own `atexit`).
     """
+    global _installed_by
     if threading.current_thread() is not threading.main_thread():
         return False
     with _chain_lock:
+        if _installed_by != os.getpid():  # first registration in this process (or a forked child's)
+            _handlers.clear()
+            _installed_by = os.getpid()
         if handler not in _handlers:
             _handlers.append(handler)
         for signum in _TERMINATION_SIGNALS:
@@ -188,8 +195,12 @@ def remove_termination_handler(handler: Callable[[int], None]) -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    logger.warning("Received %s: restoring GPU settings.", signal.Signals(signum).name)
-    for handler in reversed(list(_handlers)):
+    # A forked child (a DataLoader worker) inherits this handler but none of the changes it would undo:
+    # only the process that registered the clean-ups runs them.
+    handlers = list(_handlers) if os.getpid() == _installed_by else []
+    if handlers:
+        logger.warning("Received %s: restoring GPU settings.", signal.Signals(signum).name)
+    for handler in reversed(handlers):
         try:
             handler(signum)
         except Exception:  # one failing clean-up must not stop the others nor the signal

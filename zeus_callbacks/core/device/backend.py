@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from zeus_callbacks.core.device.errors import SIMULATION_HINT, MIGNotSupportedError, NVMLUnavailableError
+from zeus_callbacks.core.device.journal import default_journal_dir
 
 __all__ = [
     "NVMLBackend",
@@ -188,9 +188,9 @@ class NVMLBackend:
     def journal_dir(self) -> Path | None:
         """Default directory of the state guard's journals (None: keep them in memory only).
 
-        A per-user directory under the temp dir, cleared at reboot like the GPU settings it records.
+        One that lives as long as the GPU settings it records: see `journal.default_journal_dir`.
         """
-        return Path(tempfile.gettempdir()) / f"zeus_callbacks-{os.getuid()}" / "journal"
+        return default_journal_dir()
 
 
 def _real_backend() -> NVMLBackend:

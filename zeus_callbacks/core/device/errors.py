@@ -12,6 +12,8 @@ __all__ = [
     "GPUNoPermissionError",
     "GPUNotSupportedError",
     "GPULostError",
+    "GPUBusyError",
+    "GPUStateJournalError",
     "NVMLUnavailableError",
     "MIGNotSupportedError",
 ]
@@ -40,6 +42,14 @@ class GPUNotSupportedError(GPUError):
 
 class GPULostError(GPUError):
     """The GPU fell off the bus or stopped answering."""
+
+
+class GPUBusyError(GPUError):
+    """Another live process owns this GPU's settings (it changed them first); this one may only measure."""
+
+
+class GPUStateJournalError(GPUError):
+    """The GPU-state journal cannot be written, so the GPU is not changed (nothing could restore it)."""
 
 
 class NVMLUnavailableError(GPUError):

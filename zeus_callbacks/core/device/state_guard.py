@@ -1,35 +1,64 @@
 """Leave the GPU as it was found: journal every setting before changing it, and undo the changes.
 
-The first change of a setting (power limit, SM clocks, persistence) on a GPU records the value in force
-in a small journal file on disk, then changes it. The process restores the recorded values at normal
-exit, on an uncaught exception, and on SIGINT/SIGTERM (then hands the signal to the handler that was
-installed before). A process killed hard (SIGKILL, OOM) leaves its journal behind: the next process that
-discovers the GPUs, or `zeus-callbacks restore`, puts those values back.
+The first change of a setting (power limit, SM clocks, persistence) on a GPU takes the GPU's owner lock
+(`owner_lock`: one process at a time may change a GPU), records the value in force in a small journal
+file (`journal`: a directory only this user or root may write, files replaced atomically), then changes
+it. The process restores the recorded values at normal exit, on an uncaught exception, and on
+SIGINT/SIGTERM (then hands the signal to the handler that was installed before); a forked child never
+restores its parent's GPU. A process killed hard (SIGKILL, OOM) leaves its journal behind: the next
+process that discovers the GPUs, or `zeus-callbacks restore`, puts those values back, one repairer at a
+time under the directory's lock.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import threading
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.device import owner_lock
 from zeus_callbacks.core.device.backend import active_backend
-from zeus_callbacks.core.device.errors import GPUError, nvml_error
+from zeus_callbacks.core.device.errors import (
+    GPUBusyError,
+    GPUError,
+    GPUNotSupportedError,
+    GPUStateJournalError,
+    nvml_error,
+)
+from zeus_callbacks.core.device.journal import (
+    JOURNAL_ENV,
+    boot_id,
+    directory_lock,
+    ensure_trusted_dir,
+    read_journal,
+    trusted_dir,
+    write_atomic,
+)
+from zeus_callbacks.core.device.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from zeus_callbacks.core.device.gpus import GPU, GPUs
 
-__all__ = ["GPUStateGuard", "JournalEntry", "guard", "journal_dir", "leftover_entries", "reset"]
+__all__ = [
+    "GPUStateGuard",
+    "JournalEntry",
+    "guard",
+    "journal_dir",
+    "leftover_entries",
+    "reset",
+    "restore_defaults",
+    "JOURNAL_ENV",
+]
 
 logger = logging.getLogger(__name__)
 
-JOURNAL_ENV = "ZEUS_CALLBACKS_JOURNAL_DIR"
 _KNOBS = ("power_limit", "sm_clocks", "persistence")
 
 
@@ -44,19 +73,25 @@ class JournalEntry:
 
 
 def journal_dir() -> Path | None:
-    """Where journals live: `ZEUS_CALLBACKS_JOURNAL_DIR`, else the NVML backend's choice (for real GPUs a
-    per-user directory under the temp dir, cleared at reboot like GPU settings). None: memory only."""
+    """Where journals live: `ZEUS_CALLBACKS_JOURNAL_DIR`, else the NVML backend's choice (for real GPUs
+    `journal.default_journal_dir()`). None: memory only."""
     if os.environ.get(JOURNAL_ENV):
         return Path(os.environ[JOURNAL_ENV])
     return active_backend().journal_dir()
 
 
-def _start_time(pid: int) -> str | None:
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (state first); [] when unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return None
+        return []
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[19] if len(fields) > 19 else None
 
 
 def _alive(pid: int, start: str | None) -> bool:
@@ -66,7 +101,10 @@ def _alive(pid: int, start: str | None) -> bool:
         return False
     except PermissionError:
         return True
-    return start is None or _start_time(pid) == start
+    fields = _stat(pid)
+    if fields and fields[0] in ("Z", "X"):  # dead, not yet reaped
+        return False
+    return start is None or (fields[19] if len(fields) > 19 else None) == start
 
 
 def _apply(gpu: GPU, entry: JournalEntry) -> None:
@@ -85,6 +123,23 @@ def _apply(gpu: GPU, entry: JournalEntry) -> None:
         raise nvml_error(nvml, e, f"Restoring {entry.knob}", gpu.label) from None
 
 
+def _invalid(gpu: GPU, entry: JournalEntry) -> str | None:
+    """Why `entry` must not be applied to `gpu` (None: it may)."""
+    if entry.knob not in _KNOBS:
+        return f"unknown setting {entry.knob!r}"
+    if entry.knob == "power_limit":
+        if type(entry.original) is not int:
+            return f"power limit {entry.original!r} is not a number of mW"
+        lo, hi = gpu.power_limit_constraints_mw()
+        if not lo <= entry.original <= hi:
+            return f"power limit {entry.original / 1000:g} W is outside [{lo / 1000:g}, {hi / 1000:g}] W"
+    elif entry.knob == "persistence" and type(entry.original) is not bool:
+        return f"persistence mode {entry.original!r} is not true or false"
+    elif entry.knob == "sm_clocks" and entry.original is not None:
+        return f"SM clocks {entry.original!r} are not `null` (unlocked)"
+    return None
+
+
 class GPUStateGuard:
     """Records GPU settings before they change and restores them (one per process; see `guard()`)."""
 
@@ -95,16 +150,32 @@ class GPUStateGuard:
         self._lock = threading.RLock()
         self._handlers_installed = False
         self._pid = os.getpid()
+        self._boot = boot_id()
         self._path = None if directory is None else directory / f"{self._pid}-{_start_time(self._pid)}.json"
+        self._warned: set[str] = set()
+        self._written = False  # whether this process's journal file exists
+        self._unrestored: set[tuple[str, str]] = set()  # entries whose restore failed (reported once)
+        self._watchdog: Watchdog | None = None  # restores at once if this process dies hard
+
+    @property
+    def directory(self) -> Path | None:
+        """The journal directory (None: journals are kept in memory only)."""
+        return self._dir
 
     # -- recording ------------------------------------------------------------------------------
     def before_change(self, gpu: GPU, knob: str) -> bool:
-        """Record `knob`'s current value on `gpu` unless this process already did; True if recorded now."""
+        """Record `knob`'s current value on `gpu` unless this process already did; True if recorded now.
+
+        Raises:
+            GPUBusyError: another live process owns the GPU's settings.
+            GPUStateJournalError: the journal cannot be written; the GPU must not be changed.
+        """
         if knob not in _KNOBS:
             raise ValueError(f"Unknown GPU setting {knob!r}; expected one of {_KNOBS}.")
         with self._lock:
             if (gpu.uuid, knob) in self._entries:
                 return False
+            self._claim(gpu)
             original: Any = None
             if knob == "power_limit":
                 original = gpu.power_limit_mw()
@@ -112,15 +183,91 @@ class GPUStateGuard:
                 original = gpu.persistence_mode()
             self._entries[(gpu.uuid, knob)] = JournalEntry(gpu.uuid, gpu.name, knob, original)
             self._gpus[gpu.uuid] = gpu
-            self._write()
+            try:
+                self._write()
+            except OSError as e:
+                del self._entries[(gpu.uuid, knob)]
+                self._release_unused(gpu.uuid)
+                raise self._journal_error(gpu, e) from None
             self._install()
+            if self._watchdog is None and self._path is not None:
+                self._watchdog = Watchdog.start()
+            if knob == "power_limit":
+                self._warn_if_unexplained(gpu, original)
             return True
+
+    def _journal_error(self, gpu: GPU, error: OSError) -> GPUStateJournalError:
+        where = error.filename or self._dir
+        return GPUStateJournalError(
+            f"Cannot write the GPU-state journal ({where}: {error.strerror or error}), so {gpu.label} is "
+            f"left unchanged: a change nothing could undo is never made. Set {JOURNAL_ENV} to a directory "
+            "only you may write, with free space."
+        )
+
+    def _claim(self, gpu: GPU) -> None:
+        """Take the GPU's owner lock before its first change."""
+        if self._dir is None or any(uuid == gpu.uuid for uuid, _ in self._entries):
+            return
+        try:
+            ensure_trusted_dir(self._dir)
+            pid = owner_lock.acquire(self._dir, gpu.uuid)
+        except OSError as e:
+            raise self._journal_error(gpu, e) from None
+        if pid is not None:
+            who = f"process {pid}" if pid else "another process"
+            raise GPUBusyError(
+                f"{gpu.label} is owned by {who}, which changed its settings first; this process leaves them "
+                "alone (it still measures). Run one job per GPU, or wait until that one ends."
+            )
+
+    def _release_unused(self, uuid: str) -> None:
+        if self._dir is not None and not any(u == uuid for u, _ in self._entries):
+            owner_lock.release(self._dir, uuid)
+
+    def _warn_if_unexplained(self, gpu: GPU, original_mw: int) -> None:
+        """A limit other than the default that no journal explains was likely left by a run killed hard
+        whose journal lived elsewhere (a container's or a job's private /tmp): say so, once."""
+        try:
+            default = gpu.default_power_limit_mw()
+        except GPUError:
+            return
+        if original_mw == default or gpu.uuid in self._warned or self._explained(gpu.uuid):
+            return
+        self._warned.add(gpu.uuid)
+        logger.warning(
+            "%s's power limit is %g W, not its default %g W, and no GPU-state journal explains it: a run "
+            "killed hard may have left it (its journal elsewhere, e.g. in a container's or job's private /tmp). "
+            "It will be put back to %g W at the end. If %g W is right, run `zeus-callbacks restore "
+            "--to-default` when no job uses the GPU.",
+            gpu.label,
+            original_mw / 1000,
+            default / 1000,
+            original_mw / 1000,
+            default / 1000,
+        )
+
+    def _explained(self, uuid: str) -> bool:
+        if self._dir is None:
+            return False
+        for path in self._dir.glob("*.json"):
+            if path == self._path:
+                continue
+            try:
+                if any(e["uuid"] == uuid for e in read_journal(path)["entries"]):
+                    return True
+            except (OSError, ValueError):
+                continue
+        return False
 
     def discard(self, gpu: GPU, knob: str) -> None:
         """Forget a record made for a change that was refused (so nothing is to be restored)."""
         with self._lock:
             if self._entries.pop((gpu.uuid, knob), None) is not None:
-                self._write()
+                try:
+                    self._write()
+                except OSError as e:
+                    logger.warning("Could not update the GPU-state journal %s: %s", self._path, e)
+                self._release_unused(gpu.uuid)
 
     @property
     def entries(self) -> list[JournalEntry]:
@@ -132,27 +279,30 @@ class GPUStateGuard:
         if self._path is None:
             return
         if not self._entries:
-            self._path.unlink(missing_ok=True)
+            if self._written:
+                self._path.unlink(missing_ok=True)
+                self._written = False
             return
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._path.with_suffix(".tmp")
+        assert self._dir is not None
+        ensure_trusted_dir(self._dir)
         data = {
             "pid": self._pid,
             "start": _start_time(self._pid),
+            "boot": self._boot,
             "entries": [asdict(e) for e in self._entries.values()],
         }
-        with tmp.open("w") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._path)
+        write_atomic(self._path, data)
+        self._written = True
 
     # -- restoring ------------------------------------------------------------------------------
     def restore(self) -> bool:
         """Put back every recorded setting; True if all of them were restored.
 
         Settings that could not be restored (a lost GPU) stay in the journal for `zeus-callbacks restore`.
+        Only the process that made the changes restores them: in a forked child this does nothing.
         """
+        if os.getpid() != self._pid:
+            return True
         with self._lock:
             ok = True
             for key, entry in reversed(list(self._entries.items())):
@@ -164,10 +314,19 @@ class GPUStateGuard:
                     )
                 except GPUError as e:
                     ok = False
-                    logger.warning(
-                        "Could not restore %s: %s Run `zeus-callbacks restore` later.", entry.knob, e
-                    )
-            self._write()
+                    # Reported once; the entry stays (in memory and on disk) for later tries.
+                    log = logger.debug if key in self._unrestored else logger.warning
+                    self._unrestored.add(key)
+                    log("Could not restore %s: %s Run `zeus-callbacks restore` later.", entry.knob, e)
+            try:
+                self._write()
+            except OSError as e:
+                logger.warning("Could not update the GPU-state journal %s: %s", self._path, e)
+            for uuid in list(self._gpus):
+                self._release_unused(uuid)
+            if not self._entries and self._watchdog is not None:
+                self._watchdog.stop()
+                self._watchdog = None
             return ok
 
     def _install(self) -> None:
@@ -185,49 +344,141 @@ class GPUStateGuard:
     def repair_dead_runs(self, gpus: GPUs, include_live: bool = False) -> list[JournalEntry]:
         """Restore the settings journaled by processes that died without restoring them.
 
-        Only GPUs in `gpus` are touched; journals of live processes are left alone unless `include_live`.
-        Returns the entries restored.
+        Only GPUs in `gpus` are touched; journals of live processes (and GPUs a live process owns) are
+        left alone unless `include_live`. Journals are read only from a trusted directory (see
+        `journal.trusted_dir`), and one process at a time repairs them. Returns the entries restored.
         """
-        if self._dir is None or not self._dir.is_dir():
+        if self._dir is None or not trusted_dir(self._dir):
             return []
         by_uuid = {g.uuid: g for g in gpus}
         restored: list[JournalEntry] = []
-        for path in sorted(self._dir.glob("*.json")):
-            if path == self._path:
-                continue
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                logger.warning("Ignoring unreadable GPU-state journal %s.", path)
-                continue
-            if _alive(int(data["pid"]), data.get("start")) and not include_live:
-                continue
-            left = []
-            for raw in reversed(data["entries"]):
-                entry = JournalEntry(**raw)
-                gpu = by_uuid.get(entry.uuid)
-                if gpu is None:
-                    left.append(raw)
-                    continue
-                try:
-                    _apply(gpu, entry)
-                    restored.append(entry)
-                    logger.warning(
-                        "Process %s ended without restoring %s of %s; restored it to %r.",
-                        data["pid"],
-                        entry.knob,
-                        gpu.label,
-                        entry.original,
-                    )
-                except GPUError as e:
-                    left.append(raw)
-                    logger.warning("Could not restore %s of %s: %s", entry.knob, gpu.label, e)
-            if left:
-                data["entries"] = list(reversed(left))
-                path.write_text(json.dumps(data))
-            else:
-                path.unlink(missing_ok=True)
+        try:
+            with directory_lock(self._dir):
+                for path in sorted(self._dir.glob("*.json")):
+                    if path != self._path:
+                        restored += self._repair(path, by_uuid, include_live)
+        except OSError as e:
+            logger.warning("Could not repair the GPU-state journals in %s: %s", self._dir, e)
         return restored
+
+    def _read_other(self, path: Path) -> dict[str, Any] | None:
+        try:
+            return read_journal(path)
+        except (OSError, ValueError) as e:
+            if path.name not in self._warned:
+                self._warned.add(path.name)
+                reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                logger.warning(
+                    "Ignoring %s: not a GPU-state journal this process may trust (%s).", path, reason
+                )
+            return None
+
+    def _repair(self, path: Path, by_uuid: dict[str, GPU], include_live: bool) -> list[JournalEntry]:
+        """Repair one journal file (under the directory lock: re-read here, rewritten atomically)."""
+        data = self._read_other(path)
+        if data is None:
+            return []
+        if data.get("boot") is not None and self._boot is not None and data["boot"] != self._boot:
+            logger.info("Discarding %s, written before the last reboot (which reset the GPUs).", path)
+            path.unlink(missing_ok=True)
+            return []
+        if _alive(data["pid"], data.get("start")) and not include_live:
+            return []
+        restored, left = [], []
+        for raw in reversed(data["entries"]):
+            entry = JournalEntry(**raw)
+            gpu = by_uuid.get(entry.uuid)
+            if gpu is None or (not include_live and self._owned(entry.uuid)):
+                left.append(raw)  # not visible here, or a live owner changed it since: later
+                continue
+            if self._repair_entry(gpu, entry, data["pid"]):
+                restored.append(entry)
+            elif self._valid_or_warn(gpu, entry, path):
+                left.append(raw)
+        if left:
+            data["entries"] = list(reversed(left))
+            write_atomic(path, data)
+        else:
+            path.unlink(missing_ok=True)
+        return restored
+
+    def _owned(self, uuid: str) -> bool:
+        assert self._dir is not None
+        return owner_lock.held(self._dir, uuid) or owner_lock.holder(self._dir, uuid) is not None
+
+    def _valid_or_warn(self, gpu: GPU, entry: JournalEntry, path: Path) -> bool:
+        try:
+            reason = _invalid(gpu, entry)
+        except GPUError:
+            return True
+        if reason is not None:
+            logger.warning("Dropping an entry of %s for %s: %s.", path, gpu.label, reason)
+        return reason is None
+
+    def _repair_entry(self, gpu: GPU, entry: JournalEntry, pid: int) -> bool:
+        try:
+            if _invalid(gpu, entry) is not None:
+                return False
+            _apply(gpu, entry)
+        except GPUError as e:
+            logger.warning("Could not restore %s of %s: %s", entry.knob, gpu.label, e)
+            return False
+        logger.warning(
+            "Process %s ended without restoring %s of %s; restored it to %r.",
+            pid,
+            entry.knob,
+            gpu.label,
+            entry.original,
+        )
+        return True
+
+
+def job_gpu_overlap(gpus: Sequence[GPU]) -> str | None:
+    """Why this job must not change its GPUs: two ranks use one GPU (None: no rank shares one).
+
+    A collective over torch.distributed: every rank calls it, and every rank gets the same answer.
+    """
+    everyone = dist.all_gather_object([g.uuid for g in gpus])
+    users = Counter(u for uuids in everyone for u in set(uuids))
+    shared = sorted({u for u, n in users.items() if n > 1})
+    if not shared:
+        return None
+    return (
+        f"{len(shared)} GPU(s) are used by more than one rank of this job ({', '.join(shared)}); their settings "
+        "are left alone (energy is still measured). Give each rank its own GPU (LOCAL_RANK, CUDA_VISIBLE_DEVICES)."
+    )
+
+
+def restore_defaults(gpus: GPUs, include_live: bool = False) -> list[tuple[GPU, str]]:
+    """Put every GPU in `gpus` back to its defaults (power limit, unlocked SM clocks), journals aside.
+
+    For a limit left by a run whose journal is lost. A GPU owned by a live process is skipped unless
+    `include_live`. Returns (GPU, what was done) pairs, one per GPU.
+    """
+    directory = guard().directory
+    done: list[tuple[GPU, str]] = []
+    for gpu in gpus:
+        pid = None if directory is None or include_live else owner_lock.holder(directory, gpu.uuid)
+        if pid is not None:
+            done.append((gpu, f"skipped: owned by live process {pid or '(unknown)'}"))
+            continue
+        try:
+            default = gpu.default_power_limit_mw()
+            entry = JournalEntry(gpu.uuid, gpu.name, "power_limit", default)
+            _apply(gpu, entry)
+            what = f"power limit {default / 1000:g} W"
+        except GPUError as e:
+            done.append((gpu, f"not restored: {e}"))
+            continue
+        try:
+            _apply(gpu, JournalEntry(gpu.uuid, gpu.name, "sm_clocks", None))
+            what += ", SM clocks unlocked"
+        except GPUNotSupportedError:
+            pass
+        except GPUError as e:
+            what += f"; SM clocks not reset: {e}"
+        done.append((gpu, what))
+    return done
 
 
 def leftover_entries(directory: Path | None = None) -> list[tuple[int, JournalEntry]]:
@@ -238,12 +489,12 @@ def leftover_entries(directory: Path | None = None) -> list[tuple[int, JournalEn
     out: list[tuple[int, JournalEntry]] = []
     for path in sorted(directory.glob("*.json")):
         try:
-            data = json.loads(path.read_text())
-            pid = int(data["pid"])
-            if not _alive(pid, data.get("start")):
-                out.extend((pid, JournalEntry(**raw)) for raw in data["entries"])
-        except (OSError, ValueError, KeyError, TypeError):
-            logger.warning("Ignoring unreadable GPU-state journal %s.", path)
+            data = read_journal(path)  # the same trust rules as repair: a planted file is not listed
+        except (OSError, ValueError) as e:
+            logger.warning("Ignoring %s: not a GPU-state journal this process may trust (%s).", path, e)
+            continue
+        if not _alive(data["pid"], data.get("start")):
+            out.extend((data["pid"], JournalEntry(**raw)) for raw in data["entries"])
     return out
 
 

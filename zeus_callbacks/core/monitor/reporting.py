@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping
 
 from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 
 __all__ = [
@@ -93,9 +95,16 @@ class EnergyReporter:
         """Close the current interval, open the next, and return its figures (at each log event)."""
         if not self._running:
             return {}
-        m = self.monitor.end_window(self._interval_window)
-        self.monitor.begin_window(self._interval_window, sync_execution=False)
-        energy = dist.all_reduce([m.total_energy], op="sum")[0]
+        try:
+            m = self.monitor.end_window(self._interval_window)
+            self.monitor.begin_window(self._interval_window, sync_execution=False)
+        except GPUError as e:
+            m = self._gpu_failed(e)
+        # Every rank learns in the same collective that a GPU failed, and they stop reporting together.
+        energy, failed = dist.all_reduce([m.total_energy if m else 0.0, float(m is None)], op="sum")
+        if failed:
+            self._running = False
+            return {}
         p = self.prefix
         out = {
             f"{p}interval_j": energy,
@@ -107,14 +116,27 @@ class EnergyReporter:
             out[f"{p}gpu{i}_interval_j"] = e
         return out
 
+    def _gpu_failed(self, error: GPUError) -> None:
+        """Close this reporter's windows after a GPU failed; its figures stop (training goes on)."""
+        logging.getLogger(__name__).warning("Energy reporting stops: %s", error)
+        for window in (self._interval_window, self._total_window):
+            if window in self.monitor.open_windows:
+                self.monitor.end_window(window, sync_execution=False, cancel=True)
+        return None
+
     def stop(self) -> dict[str, float]:
         """Close both windows and return the run's totals (at train end)."""
         if not self._running:
             return {}
         self.monitor.end_window(self._interval_window, sync_execution=False, cancel=True)
-        m = self.monitor.end_window(self._total_window)
         self._running = False
-        energy = dist.all_reduce([m.total_energy], op="sum")[0]
+        try:
+            m = self.monitor.end_window(self._total_window)
+        except GPUError as e:
+            m = self._gpu_failed(e)
+        energy, failed = dist.all_reduce([m.total_energy if m else 0.0, float(m is None)], op="sum")
+        if failed:
+            return {}
         self.total_energy_j, self.total_time_s = energy, m.time
         p = self.prefix
         return {

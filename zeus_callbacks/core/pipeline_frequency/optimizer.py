@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.errors import GPUError
-from zeus_callbacks.core.device.state_guard import guard
+from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.pipeline_frequency.clock_sweep import ClockSweep, clock_sweep, stage_clocks
 from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
@@ -418,6 +418,10 @@ class PipelineFrequencyOptimizer:
                 f"`PipelineFrequencyOptimizer(pp_degree={self.pp_degree})`: the ranks report {len(clocks)} stages."
             )
         self.may_set = all(i["may_set"] and i["sweep"] for i in infos)
+        overlap = job_gpu_overlap([self.gpu])  # before any change, on every rank
+        if overlap is not None:
+            logger.warning("PipelineFrequencyOptimizer: %s", overlap)
+            self.may_set = False
         if self.profile_path is not None and self.profile_path.exists() and self._group.rank() == 0:
             self._replay = read_profile(self.profile_path)
         self._replay = self._group.broadcast(self._replay)

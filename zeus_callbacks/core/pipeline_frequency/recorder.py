@@ -212,7 +212,12 @@ class InstructionRecorder:
         if not self._in_instruction:
             return False
         self._in_instruction = False
-        m = self._guarded(lambda: self.monitor.end_window(_INSTRUCTION))
+        # Not open when the GPU failed at the instruction's begin (already reported there).
+        m = (
+            self._guarded(lambda: self.monitor.end_window(_INSTRUCTION))
+            if _INSTRUCTION in self.monitor.open_windows
+            else None
+        )
         if m is not None and self.records:
             self.records[-1].time_s += m.time
             self.records[-1].energy_j += m.total_energy

@@ -11,7 +11,7 @@ import numpy as np
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.errors import GPUError
-from zeus_callbacks.core.device.state_guard import guard
+from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.profile_file import ProfileContext, load_profile, save_profile
 from zeus_callbacks.core.power_limit.search import (
@@ -350,10 +350,24 @@ class GlobalPowerLimitOptimizer:
 
     def _start(self) -> None:
         self._started = True
-        constraints = {g.power_limit_constraints_mw() for g in self._gpus}
+        try:
+            constraints = {g.power_limit_constraints_mw() for g in self._gpus}
+        except GPUError as e:  # e.g. no power-limit control on this GPU: every rank stands down below
+            logger.warning(
+                "GlobalPowerLimitOptimizer: %s Training on without it; energy is still measured.", e
+            )
+            constraints = {(0, 0)}
         lo, hi = min(c[0] for c in constraints), max(c[1] for c in constraints)
         # Every rank must profile the same grid: refuse mixed GPU models rather than guess.
-        lows = dist.all_reduce([-lo, hi, float(len(constraints) > 1)], op="max")
+        lows = dist.all_reduce([-lo, hi, float(len(constraints) > 1), float(hi == 0)], op="max")
+        if lows[3]:
+            self._phase = _Inactive("a GPU does not support power-limit control")
+            return
+        overlap = job_gpu_overlap(self._gpus)  # before any change, on every rank
+        if overlap is not None:
+            logger.warning("GlobalPowerLimitOptimizer: %s", overlap)
+            self._phase = _Inactive("GPUs shared between ranks")
+            return
         if len(constraints) > 1 or -lows[0] != lo or lows[1] != hi or lows[2]:
             raise ValueError(
                 "GlobalPowerLimitOptimizer needs GPUs with the same power-limit range on every rank; this job mixes "

@@ -1,0 +1,190 @@
+"""The GPU-state journal on disk: where it lives, which directories and files are trusted, atomic writes.
+
+A journal records GPU settings as they were before this package changed them; applying one changes GPUs,
+so a journal is read only from a directory and a file that nobody but this user (or root) could have
+written, and never through a symbolic link. Every file is replaced atomically, and repairs of other
+processes' journals run under one lock per directory (see `directory_lock`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "JOURNAL_ENV",
+    "UntrustedJournalError",
+    "boot_id",
+    "default_journal_dir",
+    "directory_lock",
+    "ensure_trusted_dir",
+    "read_journal",
+    "trusted_dir",
+    "write_atomic",
+]
+
+logger = logging.getLogger(__name__)
+
+JOURNAL_ENV = "ZEUS_CALLBACKS_JOURNAL_DIR"
+_LOCK_NAME = ".lock"
+
+
+class UntrustedJournalError(OSError):
+    """A journal directory or file that another user could have written (or a symbolic link)."""
+
+
+def default_journal_dir() -> Path:
+    """Where journals of real GPUs live unless `ZEUS_CALLBACKS_JOURNAL_DIR` says otherwise.
+
+    Power limits and locked clocks last until reboot or driver reload, whatever happens to a container's
+    or a job's private /tmp, so the journal must not live there. Root: `/run/zeus_callbacks/journal`
+    (node-wide, cleared at reboot like the settings). Other users: a per-user state directory,
+    `$XDG_STATE_HOME/zeus_callbacks/journal` (default `~/.local/state/...`); it survives reboots, so every
+    journal carries the boot id and one from an earlier boot is discarded.
+    """
+    if os.geteuid() == 0:
+        return Path("/run" if os.path.isdir("/run") else "/var/run") / "zeus_callbacks" / "journal"
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "zeus_callbacks" / "journal"
+
+
+def boot_id() -> str | None:
+    """This boot's id (Linux), or None where the kernel does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _owner_ok(st: os.stat_result) -> bool:
+    return st.st_uid in (os.geteuid(), 0)
+
+
+def _check_dir(path: Path) -> None:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UntrustedJournalError(errno.ELOOP, "is a symbolic link", str(path))
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "is not a directory", str(path))
+    if not _owner_ok(st):
+        raise UntrustedJournalError(
+            errno.EPERM, f"is owned by uid {st.st_uid}, not by this user or root", str(path)
+        )
+    if st.st_mode & 0o022:
+        raise UntrustedJournalError(
+            errno.EPERM, f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})", str(path)
+        )
+
+
+def _check_ancestors(path: Path) -> None:
+    # Whoever may rename entries of a parent may swap the journal directory: each ancestor must be ours or
+    # root's, and writable by others only with the sticky bit (as /tmp is).
+    for parent in Path(os.path.realpath(path)).parents:
+        st = os.stat(parent)
+        if not _owner_ok(st) or (st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX):
+            raise UntrustedJournalError(
+                errno.EPERM, "lies in a directory other users may change", f"{path} (through {parent})"
+            )
+
+
+def trusted_dir(path: Path, warn: bool = True) -> bool:
+    """Whether `path` exists and is a journal directory this process may trust (else, with `warn`, a
+    warning says why)."""
+    try:
+        _check_dir(path)
+        _check_ancestors(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False  # nothing to repair there (writing to it is refused with its own message)
+    except OSError as e:
+        if warn:
+            logger.warning("Ignoring the GPU-state journal directory %s: %s. %s", path, e.strerror, _FIX)
+
+        return False
+    return True
+
+
+_FIX = (
+    "Remove it, or set ZEUS_CALLBACKS_JOURNAL_DIR to a directory only you (or root) may write "
+    "(e.g. `mkdir -m 700`)."
+)
+
+
+def ensure_trusted_dir(path: Path) -> None:
+    """Create `path` (mode 700) if missing, and check it may be trusted.
+
+    Raises:
+        OSError: it cannot be created, is not a directory, or is not trusted (`UntrustedJournalError`).
+    """
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # a file where the directory should be: reported by the check below
+    _check_dir(path)
+    _check_ancestors(path)
+
+
+def write_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` as JSON to `path` by an atomic replace (readers see the old file or the new, whole).
+
+    Raises:
+        OSError: the directory is not writable, the disk is full, ...
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_journal(path: Path) -> dict[str, Any]:
+    """Read a journal file that this process may trust.
+
+    Raises:
+        OSError: unreadable, a symbolic link, or not trusted (`UntrustedJournalError`).
+        ValueError: not a journal (malformed JSON or fields).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if not _owner_ok(st):
+            raise UntrustedJournalError(errno.EPERM, f"is owned by uid {st.st_uid}", str(path))
+        if st.st_mode & 0o022:
+            raise UntrustedJournalError(errno.EPERM, "is writable by other users", str(path))
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise ValueError("no list of entries")
+    if not isinstance(data.get("pid"), int) or data["pid"] <= 0:
+        raise ValueError("no process id")
+    for entry in data["entries"]:
+        if not isinstance(entry, dict) or set(entry) != {"uuid", "name", "knob", "original"}:
+            raise ValueError(f"malformed entry {entry!r}")
+    return data
+
+
+@contextlib.contextmanager
+def directory_lock(directory: Path) -> Iterator[None]:
+    """Hold the directory's lock: one process at a time reads, repairs and rewrites others' journals."""
+    fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

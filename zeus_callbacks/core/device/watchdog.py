@@ -1,0 +1,90 @@
+"""The restore watchdog: a small process that puts the GPU back the moment the process that changed it dies,
+however it dies (SIGKILL, the OOM killer, SIGHUP, a SIGTERM it could not handle while blocked in C code).
+
+Started with the first journaled change. It holds nothing but the read end of a pipe whose write end only the
+changing process holds: the kernel closes that end when the process dies, the watchdog reads end-of-file,
+repairs the dead process's journal exactly as the next run would (so it never touches a GPU a live process
+owns), and exits. A process that restores normally closes the pipe itself, so the watchdog exits then too; it
+never outlives its purpose. Set `ZEUS_CALLBACKS_WATCHDOG=0` to do without it (a killed run is then repaired
+by the next one, or by `zeus-callbacks restore`).
+
+Why a process: signal handlers cannot run on SIGKILL, nor while the main thread is blocked in a collective;
+`PR_SET_PDEATHSIG` works the other way round (it tells a child of its parent's death); a system service
+would need installing. A watchdog per changing process costs one idle interpreter while settings are changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+__all__ = ["WATCHDOG_ENV", "Watchdog", "main"]
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_ENV = "ZEUS_CALLBACKS_WATCHDOG"
+
+
+class Watchdog:
+    """The handle the changing process keeps: the pipe's write end (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "zeus_callbacks.core.device.watchdog", str(self._pid)],
+            stdin=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C or a hang-up of the terminal does not reach it
+        )
+        os.register_at_fork(after_in_child=self._forget)
+
+    @classmethod
+    def start(cls) -> Watchdog | None:
+        """A watchdog for this process, or None when disabled or it cannot start (then: a debug line)."""
+        if os.environ.get(WATCHDOG_ENV, "1") == "0":
+            return None
+        try:
+            return cls()
+        except OSError as e:
+            logger.debug("No restore watchdog: %s", e)
+            return None
+
+    def _forget(self) -> None:
+        # A forked child must not keep the pipe open: the watchdog waits for the changing process only.
+        if self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._proc.stdin.fileno())
+
+    def stop(self) -> None:
+        """Let the watchdog go (the settings are restored): it reads end-of-file and exits."""
+        if os.getpid() != self._pid or self._proc.stdin is None:
+            return
+        with contextlib.suppress(OSError):
+            self._proc.stdin.close()
+
+
+def main(argv: list[str]) -> int:
+    """Wait for end-of-file on stdin, then repair the journals of dead processes on the GPUs visible here."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)  # a job's clean-up signals must not stop the clean-up
+    logging.basicConfig(level=logging.WARNING, format="zeus-callbacks restore watchdog: %(message)s")
+    import zeus_callbacks  # noqa: F401  (registers the NVML backends)
+    from zeus_callbacks.core.device.gpus import get_gpus
+    from zeus_callbacks.core.device.state_guard import guard
+
+    try:
+        gpus = get_gpus()  # discovered before it is needed, so that the restore is quick
+    except Exception as e:  # noqa: BLE001 - no GPU: nothing to watch
+        logger.debug("No GPUs to watch: %s", e)
+        return 0
+    while os.read(0, 4096):  # end-of-file: the parent closed the pipe, or died
+        pass
+    guard().repair_dead_runs(gpus)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
