@@ -1,4 +1,5 @@
-"""Shared fixtures: every test gets its own simulated node state and leaves the simulator off."""
+"""Shared fixtures: every test gets its own simulated node state and leaves the simulator off; the helpers
+behind them live in helpers.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
+import helpers
 import pytest
 
 from zeus_callbacks import sim
@@ -75,16 +78,46 @@ def run_python() -> Callable[..., subprocess.CompletedProcess]:
     return run
 
 
-def _burn_cpu(seconds: float) -> float:
-    """Keep the CPU busy for `seconds` of process CPU time (simulated GPU work); returns the wall time."""
-    start_wall, start_cpu = time.perf_counter(), time.process_time()
-    x = 0
-    while time.process_time() - start_cpu < seconds:
-        x += 1
-    return time.perf_counter() - start_wall
-
-
 @pytest.fixture
 def burn_cpu() -> Callable[[float], float]:
     """`burn_cpu(seconds)`: busy host work that a simulated GPU counts as work issued to it."""
-    return _burn_cpu
+    return helpers.burn_cpu
+
+
+@pytest.fixture
+def sim_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The catch-up sleeps (s) the real-clock simulator asks for, recorded as they happen.
+
+    On a loaded host a sleeper wakes late, so a wall-clock wait has no useful upper bound; what the simulator
+    asks for depends on process CPU time only. Tests check that exactly and the wall time from below.
+    """
+    requested: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        requested.append(seconds)
+        time.sleep(seconds)
+
+    fake_time = SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
+    fake_time.sleep = sleep
+    # The module that holds the simulated GPUs (whatever its name) sleeps through its `time` global.
+    monkeypatch.setattr(sys.modules[sim.SimulatedSystem.__module__], "time", fake_time)
+    return requested
+
+
+@pytest.fixture
+def run_example(tmp_path: Path) -> Callable[..., str]:
+    """`run_example(script, *args, launcher=(), spec=None, env=None)`: run `examples/<script>` in this test's
+    directory and simulated node (see `helpers.run_example`); returns its stdout."""
+
+    def run(script: str, *args: str, **kw) -> str:
+        kw.setdefault("cwd", tmp_path)
+        return helpers.run_example(script, *args, **kw)
+
+    return run
+
+
+@pytest.fixture
+def no_nvidia_driver() -> None:
+    """Skip the test where a real NVIDIA driver is present (it checks what happens without one)."""
+    if helpers.real_driver_present():
+        pytest.skip("a real NVIDIA driver is present")

@@ -3,50 +3,28 @@ framework test files), on simulated GPUs, and prints what the optimizer chose.""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 
 
-def _run(script: str, tmp_path: Path, *args: str, spec: str | None = None) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZEUS_CALLBACKS_")}
-    env["ZEUS_CALLBACKS_SIM_STATE_DIR"] = str(tmp_path / "node")
-    if spec is not None:
-        env["ZEUS_CALLBACKS_SIMULATE"] = spec
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
-def test_huggingface_example(tmp_path: Path) -> None:
-    out = _run("huggingface/train_power_limit.py", tmp_path, spec="a40")
+def test_huggingface_example(run_example) -> None:
+    out = run_example("huggingface/train_power_limit.py", spec="a40")
     assert re.search(r"rank 0: chose (\d+) W \(SIMULATED\) after profiling \[300, ", out), out[-2000:]
 
 
 @pytest.mark.parametrize("script", ["lightning/train_power_limit.py", "accelerate/train_power_limit.py"])
-def test_power_limit_examples(script: str, tmp_path: Path) -> None:
-    out = _run(script, tmp_path, spec="a40")
+def test_power_limit_examples(script: str, run_example) -> None:
+    out = run_example(script, spec="a40")
     found = re.search(r"\(simulated GPU 0\): optimal power limit (\d+) W .*?GPU restored to 300 W", out)
     assert found and 100 <= int(found.group(1)) <= 300, out[-2000:]
 
 
-def test_pipeline_example(tmp_path: Path) -> None:
-    out = _run(
+def test_pipeline_example(run_example) -> None:
+    out = run_example(
         "pipeline/train_pipeline.py",
-        tmp_path,
         *("--before-steps", "3", "--after-steps", "3", "--profile-steps", "2", "--stride-mhz", "90"),
     )
     assert "SIMULATED GPUs: 4x A40" in out

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,7 +20,6 @@ from zeus_callbacks.accelerate import (
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.device.state_guard import guard
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_W = 300  # the simulated A40's maximum power limit
 FAST = dict(wait_steps=1, warmup_steps=1, profile_steps=6)
 
@@ -137,39 +133,23 @@ def test_plain_loop_without_accelerator(sim_gpus, burn_cpu, monkeypatch) -> None
     assert get_gpus()[1].power_limit_mw() == MAX_W * 1000
 
 
-def test_two_process_example_chooses_one_limit(sim_state_dir: Path) -> None:
-    env = {
-        **os.environ,
-        "ZEUS_CALLBACKS_SIMULATE": "2*a40",
-        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(sim_state_dir),
-    }
-    example = ROOT / "examples/accelerate/train_power_limit.py"
+@pytest.mark.slow
+def test_two_process_example_chooses_one_limit(run_example) -> None:
     # `accelerate launch`, as users run it; on a CPU host `--multi_gpu` is what starts several processes.
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
-            str(example),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    launch = [
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+    ]
+    launch += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+    stdout = run_example("accelerate/train_power_limit.py", launcher=launch, spec="2*a40")
     pattern = r"process (\d) \(simulated GPU (\d)\): optimal power limit (\d+) W .*? GPU restored to (\d+) W"
-    found = {rank: (gpu, limit, restored) for rank, gpu, limit, restored in re.findall(pattern, out.stdout)}
-    assert sorted(found) == ["0", "1"], out.stdout
+    found = {rank: (gpu, limit, restored) for rank, gpu, limit, restored in re.findall(pattern, stdout)}
+    assert sorted(found) == ["0", "1"], stdout
     assert found["0"][0] == "0" and found["1"][0] == "1"  # each process on its own simulated GPU
     assert found["0"][1] == found["1"][1]
     assert found["0"][2] == found["1"][2] == str(MAX_W)

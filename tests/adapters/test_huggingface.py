@@ -6,8 +6,6 @@ import inspect
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +28,6 @@ from zeus_callbacks.core.monitor.monitor import ZeusMonitor  # noqa: E402
 from zeus_callbacks.core.monitor.reporting import POWER_LIMIT_PREFIX as OPTIMIZER_PREFIX  # noqa: E402
 from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer, HFZeusMonitor  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_W = 300  # the simulated A40's maximum power limit
 # Small profiles: the grid is 300, 200, 100 W; each limit gets 1 warm-up step and 2 to 4 measured steps.
 PLO_KW = {"wait_steps": 1, "warmup_steps": 1, "profile_steps": 4, "pl_step": 100}
@@ -184,18 +181,15 @@ make_trainer(Path({tmp!r}), [plo, Boom()], max_steps=30).train()
 """
 
 
-def test_exception_mid_training_restores_the_gpu(tmp_path):
-    state_dir = tmp_path / "sim-state"
+@pytest.mark.slow
+def test_exception_mid_training_restores_the_gpu(tmp_path, sim_state_dir, run_python):
+    state_dir = sim_state_dir
     env = {
-        **os.environ,
         "ZEUS_CALLBACKS_SIMULATE": "a40",
-        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(state_dir),
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
     }
     code = textwrap.dedent(_RAISING_RUN).format(tmp=str(tmp_path))
-    child = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    child = run_python(code, env=env, timeout=120, cwd=tmp_path)
     assert child.returncode != 0
     assert "RuntimeError: crash mid-training" in child.stderr
     assert re.search(r"limit at the crash: (200|100)", child.stdout), child.stdout + child.stderr
@@ -208,6 +202,7 @@ def test_exception_mid_training_restores_the_gpu(tmp_path):
         sim.disable()
 
 
+@pytest.mark.slow
 def test_sft_trainer(node, tmp_path):
     datasets = pytest.importorskip("datasets")
     trl = pytest.importorskip("trl")
@@ -252,24 +247,20 @@ def test_sft_trainer(node, tmp_path):
     assert node.gpus[0].power_limit_mw == MAX_W * 1000
 
 
-def test_torchrun_two_ranks_choose_the_same_limit(tmp_path):
-    env = {
-        **os.environ,
-        "ZEUS_CALLBACKS_SIMULATE": "2*a40",
-        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(tmp_path / "sim-state"),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(ROOT / "examples" / "huggingface" / "train_power_limit.py"),
-        "--steps", "70", "--output-dir", str(tmp_path / "out"),
-    ]  # fmt: skip
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    chosen = dict(re.findall(r"rank (\d): chose (\d+) W \(SIMULATED\)", run.stdout))
-    assert set(chosen) == {"0", "1"}, run.stdout
+@pytest.mark.slow
+def test_torchrun_two_ranks_choose_the_same_limit(tmp_path, sim_state_dir, run_example):
+    stdout = run_example(
+        "huggingface/train_power_limit.py",
+        *("--steps", "70", "--output-dir", str(tmp_path / "out")),
+        launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+        spec="2*a40",
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=150,
+    )
+    chosen = dict(re.findall(r"rank (\d): chose (\d+) W \(SIMULATED\)", stdout))
+    assert set(chosen) == {"0", "1"}, stdout
     assert chosen["0"] == chosen["1"]
-    system = sim.simulate("2*a40", state_dir=str(tmp_path / "sim-state"))
+    system = sim.simulate("2*a40", state_dir=str(sim_state_dir))
     try:
         assert [g.power_limit_mw for g in system.gpus] == [MAX_W * 1000] * 2
     finally:
@@ -279,6 +270,7 @@ def test_torchrun_two_ranks_choose_the_same_limit(tmp_path):
 DEMO_ARGS = ["demo", "--steps", "60", "--warmup-steps", "1", "--profile-steps", "4", "--pl-step", "100"]
 
 
+@pytest.mark.slow
 def test_demo_json(sim_state_dir, capsys):
     from zeus_callbacks.cli import main
 
@@ -295,6 +287,7 @@ def test_demo_json(sim_state_dir, capsys):
     sim.disable()
 
 
+@pytest.mark.slow
 def test_demo_table_and_plot(sim_state_dir, tmp_path, capsys):
     from zeus_callbacks.cli import main
 
@@ -321,9 +314,9 @@ def test_signature_matches_zeus():
     assert ours[: len(theirs)] == theirs
 
 
-def test_import_does_not_load_transformers():
+def test_import_does_not_load_transformers(run_python):
     code = "import sys, zeus_callbacks; assert 'transformers' not in sys.modules, 'transformers imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert run_python(code).returncode == 0
 
 
 def test_monitor_none_without_an_instance_to_adopt(node):

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -22,7 +19,6 @@ from zeus_callbacks.core.device.state_guard import guard
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
-ROOT = Path(__file__).resolve().parents[2]
 MAX_W = 300  # the simulated A40's maximum power limit
 FAST = dict(wait_steps=1, warmup_steps=1, profile_steps=6)
 
@@ -270,33 +266,12 @@ def test_exception_in_training_step_restores_the_gpu(
     assert gpu0.open_windows == []
 
 
-def test_ddp_example_ranks_choose_the_same_limit(sim_state_dir: Path) -> None:
-    env = {
-        **os.environ,
-        "ZEUS_CALLBACKS_SIMULATE": "2*a40",
-        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(sim_state_dir),
-    }
-    example = ROOT / "examples/lightning/train_power_limit.py"
+@pytest.mark.slow
+def test_ddp_example_ranks_choose_the_same_limit(run_example) -> None:
     # torchrun starts both ranks at once; Lightning's own launcher would import everything twice in a row.
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(example),
-            "--devices",
-            "2",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    chosen = dict(re.findall(r"rank (\d+) \(simulated GPU \d+\): optimal power limit (\d+) W", out.stdout))
-    assert sorted(chosen) == ["0", "1"], out.stdout
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    stdout = run_example("lightning/train_power_limit.py", "--devices", "2", launcher=launch, spec="2*a40")
+    chosen = dict(re.findall(r"rank (\d+) \(simulated GPU \d+\): optimal power limit (\d+) W", stdout))
+    assert sorted(chosen) == ["0", "1"], stdout
     assert chosen["0"] == chosen["1"]
-    assert out.stdout.count("GPU restored to 300 W") == 2
+    assert stdout.count("GPU restored to 300 W") == 2

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 
-import pynvml
 import pytest
 
 from zeus_callbacks import cli
@@ -27,15 +26,6 @@ _WORK = (
     "print('child output')\n"
     "sys.exit(3)\n"
 )
-
-
-def _real_driver_present() -> bool:
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return False
-    pynvml.nvmlShutdown()
-    return True
 
 
 def test_help_lists_the_subcommands(capsys):
@@ -91,9 +81,7 @@ def test_devices_unsupported_queries_show_na(sim_gpus, capsys):
     assert "n/a" in capsys.readouterr().out
 
 
-def test_devices_without_gpu_or_simulation(capsys):
-    if _real_driver_present():
-        pytest.skip("a real NVIDIA driver is present")
+def test_devices_without_gpu_or_simulation(no_nvidia_driver, capsys):
     assert cli.main(["devices"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ZEUS_CALLBACKS_SIMULATE=a40" in err[0]

@@ -79,9 +79,9 @@ CASES = [
     ([A10, T4], [3, 2], 2400, 1, Time()),
     ([A10, T4], [2, 2], 2048, 8, Energy()),
     ([A10, T4], [1, 3], 1600, 2, MaxSlowdownConstraint(1.1)),
-    ([A10, T4, BIG], [1, 2, 1], 2400, 16, ZeusCost(0.3)),
-    ([T4, BIG, A10], [2, 1, 1], 2560, 16, Energy()),
-    ([A10, WIDE, T4], [1, 1, 2], 3072, 16, MaxSlowdownConstraint(1.2)),
+    pytest.param([A10, T4, BIG], [1, 2, 1], 2400, 16, ZeusCost(0.3), marks=pytest.mark.slow),
+    pytest.param([T4, BIG, A10], [2, 1, 1], 2560, 16, Energy(), marks=pytest.mark.slow),
+    pytest.param([A10, WIDE, T4], [1, 1, 2], 3072, 16, MaxSlowdownConstraint(1.2), marks=pytest.mark.slow),
 ]
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,8 +25,6 @@ from zeus_callbacks.core.heterogeneous.training import (
     restore_power_limits,
     weight_gradients,
 )
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "heterogeneous" / "train_heterogeneous.py"
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +233,7 @@ def _ddp_worker(rank: int, out_dir: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_uneven_ddp_equals_full_batch_training(tmp_path):
     mp.spawn(_ddp_worker, args=(str(tmp_path),), nprocs=2)
 
@@ -263,29 +260,10 @@ def test_uneven_ddp_equals_full_batch_training(tmp_path):
 # -- the example ---------------------------------------------------------------------------------------------
 
 
-def test_example_trains_planned_and_even(tmp_path):
-    env = {**os.environ, "ZEUS_CALLBACKS_SIM_STATE_DIR": str(tmp_path / "sim")}
-    env.pop("ZEUS_CALLBACKS_SIMULATE", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLE),
-            "--steps",
-            "3",
-            "--warmup-steps",
-            "1",
-            "--rounds",
-            "1",
-            "--time-scale",
-            "0.25",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, out[-2000:] + proc.stderr[-3000:]
+@pytest.mark.slow
+def test_example_trains_planned_and_even(run_example):
+    steps = ("--steps", "3", "--warmup-steps", "1", "--rounds", "1", "--time-scale", "0.25")
+    out = run_example("heterogeneous/train_heterogeneous.py", *steps, timeout=240)
     assert "SIMULATED GPUs: GPU 0 NVIDIA A10G, GPU 1 Tesla T4" in out, out
     assert "a10 local batch 699 at 150 W, t4 local batch 325 at 70 W" in out
     assert "even (max power)" in out and "SIMULATED planned vs even split" in out

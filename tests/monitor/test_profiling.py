@@ -140,6 +140,7 @@ def test_sim_workload_follows_the_batch_size():
     assert sim_workload_for_batch("a40", "resnet50", 128) is None
 
 
+@pytest.mark.slow
 def test_cli_profile_writes_a_loadable_zeus2_profile(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ZEUS_CALLBACKS_SIMULATE", "a10g")
     out = tmp_path / "a10.json"

@@ -157,6 +157,7 @@ def test_target_time_is_respected_and_infeasible_target_raises():
         solve(schedule, options, [80.0, 80.0])
 
 
+@pytest.mark.slow
 def test_frontier_is_pareto_and_choose_meets_target():
     schedule = build_schedule("1f1b", 4, 8)
     options = _options(11, 4, 8)

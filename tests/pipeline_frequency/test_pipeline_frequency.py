@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import burn_cpu
 
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.pipeline_frequency.clock_sweep import clock_sweep, merge_replicas, passed_valley
@@ -34,12 +35,6 @@ def _kinds(schedule: str, microbatches: int) -> list[str]:
     return [i.kind for i in build_schedule(schedule, 1, microbatches)[0]]
 
 
-def _burn(seconds: float) -> None:
-    start = time.process_time()
-    while time.process_time() - start < seconds:
-        pass
-
-
 def run_steps(
     pfo: PipelineFrequencyOptimizer,
     steps: int,
@@ -53,7 +48,7 @@ def run_steps(
         pfo.on_step_begin()
         for kind in kinds:
             pfo.on_instruction_begin(kind)
-            _burn(work_s if kind == "forward" else 2 * work_s)
+            burn_cpu(work_s if kind == "forward" else 2 * work_s)
             pfo.on_instruction_end(kind)
             time.sleep(work_s / 2)
         pfo.on_step_end()
@@ -277,7 +272,7 @@ def test_split_backward_halves_are_one_instruction(node):
         pfo.on_step_begin()
         for name in names:
             pfo.on_instruction_begin(name)
-            _burn(0.001)
+            burn_cpu(0.001)
             pfo.on_instruction_end(name)
         pfo.on_step_end()
         if pfo.phase == "applying":
@@ -328,7 +323,7 @@ def test_no_permission_with_profile_reports_plan_without_applying(sim_gpus, tmp_
 _CHILD = textwrap.dedent(
     """
     import sys, time
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {paths!r}  # this file's folder and tests/ (helpers)
     from test_pipeline_frequency import FAST, _kinds, run_steps
     from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
     pfo = PipelineFrequencyOptimizer(device_id=0, target_time_s=10.0, **FAST)
@@ -346,9 +341,11 @@ _CHILD = textwrap.dedent(
 
 
 def _child(mode: str) -> str:
-    return _CHILD.format(tests=str(Path(__file__).parent), mode=mode)
+    here = Path(__file__).parent
+    return _CHILD.format(paths=[str(here), str(here.parent)], mode=mode)
 
 
+@pytest.mark.slow
 def test_clocks_restored_after_exception(node, run_python):
     out = run_python(_child("raise"), timeout=90)
     assert "locked" in out.stdout and "RuntimeError: boom" in out.stderr
@@ -356,6 +353,7 @@ def test_clocks_restored_after_exception(node, run_python):
     assert node.gpus[0].locked_sm_clocks_mhz is None
 
 
+@pytest.mark.slow
 def test_clocks_restored_after_sigterm(node):
     proc = subprocess.Popen(
         [sys.executable, "-c", _child("loop")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -132,6 +132,7 @@ def _locked_clocks(state: Path) -> list:
     return [g.locked_sm_clocks_mhz for g in SimulatedSystem(f"{WORLD}*a40", state_dir=str(state)).gpus]
 
 
+@pytest.mark.slow
 def test_schedule_1f1b_profiles_plans_applies_and_restores(ranks):
     out, state = ranks
     results = _results(out, "pipeline")
@@ -156,6 +157,7 @@ def test_schedule_1f1b_profiles_plans_applies_and_restores(ranks):
     assert _locked_clocks(state) == [None] * WORLD
 
 
+@pytest.mark.slow
 def test_replicas_of_a_stage_are_merged(ranks):
     out, state = ranks
     results = _results(out, "replicas")

@@ -14,11 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import burn_cpu
 
 from zeus_callbacks import ZeusMonitor, sim
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
+
+pytestmark = pytest.mark.slow  # every test starts 2 or 3 gloo processes
 
 MAX_W = 300  # the simulated A40's maximum power limit
 STEPS = 150
@@ -29,13 +32,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _busy(seconds: float) -> None:
-    """Host work that the simulated GPU counts as work queued on it."""
-    end = time.process_time() + seconds
-    while time.process_time() < end:
-        pass
 
 
 def _worker(rank: int, world: int, port: int, spec: str, faults: str, state_dir: str, out_dir: str) -> None:
@@ -58,7 +54,7 @@ def _worker(rank: int, world: int, port: int, spec: str, faults: str, state_dir:
         plo.on_step_begin()
         if measure:
             monitor.begin_window("step")
-        _busy(0.002 * (1 + rank))  # ranks do unequal work: time is maxed, not summed
+        burn_cpu(0.002 * (1 + rank))  # ranks do unequal work: time is maxed, not summed
         dist.all_reduce(gradient)  # as DDP does: ranks wait for each other once per step
         m = monitor.end_window("step") if measure else None
         phase, limit_w = plo.phase, plo.power_limit_w  # what this step counted towards

@@ -1,0 +1,61 @@
+"""Plain test helpers that child processes can import too (`from helpers import burn_cpu`); fixtures wrap them
+in conftest.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pynvml
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def burn_cpu(seconds: float) -> float:
+    """Keep the CPU busy for `seconds` of process CPU time (simulated GPU work); returns the wall time."""
+    start_wall, start_cpu = time.perf_counter(), time.process_time()
+    x = 0
+    while time.process_time() - start_cpu < seconds:
+        x += 1
+    return time.perf_counter() - start_wall
+
+
+def real_driver_present() -> bool:
+    """Whether a real NVIDIA driver answers NVML on this machine."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+def run_example(
+    script: str,
+    *args: str,
+    launcher: Sequence[str] = (),
+    spec: str | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 300,
+) -> str:
+    """Run `examples/<script> ARGS` as a user would, under `python -m LAUNCHER...` when given, on the simulated
+    GPUs `spec` (else as the environment says); returns its stdout, failing with the output's tail."""
+    full_env = {**os.environ, **(env or {})}
+    if spec is not None:
+        full_env["ZEUS_CALLBACKS_SIMULATE"] = spec
+    proc = subprocess.run(
+        [sys.executable, *launcher, str(EXAMPLES / script), *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
