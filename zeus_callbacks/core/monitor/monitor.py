@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.gpus import GPU, get_gpus
+from zeus_callbacks.core.device.power import MAX_REFRESH_PERIOD_S, energy_refresh_period_s, instant_power_mw
 
 __all__ = ["ZeusMonitor", "Measurement"]
 
@@ -107,7 +109,9 @@ class ZeusMonitor:
         gpu_indices: GPUs to measure, as the framework numbers them (after `CUDA_VISIBLE_DEVICES`).
             Default: every visible GPU. Under torch.distributed, pass only this rank's GPU.
         cpu_indices: Accepted for Zeus compatibility; CPU energy is not measured.
-        approx_instant_energy: Accepted for Zeus compatibility; windows always use the counters.
+        approx_instant_energy: For a window shorter than a GPU's energy-counter refresh period (which
+            would read 0 J or one whole refresh), report instantaneous power x time instead, as Zeus does.
+            Without it such a window keeps the counter's figure and the monitor warns once per GPU.
         log_file: Path of a CSV log in Zeus's format (`start_time,window_name,elapsed_time,gpu<i>_energy`).
         sync_execution_with: "torch" to wait for queued GPU work before reading the counters.
         power_sample_interval_s: Sampling period for GPUs without an energy counter.
@@ -148,6 +152,10 @@ class ZeusMonitor:
                 f"`ZeusMonitor(sync_execution_with={sync_execution_with!r})`: only 'torch' is supported."
             )
         self.gpu_indices: list[int] = list(gpu_indices)
+        self.approx_instant_energy = bool(approx_instant_energy)
+        self._short_warned: set[int] = set()
+        # Windows shorter than this may fall between two refreshes of a GPU's energy counter.
+        self._short_s = MAX_REFRESH_PERIOD_S
         self.simulated = self.gpus.simulated
         self._clock = self.gpus.clock
         devices = [self.gpus[i] for i in self.gpu_indices]
@@ -210,6 +218,10 @@ class ZeusMonitor:
             energy = {self._counter_indices[0]: (after[0] - before[0]) / 1000.0}
         else:
             energy = {i: (c1 - c0) / 1000.0 for i, c0, c1 in zip(self._counter_indices, before, after)}  # noqa: B905
+        if (end - start < self._short_s or not all(energy.values())) and (
+            self.approx_instant_energy or len(self._short_warned) < len(energy)
+        ):
+            self._short_window(key, end - start, energy)
         if self._sampler is not None:
             energy.update(zip(self._sampled_indices, self._sampler.energy_j(start, end), strict=True))
         m = Measurement(end - start, energy, None, None, self.simulated)
@@ -218,6 +230,40 @@ class ZeusMonitor:
             self._log.write(f"{start},{key},{m.time},{values}\n")
             self._log.flush()
         return m
+
+    def _short_window(self, key: str, elapsed_s: float, energy: dict[int, float]) -> None:
+        """A window that may be shorter than a counter's refresh: approximate it, or warn once per GPU."""
+        periods = [energy_refresh_period_s(self.gpus[i]) for i in energy]
+        if all(p is not None for p in periods):
+            self._short_s = max(periods, default=0.0)  # type: ignore[type-var]
+        for i in list(energy):
+            gpu = self.gpus[i]
+            period = energy_refresh_period_s(gpu)
+            if period is None:
+                short = energy[i] == 0.0
+                period_text = "the energy counter's refresh period"
+            else:
+                short = elapsed_s < period
+                period_text = f"its energy counter's refresh period ({period * 1000:.0f} ms)"
+            if not short:
+                continue
+            if self.approx_instant_energy:
+                try:
+                    energy[i] = instant_power_mw(gpu) / 1000.0 * elapsed_s
+                except GPUError as e:
+                    logger.warning("Could not approximate the energy of window %r: %s", key, e)
+            elif i not in self._short_warned:
+                self._short_warned.add(i)
+                logger.warning(
+                    "Window %r (%.1f ms) is shorter than %s's %s, so its energy reads %.3f J (0 J or one whole "
+                    "refresh). Measure longer windows, or pass `ZeusMonitor(approx_instant_energy=True)` to use "
+                    "instantaneous power x time for such windows. (Warned once per GPU.)",
+                    key,
+                    elapsed_s * 1000,
+                    gpu.label,
+                    period_text,
+                    energy[i],
+                )
 
     @property
     def open_windows(self) -> list[str]:
