@@ -15,9 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "zeus"
 
 
-def _run(args: list[str], tmp_path: Path, spec: str) -> str:
+def _run(args: list[str], tmp_path: Path, spec: str, **extra: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEUS_CALLBACKS_")}
     env.update(
+        **extra,
         ZEUS_CALLBACKS_SIMULATE=spec,
         ZEUS_CALLBACKS_SIM_STATE_DIR=str(tmp_path / "node"),
         ZEUS_CALLBACKS_JOIN_TIMEOUT_S="3",
@@ -60,7 +61,12 @@ def test_hf_trainer(tmp_path: Path) -> None:
 @pytest.mark.parametrize("script", ["train_dp.py", "train_fsdp.py"])
 def test_distributed_examples(tmp_path: Path, script: str) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    out = _run([*torchrun, str(EXAMPLES / script)], tmp_path, "2*a40")
+    # These scripts' steps take a few ms on the CPU, far below the A40 counter's 100 ms refresh, so
+    # per-step windows read 0 J or a whole refresh (see docs/coming_from_zeus.md: an open difference
+    # from Zeus's long windows); the counter refreshes continuously here.
+    out = _run(
+        [*torchrun, str(EXAMPLES / script)], tmp_path, "2*a40", ZEUS_CALLBACKS_SIM_IDEAL="energy_counter"
+    )
     if script == "train_dp.py":
         # Zeus builds the optimizer on rank 0 only: it decides alone, and says so.
         assert len(_done(out)) == 1 and "only 1 of the job's 2 ranks" in out
