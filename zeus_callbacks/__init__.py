@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from zeus_callbacks._lazy import lazy_exports
 from zeus_callbacks._version import __version__ as __version__
+from zeus_callbacks.core.callback import Callback, CallbackSet
 from zeus_callbacks.core.device.backend import register_backend
 from zeus_callbacks.core.device.errors import (
     GPUError,
@@ -31,7 +32,7 @@ from zeus_callbacks.core.device.errors import (
     NVMLUnavailableError,
     ZeusCallbacksError,
 )
-from zeus_callbacks.core.monitor.monitor import Measurement, ZeusMonitor
+from zeus_callbacks.core.monitor.monitor import Measurement, MeasurementState, ZeusMonitor
 from zeus_callbacks.core.power_limit.selectors import (
     Energy,
     MaxSlowdownConstraint,
@@ -40,6 +41,7 @@ from zeus_callbacks.core.power_limit.selectors import (
     Time,
     ZeusCost,
 )
+from zeus_callbacks.core.power_limit.states import Done, Inactive, Profiling, Ready, Warmup
 
 _HETEROGENEOUS_TRAINING = "zeus_callbacks.core.heterogeneous.training"
 
@@ -49,6 +51,7 @@ register_backend("zeus_callbacks.sim.backend:simulated_backend")
 # Framework-free names, imported on first access: they pull in torch's heavier parts or the planners.
 _CORE = {
     "GlobalPowerLimitOptimizer": "zeus_callbacks.core.power_limit.optimizer",
+    "ReplayZeusMonitor": "zeus_callbacks.core.monitor.replay",
     "PipelineFrequencyOptimizer": "zeus_callbacks.core.pipeline_frequency.optimizer",
     "instrument": "zeus_callbacks.core.pipeline_frequency.pipelining",
     "ProfileDataLoader": "zeus_callbacks.core.monitor.dataloader",
@@ -102,6 +105,14 @@ _ADAPTERS = {
 __all__ = [
     "ZeusMonitor",
     "Measurement",
+    "MeasurementState",
+    "Callback",
+    "CallbackSet",
+    "Ready",
+    "Warmup",
+    "Profiling",
+    "Done",
+    "Inactive",
     "OptimumSelector",
     "PowerLimitMeasurement",
     "Time",
@@ -144,6 +155,7 @@ if TYPE_CHECKING:  # pragma: no cover
         weight_gradients,
     )
     from zeus_callbacks.core.monitor.dataloader import ProfileDataLoader  # noqa: F401
+    from zeus_callbacks.core.monitor.replay import ReplayZeusMonitor  # noqa: F401
     from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer  # noqa: F401
     from zeus_callbacks.core.pipeline_frequency.pipelining import instrument  # noqa: F401
     from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer  # noqa: F401

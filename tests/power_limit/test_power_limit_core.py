@@ -278,6 +278,7 @@ def test_profile_written_as_it_goes_resumed_and_reused(tmp_path: Path):
 
     system = vsim()
     reused = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path)
+    assert reused.phase == "done" and power_limit_w(system) == reused.optimal_power_limit_w  # at construction
     reused.on_step_begin()
     assert reused.phase == "done" and reused.optimal_power_limit_w == resumed.optimal_power_limit_w
     assert power_limit_w(system) == reused.optimal_power_limit_w and reused.profiling_steps == 0
@@ -297,9 +298,8 @@ def test_mismatched_profile_is_refused(tmp_path: Path, spec, kw, match):
     drive(GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path), system)
     sim.disable()
     vsim(spec)
-    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path, **kw)
-    with pytest.raises(ValueError, match=match):
-        opt.on_step_begin()
+    with pytest.raises(ValueError, match=match):  # at construction, where Zeus reads its profile too
+        GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path, **kw)
 
 
 @pytest.mark.parametrize(
@@ -309,9 +309,8 @@ def test_corrupted_profile_is_refused(tmp_path: Path, content):
     path = tmp_path / "plo.json"
     path.write_text(content)
     vsim()
-    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), profile_path=path)
     with pytest.raises(ValueError, match="plo.json"):
-        opt.on_step_begin()
+        GlobalPowerLimitOptimizer(ZeusMonitor(), profile_path=path)
 
 
 def test_state_dict_round_trip_resumes_without_profiling():

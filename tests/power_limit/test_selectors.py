@@ -81,8 +81,20 @@ def test_select_only_subclass_is_supported():
         def select(self, measurements, max_power_w=None):
             return max(m.power_limit for m in measurements)
 
-    assert not Highest.has_score() and Energy.has_score()
+    assert not Highest().has_score() and Energy().has_score()
     assert Highest().select(HAND) == 300
+
+
+def test_zeus_style_select_with_one_argument_is_called_with_one():
+    """Zeus's `OptimumSelector.select(measurements)`: the optimizer must not pass `max_power_w` to it."""
+    from zeus_callbacks.core.power_limit.selectors import select_power_limit
+
+    class Lowest(OptimumSelector):
+        def select(self, measurements):
+            return min(m.power_limit for m in measurements)
+
+    assert select_power_limit(Lowest(), HAND, 300.0) == 100
+    assert select_power_limit(ZeusCost(0.5), HAND, 300.0) == 250
 
 
 def _random_sets(n: int, seed: int = 0):
@@ -130,4 +142,9 @@ def test_max_slowdown_differs_from_zeus_on_purpose():
         energy = {m.power_limit: m.energy for m in measurements}
         assert energy[ours] <= energy[theirs]
         agree += ours == theirs
+        # One argument gives Zeus's rule.
+        assert MaxSlowdownConstraint(1.1, prefer="lowest_power_limit").select(measurements) == theirs
     assert 0 < agree < 300
+    assert not MaxSlowdownConstraint(1.1, prefer="lowest_power_limit").has_score()
+    with pytest.raises(ValueError, match="prefer='lowest'"):
+        MaxSlowdownConstraint(1.1, prefer="lowest")

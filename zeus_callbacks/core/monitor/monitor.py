@@ -13,8 +13,9 @@ from typing import TextIO
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.gpus import GPU, get_gpus
 from zeus_callbacks.core.device.power import MAX_REFRESH_PERIOD_S, energy_refresh_period_s, instant_power_mw
+from zeus_callbacks.core.monitor import rapl
 
-__all__ = ["ZeusMonitor", "Measurement"]
+__all__ = ["ZeusMonitor", "Measurement", "MeasurementState"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +27,8 @@ class Measurement:
     Attributes:
         time: Elapsed time (s).
         gpu_energy: Energy (J) per GPU index.
-        cpu_energy: Always None (CPU energy is not measured); kept for Zeus compatibility.
-        dram_energy: Always None; kept for Zeus compatibility.
+        cpu_energy: Energy (J) per CPU package (RAPL), or None when CPU energy is not measured.
+        dram_energy: DRAM energy (J) per CPU package, or None where RAPL has no DRAM counter.
         simulated: True when the GPUs are simulated: the figures are a simulation, not a measurement.
     """
 
@@ -40,6 +41,28 @@ class Measurement:
     @property
     def total_energy(self) -> float:
         """GPU energy summed over GPUs (J)."""
+        return sum(self.gpu_energy.values())
+
+
+@dataclass(slots=True)
+class MeasurementState:
+    """Where an open window began (Zeus's `MeasurementState`): its start time and the counters then.
+
+    Attributes:
+        time: Start time (s, the monitor's clock).
+        gpu_energy: Energy counter (J) per GPU index with a counter.
+        cpu_energy: RAPL package counter (J) per CPU package, or None.
+        dram_energy: RAPL DRAM counter (J) per CPU package, or None.
+    """
+
+    time: float
+    gpu_energy: dict[int, float]
+    cpu_energy: dict[int, float] | None = None
+    dram_energy: dict[int, float] | None = None
+
+    @property
+    def total_energy(self) -> float:
+        """GPU counters summed (J)."""
         return sum(self.gpu_energy.values())
 
 
@@ -103,12 +126,17 @@ class ZeusMonitor:
 
     Windows may nest and overlap; each is opened with `begin_window(name)` and closed with
     `end_window(name)`, which returns a `Measurement`. Energy comes from NVML's energy counter (Volta and
-    newer) or, on older GPUs, from power sampled in the background and integrated over the window.
+    newer) or, on older GPUs, from power sampled in the background and integrated over the window. CPU
+    package and DRAM energy come from RAPL (`/sys/class/powercap`) where the machine lets this process
+    read it; otherwise they are None (said once, when `cpu_indices` asked for them).
 
     Args:
         gpu_indices: GPUs to measure, as the framework numbers them (after `CUDA_VISIBLE_DEVICES`).
-            Default: every visible GPU. Under torch.distributed, pass only this rank's GPU.
-        cpu_indices: Accepted for Zeus compatibility; CPU energy is not measured.
+            Default: every visible GPU. Under torch.distributed, pass only this rank's GPU. A single
+            index is taken as a list of one.
+        cpu_indices: CPU packages to measure through RAPL. Default: every readable package (none, quietly,
+            where RAPL is absent or root-only); `[]`: none. Packages asked for but not readable are
+            reported once with the reason and left out.
         approx_instant_energy: For a window shorter than a GPU's energy-counter refresh period (which
             would read 0 J or one whole refresh), report instantaneous power x time instead, as Zeus does.
             Without it such a window keeps the counter's figure and the monitor warns once per GPU.
@@ -141,6 +169,8 @@ class ZeusMonitor:
         self.gpus = get_gpus()
         if gpu_indices is None:
             gpu_indices = list(range(len(self.gpus)))
+        elif isinstance(gpu_indices, int):  # Zeus's data-parallel example passes the local rank itself
+            gpu_indices = [gpu_indices]
         bad = [i for i in gpu_indices if not 0 <= i < len(self.gpus)]
         if bad:
             raise ValueError(
@@ -165,7 +195,10 @@ class ZeusMonitor:
         sampled = [g for g in devices if not g.supports_energy_counter]
         self._sampled_indices = [g.index for g in sampled]
         self._sampler = _PowerSampler(sampled, self._clock, power_sample_interval_s) if sampled else None
-        self._windows: dict[str, tuple[float, list[int]]] = {}  # key -> (start, counters mJ)
+        self._rapl = _rapl_packages(cpu_indices)
+        self.cpu_indices: list[int] = [p.index for p in self._rapl]
+        # key -> (start, GPU counters mJ, RAPL counters µJ per package or None)
+        self._windows: dict[str, tuple[float, list[int], list[tuple[int, int | None]] | None]] = {}
         self._log: TextIO | None = None
         if log_file is not None:
             path = Path(log_file)
@@ -182,19 +215,26 @@ class ZeusMonitor:
         self.gpus.synchronize(self.gpu_indices)
 
     # begin_window/end_window are the hot path (called every step): plain tuples and inlined reads.
-    def begin_window(self, key: str, sync_execution: bool = True) -> None:
-        """Open the window `key`.
+    def begin_window(self, key: str, sync_execution: bool = True, restart: bool = False) -> None:
+        """Open the window `key`; with `restart`, an open window of that name is dropped and begun again
+        (as in Zeus: for a notebook cell that failed between `begin_window` and `end_window`).
 
         Raises:
-            ValueError: a window named `key` is already open.
+            ValueError: a window named `key` is already open (and not `restart`).
         """
         if key in self._windows:
-            raise ValueError(f"Measurement window {key!r} is already open; end it before beginning it again.")
+            if not restart:
+                raise ValueError(
+                    f"Measurement window {key!r} is already open; end it before beginning it again, or pass "
+                    "`restart=True`."
+                )
+            del self._windows[key]
+            logger.info("Measurement window %r restarted.", key)
         if sync_execution:
             self.gpus.synchronize(self.gpu_indices)
         start = self._clock()
         counters = self._read_counters()
-        self._windows[key] = (start, counters)
+        self._windows[key] = (start, counters, [p.read_uj() for p in self._rapl] if self._rapl else None)
 
     def end_window(self, key: str, sync_execution: bool = True, cancel: bool = False) -> Measurement:
         """Close the window `key` and return its time and energy (zeros when `cancel`, and not logged).
@@ -203,7 +243,7 @@ class ZeusMonitor:
             ValueError: no window named `key` is open.
         """
         try:
-            start, before = self._windows.pop(key)
+            start, before, cpu_before = self._windows.pop(key)
         except KeyError:
             raise ValueError(
                 f"Measurement window {key!r} was not begun (open: {sorted(self._windows)})."
@@ -214,7 +254,8 @@ class ZeusMonitor:
         if sync_execution:
             self.gpus.synchronize(self.gpu_indices)
         if cancel:
-            return Measurement(0.0, dict.fromkeys(self.gpu_indices, 0.0), None, None, self.simulated)
+            cpu = dict.fromkeys(self.cpu_indices, 0.0) if self._rapl else None
+            return Measurement(0.0, dict.fromkeys(self.gpu_indices, 0.0), cpu, None, self.simulated)
         end = self._clock()
         after = self._read_counters()
         if len(after) == 1:  # the common case under torch.distributed: one GPU per process
@@ -227,7 +268,8 @@ class ZeusMonitor:
             self._short_window(key, end - start, energy, instant)
         if self._sampler is not None:
             energy.update(zip(self._sampled_indices, self._sampler.energy_j(start, end), strict=True))
-        m = Measurement(end - start, energy, None, None, self.simulated)
+        cpu_j, dram_j = self._cpu_energy(cpu_before)
+        m = Measurement(end - start, energy, cpu_j, dram_j, self.simulated)
         if self._log is not None:
             values = ",".join(str(energy[i]) for i in self.gpu_indices)
             self._log.write(f"{start},{key},{m.time},{values}\n")
@@ -275,10 +317,46 @@ class ZeusMonitor:
                     energy[i],
                 )
 
+    def _cpu_energy(
+        self, before: list[tuple[int, int | None]] | None
+    ) -> tuple[dict[int, float] | None, dict[int, float] | None]:
+        if before is None:
+            return None, None
+        cpu: dict[int, float] = {}
+        dram: dict[int, float] = {}
+        for p, (c0, d0) in zip(self._rapl, before, strict=True):
+            c1, d1 = p.read_uj()
+            cpu[p.index] = rapl.energy_delta_j(c0, c1, p.cpu.max_uj)
+            if p.dram is not None and d0 is not None and d1 is not None:
+                dram[p.index] = rapl.energy_delta_j(d0, d1, p.dram.max_uj)
+        return cpu, dram or None
+
     @property
     def open_windows(self) -> list[str]:
         """Names of the windows currently open."""
         return list(self._windows)
+
+    @property
+    def measurement_states(self) -> dict[str, MeasurementState]:
+        """The open windows and where each began (Zeus's attribute of the same name), a snapshot: use
+        `begin_window(restart=True)` or `reset_windows()` to drop a window."""
+        out = {}
+        for key, (start, counters, cpu) in self._windows.items():
+            gpu = {i: c / 1000.0 for i, c in zip(self._counter_indices, counters, strict=True)}
+            cpu_j = {p.index: c / 1e6 for p, (c, _) in zip(self._rapl, cpu, strict=True)} if cpu else None
+            dram_j = (
+                {p.index: d / 1e6 for p, (_, d) in zip(self._rapl, cpu, strict=True) if d is not None} or None
+                if cpu
+                else None
+            )
+            out[key] = MeasurementState(start, gpu, cpu_j, dram_j)
+        return out
+
+    def reset_windows(self) -> None:
+        """Drop every open window (their measurements are lost), as Zeus's `reset_windows`."""
+        dropped = list(self._windows)
+        self._windows.clear()
+        logger.info("ZeusMonitor reset; dropped open windows: %s", dropped or "none")
 
     def close(self) -> None:
         """Stop background sampling and close the log file."""
@@ -287,3 +365,40 @@ class ZeusMonitor:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+_cpu_warned = False
+
+
+def _rapl_packages(cpu_indices: Sequence[int] | None) -> list[rapl.RaplPackage]:
+    """The RAPL packages to measure: every readable one by default; those asked for, said once if not."""
+    global _cpu_warned
+    if cpu_indices is not None and not list(cpu_indices):
+        return []
+    try:
+        packages = rapl.rapl_packages()
+    except rapl.RaplUnavailable as e:
+        if cpu_indices is not None and not _cpu_warned:
+            _cpu_warned = True
+            logger.warning(
+                "ZeusMonitor(cpu_indices=%s): CPU energy is not measured: %s. GPU energy is. (Said once.)",
+                list(cpu_indices),
+                e,
+            )
+        else:
+            logger.info("CPU energy is not measured: %s.", e)
+        return []
+    if cpu_indices is None:
+        return packages
+    by_index = {p.index: p for p in packages}
+    missing = [i for i in cpu_indices if i not in by_index]
+    if missing and not _cpu_warned:
+        _cpu_warned = True
+        logger.warning(
+            "ZeusMonitor(cpu_indices=%s): RAPL has no CPU package %s (it has %s); those are not measured. "
+            "(Said once.)",
+            list(cpu_indices),
+            missing,
+            sorted(by_index),
+        )
+    return [by_index[i] for i in cpu_indices if i in by_index]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -10,10 +11,17 @@ from typing import Any, ClassVar
 import numpy as np
 
 from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.callback import Callback
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit.profile_file import ProfileContext, load_profile, save_profile
+from zeus_callbacks.core.power_limit.profile_file import (
+    ProfileContext,
+    SavedProfile,
+    load_profile,
+    save_profile,
+)
+from zeus_callbacks.core.power_limit.ranks import all_ranks_take_part
 from zeus_callbacks.core.power_limit.search import (
     SEARCHES,
     PowerLimitStats,
@@ -26,6 +34,7 @@ from zeus_callbacks.core.power_limit.search import (
     spent_steps,
 )
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector, ZeusCost
+from zeus_callbacks.core.power_limit.states import Done, Inactive, PowerLimitState, Profiling, Ready, Warmup
 
 __all__ = ["GlobalPowerLimitOptimizer"]
 
@@ -40,11 +49,12 @@ _WINDOW = "__GlobalPowerLimitOptimizer_step"
 @dataclass
 class _Waiting:
     """`waiting`: `wait_steps` steps pass at the GPU's own power limit (again when a later run starts after
-    `on_train_end` interrupted profiling).
+    `on_train_end` interrupted profiling; none after an epoch's end interrupted it with `search="zeus"`).
 
     Next: `warmup` (or `profiling` when `warmup_steps` is 0) at the next limit to profile, at the end of the
-    last waiting step; `done` when a complete profile (from `profile_path` or a checkpoint) leaves nothing
-    to profile; `inactive` when the job may not change power limits or a GPU fails.
+    last waiting step (at the next step's beginning when none is left); `done` when a complete profile
+    (from `profile_path` or a checkpoint) leaves nothing to profile; `inactive` when the job may not change
+    power limits or a GPU fails.
     """
 
     name: ClassVar[str] = "waiting"
@@ -56,7 +66,8 @@ class _Warmup:
     """`warmup`: `steps_left` more steps at `power_limit_w` before it is measured (they count as profiling
     cost, not as samples).
 
-    Next: `profiling` at the same limit after the last of them; `inactive` when a GPU fails.
+    Next: `profiling` at the same limit after the last of them; `inactive` when a GPU fails; `waiting`
+    when an epoch ends first with `search="zeus"`.
     """
 
     name: ClassVar[str] = "warmup"
@@ -72,7 +83,8 @@ class _Profiling:
 
     Next: `warmup`/`profiling` at the next limit the search picks (a new one, or a near-tie revisited);
     `done` when the search is over and the chosen limit is applied; `inactive` when a GPU fails, no limit
-    could be measured, or the choice may not be applied.
+    could be measured, or the choice may not be applied; `waiting` when an epoch ends first with
+    `search="zeus"` (this visit's samples are dropped and the limit is profiled again).
     """
 
     name: ClassVar[str] = "profiling"
@@ -103,7 +115,7 @@ class _Inactive:
 _Phase = _Waiting | _Warmup | _Profiling | _Done | _Inactive
 
 
-class GlobalPowerLimitOptimizer:
+class GlobalPowerLimitOptimizer(Callback):
     """Find the best GPU power limit during training and keep it (Zeus's `GlobalPowerLimitOptimizer`).
 
     Each power limit is profiled over whole training steps (step begin to step end, so evaluation,
@@ -111,13 +123,20 @@ class GlobalPowerLimitOptimizer:
     limit. The adaptive search measures each limit only until it is clearly worse than the best so far
     or cannot beat it by more than 1% (at least `profile_steps // 8` steps), then revisits the few limits
     still within 1% of the best (warm-up again, then up to `profile_steps` steps in all) while a budget
-    of 3/4 of a sweep's steps lasts; see `power_limit_search`. Profiling carries on across epochs. Under torch.distributed every rank measures its own GPU; each measured step's energy
-    is summed and its time maxed over ranks, so every rank reaches the same decision at the same step.
-    Every change goes through the process's GPU-state guard and is undone at `on_train_end`, at exit, on
-    exceptions and on signals.
+    of 3/4 of a sweep's steps lasts; see `power_limit_search`. Profiling carries on across epochs
+    (`search="zeus"`: an epoch's end interrupts it as in Zeus). Under torch.distributed every rank
+    measures its own GPU; each measured step's energy is summed and its time maxed over ranks, so every
+    rank reaches the same decision at the same step. Every change goes through the process's GPU-state
+    guard and is undone at `on_train_end`, at exit, on exceptions and on signals.
 
-    Phases (`phase`): `waiting`, then `warmup` and `profiling` at each limit the search picks, then `done`
-    (the choice applied) or `inactive` (GPUs left as found); each phase class says what moves it on.
+    A complete profile at `profile_path` is applied at construction, as Zeus does: by `state`, `Done`
+    at once. It answers the selector it was searched for; reused with another selector, the limits
+    that selector still needs are profiled first (a profile written by Zeus, which measured every
+    limit fully, answers any selector; its GPU cannot be checked, which is logged).
+
+    Phases (`phase`, and Zeus's `state` classes): `waiting` (`Ready`), then `warmup` (`Warmup`) and
+    `profiling` (`Profiling`) at each limit the search picks, then `done` (`Done`: the choice applied)
+    or `inactive` (`Inactive`: GPUs left as found); each phase class says what moves it on.
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s).
@@ -126,19 +145,23 @@ class GlobalPowerLimitOptimizer:
         warmup_steps: Steps run at each power limit before it is measured (0 allowed).
         profile_steps: Steps measured at each power limit (the most, for the adaptive search).
         pl_step: Stride between profiled power limits (W); the minimum limit is always profiled.
-        profile_path: JSON file of the profile: loaded if it exists (a complete one skips profiling, a
-            partial one resumes it), written (by rank 0) as profiling goes.
+        profile_path: JSON file of the profile: loaded if it exists (a complete one is applied at once, a
+            partial one resumes), written (by rank 0) as profiling goes.
         search: "adaptive" (default: each limit measured only as long as needed, the near-ties
-            measured again) or "sweep" (every limit for `profile_steps`, as Zeus).
+            measured again), "sweep" (every limit for `profile_steps`, as Zeus) or "zeus" (the sweep,
+            and the end of an epoch interrupts the limit being profiled: back to the maximum limit, that
+            limit profiled again from its warm-up in the next epoch, exactly as Zeus).
 
     Raises:
-        ValueError: a bad argument; the message names it.
+        ValueError: a bad argument, or a `profile_path` that is unreadable or was measured on other
+            GPUs; the message names it.
 
     Example::
 
         monitor = ZeusMonitor(gpu_indices=[local_rank])
         plo = GlobalPowerLimitOptimizer(monitor, MaxSlowdownConstraint(1.1))
         for epoch in range(epochs):
+            plo.on_epoch_begin()
             for batch in loader:
                 plo.on_step_begin()
                 train_step(batch)
@@ -187,8 +210,11 @@ class GlobalPowerLimitOptimizer:
         self._gpus = [monitor.gpus[i] for i in monitor.gpu_indices]
         self._phase: _Phase = _Waiting(wait_steps)
         self._started = False
+        self._ready = False  # grid, job size and permissions known (at construction, or the first step)
+        self._collective = False  # every rank runs an optimizer: decide together
         self._pending_state: dict[str, Any] | None = None
         self.stats: dict[int, PowerLimitStats] = {}
+        self._spent_before = 0  # steps of a reused profile that do not count against the search's budget
         self.grid: list[int] = []
         self.num_gpus = len(self._gpus)
         self.max_power_w = 0.0
@@ -197,12 +223,34 @@ class GlobalPowerLimitOptimizer:
         self.profiling_energy_j = 0.0
         self.power_limit_w: int | None = None
         self._failed = False
+        # Under torchrun the process group may not exist yet (transformers creates it later): then the
+        # job's size is only known at the first step, and the setup waits for it.
+        if dist.is_distributed() or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+            self._setup()
 
     # -- public state ---------------------------------------------------------------------------
     @property
     def phase(self) -> str:
         """`waiting`, `warmup`, `profiling`, `done` or `inactive` (see the phase classes of this module)."""
         return self._phase.name
+
+    @property
+    def state(self) -> PowerLimitState:
+        """The phase as Zeus's state classes (`Ready`, `Warmup`, `Profiling`, `Done`, and `Inactive`),
+        power limits in mW as in Zeus. A snapshot: changing it changes nothing."""
+        p = self._phase
+        if isinstance(p, _Warmup):
+            return Warmup(current_power_limit=p.power_limit_w * 1000, steps=p.steps_left)
+        if isinstance(p, _Profiling):
+            return Profiling(
+                current_power_limit=p.power_limit_w * 1000, steps=max(0, self.profile_steps - p.stats.steps)
+            )
+        if isinstance(p, _Done):
+            return Done(optimal_power_limit=p.power_limit_w * 1000)
+        if isinstance(p, _Inactive):
+            return Inactive(p.reason, None if p.power_limit_w is None else p.power_limit_w * 1000)
+        nxt = self._next_power_limit() if self._ready else None
+        return Ready(next_power_limit=None if nxt is None else nxt * 1000, steps=p.steps_left)
 
     @property
     def optimal_power_limit_w(self) -> int | None:
@@ -278,6 +326,8 @@ class GlobalPowerLimitOptimizer:
         """Mark the beginning of a training step."""
         if not self._started:
             self._start()
+        if isinstance(self._phase, _Waiting) and self._phase.steps_left <= 0:
+            self._begin_next()  # after an epoch's end interrupted a limit (`search="zeus"`)
         if isinstance(self._phase, (_Warmup, _Profiling)) and not self._failed:
             try:
                 if _WINDOW in self.monitor.open_windows:
@@ -304,8 +354,25 @@ class GlobalPowerLimitOptimizer:
             self._record_step(phase)
         self.monitor.gpus.step_boundary(self.monitor.gpu_indices)
 
+    def on_epoch_begin(self) -> None:
+        """Mark the beginning of an epoch (nothing to do: Zeus's loop calls it)."""
+
     def on_epoch_end(self) -> None:
-        """Mark the end of an epoch. Profiling carries on across epochs: nothing is restarted."""
+        """Mark the end of an epoch. Profiling carries on across epochs, except with `search="zeus"`:
+        then the limit being warmed up or profiled is dropped, the GPU goes back to the maximum limit,
+        and that limit is profiled again from its warm-up at the next step, as Zeus does."""
+        phase = self._phase
+        if self.search != "zeus" or not self._started or not isinstance(phase, (_Warmup, _Profiling)):
+            return
+        logger.info(
+            "%s at %d W interrupted by the end of an epoch; it is profiled again from its warm-up.",
+            "Warm-up" if isinstance(phase, _Warmup) else "Profiling",
+            phase.power_limit_w,
+        )
+        if _WINDOW in self.monitor.open_windows:
+            self.monitor.end_window(_WINDOW, cancel=True)
+        self._phase = _Waiting(0)
+        self._set_power_limit(self.grid[0])
 
     def on_train_end(self) -> None:
         """Restore the GPUs' settings as they were before training.
@@ -348,52 +415,103 @@ class GlobalPowerLimitOptimizer:
             self._gpus[0].name, (lo, hi), self.pl_step, self.num_gpus, self.monitor.simulated, __version__
         )
 
-    def _start(self) -> None:
-        self._started = True
+    def _setup(self) -> None:
+        """Learn the grid, the job's size and permissions (collectives when every rank takes part), and
+        load a saved profile: a complete one is applied now."""
+        self._ready = True
+        self._collective = dist.is_distributed() and all_ranks_take_part()
         try:
             constraints = {g.power_limit_constraints_mw() for g in self._gpus}
         except GPUError as e:  # e.g. no power-limit control on this GPU: every rank stands down below
-            logger.warning(
-                "GlobalPowerLimitOptimizer: %s Training on without it; energy is still measured.", e
-            )
+            logger.warning("GlobalPowerLimitOptimizer: %s Training on without it; energy is still measured.", e)
             constraints = {(0, 0)}
         lo, hi = min(c[0] for c in constraints), max(c[1] for c in constraints)
         # Every rank must profile the same grid: refuse mixed GPU models rather than guess.
-        lows = dist.all_reduce([-lo, hi, float(len(constraints) > 1), float(hi == 0)], op="max")
+        lows = self._all_reduce([-lo, hi, float(len(constraints) > 1), float(hi == 0)], op="max")
         if lows[3]:
             self._phase = _Inactive("a GPU does not support power-limit control")
             return
-        overlap = job_gpu_overlap(self._gpus)  # before any change, on every rank
-        if overlap is not None:
-            logger.warning("GlobalPowerLimitOptimizer: %s", overlap)
-            self._phase = _Inactive("GPUs shared between ranks")
-            return
+        if self._collective or not dist.is_distributed():
+            overlap = job_gpu_overlap(self._gpus)  # before any change, on every rank
+            if overlap is not None:
+                logger.warning("GlobalPowerLimitOptimizer: %s", overlap)
+                self._phase = _Inactive("GPUs shared between ranks")
+                return
         if len(constraints) > 1 or -lows[0] != lo or lows[1] != hi or lows[2]:
             raise ValueError(
                 "GlobalPowerLimitOptimizer needs GPUs with the same power-limit range on every rank; this job mixes "
                 "GPU models. Plan per-GPU limits with `zeus-callbacks plan` (the heterogeneous planner) instead."
             )
         self.grid = power_limit_grid(lo / 1000, hi / 1000, self.pl_step)
-        self.num_gpus = int(dist.all_reduce([len(self._gpus)], op="sum")[0])
+        self.num_gpus = int(self._all_reduce([len(self._gpus)], op="sum")[0])
         self.max_power_w = self.grid[0] * self.num_gpus
-        denied = dist.all_reduce([float(not all(g.may_change_settings() for g in self._gpus))], op="sum")[0]
+        denied = self._all_reduce([float(not all(g.may_change_settings() for g in self._gpus))], op="sum")[0]
         self.may_set = denied == 0
-        if isinstance(self._phase, _Done):  # a later run of the same optimizer
+        if self.profile_path is not None and self.profile_path.exists():
+            self._use_profile(load_profile(self.profile_path, self._context(), self.profile_steps))
+
+    def _use_profile(self, saved: SavedProfile) -> None:
+        """Take a saved profile: apply its answer when it holds one for this selector, else keep its
+        measurements and profile what this selector still needs first."""
+        stats = saved.stats
+        if saved.written_by_zeus:
+            logger.warning(
+                "%s is a profile written by Zeus: it does not say which GPU it was measured on, so that could "
+                "not be checked against this job's %s. Using it.",
+                self.profile_path,
+                self._context().describe(),
+            )
+            self.stats = stats
+            self._finish(save=False)
+            return
+        same = saved.selector == repr(self.optimum_selector) and saved.search == self.search
+        if not same:
+            # What the first search pruned is only worse for *its* selector: measure again what ours needs.
+            for s in stats.values():
+                s.pruned = False
+            if self.search != "adaptive" or not self.optimum_selector.has_score():
+                stats = {pl: s for pl, s in stats.items() if s.steps >= self.profile_steps}
+            self._spent_before = spent_steps(stats, self.warmup_steps)
+        self.stats = stats
+        if same and saved.complete or self._next_power_limit() is None and stats:
+            logger.info("Loaded the power-limit profile %s.", self.profile_path)
+            self._finish(save=not same)
+            return
+        logger.info(
+            "Loaded %s power-limit profile from %s%s; profiling what is missing.",
+            "the" if saved.complete else "a partial",
+            self.profile_path,
+            ""
+            if same
+            else f" (searched for {saved.selector or 'another selector'}, not {self.optimum_selector!r})",
+        )
+
+    def _all_reduce(self, values: list[float], op: str) -> list[float]:
+        """A collective over the ranks when every rank takes part; this rank's values otherwise."""
+        return dist.all_reduce(values, op=op) if self._collective else list(values)
+
+    def _next_power_limit(self) -> int | None:
+        return next_power_limit(
+            self.grid,
+            self.stats,
+            self.optimum_selector,
+            self.max_power_w,
+            self.num_gpus,
+            self.search,
+            self.warmup_steps,
+            self.profile_steps,
+            self._spent_before,
+        )
+
+    def _start(self) -> None:
+        self._started = True
+        if not self._ready:
+            self._setup()
+        if isinstance(self._phase, _Done):  # a profile applied at construction, or a later run
             self._settle(self._phase.power_limit_w)
             return
         if isinstance(self._phase, _Inactive):
             return
-        if self.profile_path is not None and self.profile_path.exists():
-            stats, complete = load_profile(self.profile_path, self._context())
-            self.stats = stats
-            logger.info(
-                "Loaded %s power-limit profile from %s.",
-                "the" if complete else "a partial",
-                self.profile_path,
-            )
-            if complete:
-                self._finish()
-                return
         if self._pending_state is not None:
             self._apply_state()
             if not isinstance(self._phase, _Waiting):
@@ -421,16 +539,7 @@ class GlobalPowerLimitOptimizer:
             )
 
     def _begin_next(self) -> None:
-        pl = next_power_limit(
-            self.grid,
-            self.stats,
-            self.optimum_selector,
-            self.max_power_w,
-            self.num_gpus,
-            self.search,
-            self.warmup_steps,
-            self.profile_steps,
-        )
+        pl = self._next_power_limit()
         if pl is None:
             self._finish()
             return
@@ -456,12 +565,12 @@ class GlobalPowerLimitOptimizer:
                 self.profiling_energy_j += m.total_energy
             except (GPUError, ValueError) as e:
                 self._gpu_failed(e)
-        if phase is None or (self._phase is not phase and not dist.is_distributed()):
+        if phase is None or (self._phase is not phase and not self._collective):
             return
         t, e = (m.time, m.total_energy) if m is not None else (0.0, 0.0)
         # One pair of collectives per measured step, on every rank, whatever happened to its GPU.
-        total = dist.all_reduce([e, float(self._failed), float(t <= 0 or e <= 0)], op="sum")
-        top = dist.all_reduce([t], op="max")
+        total = self._all_reduce([e, float(self._failed), float(t <= 0 or e <= 0)], op="sum")
+        top = self._all_reduce([t], op="max")
         if total[1] > 0:
             self._deactivate("a GPU failed during profiling")
             return
@@ -472,7 +581,7 @@ class GlobalPowerLimitOptimizer:
 
     def _decide(self, phase: _Profiling) -> None:
         s = phase.stats
-        if self.search == "sweep" or not self.optimum_selector.has_score():
+        if self.search != "adaptive" or not self.optimum_selector.has_score():
             verdict = "measured" if s.steps >= self.profile_steps else "more"
         else:
             verdict = measurement_verdict(
@@ -502,13 +611,14 @@ class GlobalPowerLimitOptimizer:
     def _budget_left_steps(self, current: PowerLimitStats) -> int:
         """Steps the adaptive search may still spend (`adaptive_budget_steps`), `current` counted."""
         budget = adaptive_budget_steps(len(self.grid), self.warmup_steps, self.profile_steps)
-        return budget - spent_steps({**self.stats, current.power_limit_w: current}, self.warmup_steps)
+        spent = spent_steps({**self.stats, current.power_limit_w: current}, self.warmup_steps)
+        return budget - (spent - self._spent_before)
 
     def _after_limit(self) -> None:
         self._save(complete=False)
         self._begin_next()
 
-    def _finish(self) -> None:
+    def _finish(self, save: bool = True) -> None:
         try:
             pl = choose_power_limit(self.stats, self.optimum_selector, self.max_power_w, self.profile_steps)
         except ValueError:
@@ -517,7 +627,8 @@ class GlobalPowerLimitOptimizer:
             )
             self._deactivate("no power limit could be measured")
             return
-        self._save(complete=True)
+        if save:
+            self._save(complete=True)
         self._settle(pl)
         logger.info(
             "Optimal power limit: %d W (%s, %d limits profiled%s).",
@@ -542,7 +653,14 @@ class GlobalPowerLimitOptimizer:
 
     def _save(self, complete: bool) -> None:
         if self.profile_path is not None and dist.rank() == 0:
-            save_profile(self.profile_path, self._context(), self.stats, complete)
+            save_profile(
+                self.profile_path,
+                self._context(),
+                self.stats,
+                complete,
+                repr(self.optimum_selector),
+                self.search,
+            )
 
     def _set_power_limit(self, pl: int) -> bool:
         try:
@@ -553,14 +671,14 @@ class GlobalPowerLimitOptimizer:
             # Under torch.distributed the other ranks carry on until the next decision, which deactivates
             # every rank together; this rank's limit is not in force, so it reports none.
             self.power_limit_w = None
-            return dist.is_distributed()
+            return self._collective
         self.power_limit_w = pl
         return True
 
     def _gpu_failed(self, error: Exception) -> None:
         logger.warning("GlobalPowerLimitOptimizer: %s. Restoring the GPU and training on without it.", error)
         self._failed = True
-        if not dist.is_distributed():
+        if not self._collective:
             self._deactivate(str(error))
 
     def _deactivate(self, reason: str) -> None:

@@ -1,4 +1,8 @@
-"""The power-limit optimizer's saved profile: what was measured, and on what."""
+"""The power-limit optimizer's saved profile: what was measured, on what, and for which selector.
+
+Reads Zeus's profile files too (`{"measurements": [{"power_limit", "energy", "time"}, ...]}`, each a
+window of Zeus's `profile_steps` steps at one limit); they do not say what they were measured on.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,11 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from zeus_callbacks.core.power_limit.search import PowerLimitStats
 
-__all__ = ["ProfileContext", "save_profile", "load_profile"]
+__all__ = ["ProfileContext", "SavedProfile", "save_profile", "load_profile"]
 
 _FORMAT = "zeus_callbacks.power_limit_profile"
 
@@ -31,8 +36,32 @@ class ProfileContext:
         return f"{self.num_gpus} x {self.gpu_model}{sim}, {lo}-{hi} W in {self.pl_step_w} W steps"
 
 
+@dataclass
+class SavedProfile:
+    """A profile as read back.
+
+    Attributes:
+        stats: Per power limit, the steps measured (a Zeus window becomes `profile_steps` equal steps).
+        complete: Whether the search that wrote it had finished.
+        selector: `repr` of the selector it was searched for (None for Zeus's files).
+        search: The search that wrote it ("adaptive", "sweep", "zeus"; "zeus" for Zeus's files).
+        written_by_zeus: A Zeus profile: every limit measured fully, the GPU it was measured on unknown.
+    """
+
+    stats: dict[int, PowerLimitStats]
+    complete: bool
+    selector: str | None
+    search: str
+    written_by_zeus: bool = False
+
+
 def save_profile(
-    path: Path, context: ProfileContext, stats: dict[int, PowerLimitStats], complete: bool
+    path: Path,
+    context: ProfileContext,
+    stats: dict[int, PowerLimitStats],
+    complete: bool,
+    selector: str = "",
+    search: str = "adaptive",
 ) -> None:
     """Write the profile atomically (a partial one too, so a preempted job resumes)."""
     data = {
@@ -40,6 +69,8 @@ def save_profile(
         "version": 1,
         "context": {**context.__dict__, "power_limit_range_w": list(context.power_limit_range_w)},
         "complete": complete,
+        "selector": selector,
+        "search": search,
         "measurements": [s.to_dict() for s in sorted(stats.values(), key=lambda s: -s.power_limit_w)],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,11 +79,39 @@ def save_profile(
     os.replace(tmp, path)
 
 
-def load_profile(path: Path, context: ProfileContext) -> tuple[dict[int, PowerLimitStats], bool]:
-    """Read a saved profile; returns (stats per power limit, whether the search had finished).
+def _is_zeus_profile(data: Any) -> bool:
+    return (
+        isinstance(data, dict)
+        and "format" not in data
+        and isinstance(data.get("measurements"), list)
+        and all(
+            isinstance(m, dict) and {"power_limit", "energy", "time"} <= set(m) for m in data["measurements"]
+        )
+    )
+
+
+def _zeus_stats(path: Path, data: dict, steps: int) -> dict[int, PowerLimitStats]:
+    """Zeus's windows as `steps` equal steps each (its files keep no per-step spread)."""
+    stats: dict[int, PowerLimitStats] = {}
+    for m in data["measurements"]:
+        pl, energy, time_s = int(m["power_limit"]), float(m["energy"]), float(m["time"])
+        if pl <= 0 or energy <= 0 or time_s <= 0:
+            raise ValueError(f"The Zeus profile {str(path)!r} holds a non-positive measurement: {m!r}.")
+        stats[pl] = PowerLimitStats(
+            pl, steps, time_s, energy, time_s * time_s / steps, energy * energy / steps
+        )
+    if not stats:
+        raise ValueError(f"The Zeus profile {str(path)!r} holds no measurements. Delete it to profile again.")
+    return stats
+
+
+def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -> SavedProfile:
+    """Read a saved profile (ours, or Zeus's: then `profile_steps` is the number of steps each of its
+    windows becomes).
 
     Raises:
-        ValueError: the file is not such a profile, or it was measured on something else.
+        ValueError: the file is not such a profile, or (ours) it was measured on something else, or
+            (Zeus's) its limits are outside this GPU's range.
     """
     try:
         data = json.loads(path.read_text())
@@ -60,10 +119,21 @@ def load_profile(path: Path, context: ProfileContext) -> tuple[dict[int, PowerLi
         raise ValueError(
             f"Cannot read the power-limit profile {str(path)!r}: {e}. Delete it to profile again."
         ) from e
+    if _is_zeus_profile(data):
+        stats = _zeus_stats(path, data, profile_steps)
+        lo, hi = context.power_limit_range_w
+        outside = sorted(pl for pl in stats if not lo <= pl <= hi)
+        if outside:
+            raise ValueError(
+                f"The Zeus profile {str(path)!r} has power limits {outside} W outside this job's range "
+                f"{lo}-{hi} W ({context.describe()}): it was measured on another GPU. Pass another "
+                "profile_path, or delete the file to profile again."
+            )
+        return SavedProfile(stats, True, None, "zeus", written_by_zeus=True)
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
         raise ValueError(
-            f"{str(path)!r} is not a zeus_callbacks power-limit profile (a Zeus profile lacks what it was measured "
-            "on). Pass another profile_path, or delete the file to profile again."
+            f"{str(path)!r} is neither a zeus_callbacks nor a Zeus power-limit profile. Pass another "
+            "profile_path, or delete the file to profile again."
         )
     try:
         raw = dict(data["context"])
@@ -79,4 +149,7 @@ def load_profile(path: Path, context: ProfileContext) -> tuple[dict[int, PowerLi
             f"The power-limit profile {str(path)!r} was measured on {saved.describe()}, but this job runs on "
             f"{context.describe()}. Pass another profile_path, or delete the file to profile again."
         )
-    return stats, bool(data.get("complete"))
+    # Files written before the selector was recorded: valid for no selector in particular.
+    return SavedProfile(
+        stats, bool(data.get("complete")), data.get("selector"), str(data.get("search", "adaptive"))
+    )

@@ -1,7 +1,8 @@
 """Which power limit to profile next, how long to measure it, and which one wins: pure functions.
 
-Two searches over the grid of power limits (highest first, the minimum always included):
+Searches over the grid of power limits (highest first, the minimum always included):
 - `sweep`: every limit for `profile_steps` steps, as Zeus does.
+- `zeus`: the sweep, and the optimizer also lets an epoch's end interrupt a limit as Zeus does.
 - `adaptive` (default): two passes. The first visits every limit from the highest down; after
   `min_measured_steps` steps a limit stops as soon as it is clearly worse than the best so far (its
   optimistic cost above the best's pessimistic cost, `_Z` standard errors each way) or is not one of the
@@ -34,7 +35,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from zeus_callbacks.core.power_limit.selectors import OptimumSelector, PowerLimitMeasurement
+from zeus_callbacks.core.power_limit.selectors import (
+    OptimumSelector,
+    PowerLimitMeasurement,
+    select_power_limit,
+)
 
 __all__ = [
     "PowerLimitStats",
@@ -52,7 +57,7 @@ __all__ = [
     "SEARCHES",
 ]
 
-SEARCHES = ("adaptive", "sweep")
+SEARCHES = ("adaptive", "sweep", "zeus")
 # Standard errors either way before a limit counts as clearly worse than the best.
 _Z = 2.0
 # A limit is measured enough when its cost's confidence half-width (`_Z` standard errors, time and
@@ -335,19 +340,22 @@ def next_power_limit(
     search: str = "adaptive",
     warmup_steps: int = 0,
     profile_steps: int = 40,
+    spent_before: int = 0,
 ) -> int | None:
     """The next power limit to profile, or None when the search is over.
 
-    Both searches first visit every limit, highest first; they differ in how long each is measured
+    Every search first visits every limit, highest first; they differ in how long each is measured
     (`measurement_verdict`). The adaptive search then refines: while the `contenders` are unsettled
     and the budget (`adaptive_budget_steps`) allows a warm-up and `min_measured_steps` more, it revisits
-    the contender with the fewest steps among those below `profile_steps`.
+    the contender with the fewest steps among those below `profile_steps`. `spent_before` steps of
+    `stats` do not count against the budget (a saved profile reused for another selector).
     """
     unvisited = next((pl for pl in grid if pl not in stats), None)
     if unvisited is not None or search != "adaptive" or not selector.has_score() or not stats:
         return unvisited
     budget = adaptive_budget_steps(len(grid), warmup_steps, profile_steps)
-    if spent_steps(stats, warmup_steps) + warmup_steps + min_measured_steps(profile_steps) > budget:
+    spent = spent_steps(stats, warmup_steps) - spent_before
+    if spent + warmup_steps + min_measured_steps(profile_steps) > budget:
         return None
     ref = stats.get(grid[0])
     if ref is None or not ref.steps:
@@ -366,8 +374,9 @@ def next_power_limit(
 def choose_power_limit(
     stats: dict[int, PowerLimitStats], selector: OptimumSelector, max_power_w: float, steps: int
 ) -> int:
-    """The selector's choice among the measured limits that were not pruned."""
-    full = [s.measurement(steps) for s in _valid(stats)]
+    """The selector's choice among the measured limits that were not pruned (highest limit first, as
+    Zeus lists them; a Zeus-style `select(measurements)` gets only the measurements)."""
+    full = [s.measurement(steps) for s in sorted(_valid(stats), key=lambda s: -s.power_limit_w)]
     if not full:
         raise ValueError("No power limit has a valid measurement to choose from.")
-    return selector.select(full, max_power_w)
+    return select_power_limit(selector, full, max_power_w)

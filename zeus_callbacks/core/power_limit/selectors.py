@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ __all__ = [
     "Energy",
     "ZeusCost",
     "MaxSlowdownConstraint",
+    "select_power_limit",
 ]
 
 
@@ -32,7 +34,8 @@ class OptimumSelector:
     Subclasses implement `score`, vectorised over candidates and non-decreasing in time and in energy,
     so that the same objective serves the power-limit optimizer (a handful of measurements, with early
     pruning) and the planners (millions of candidates). A Zeus-style subclass that overrides only
-    `select` still works with the power-limit optimizer, which then sweeps every power limit.
+    `select(measurements)` still works with the power-limit optimizer, which then measures every power
+    limit for `profile_steps` steps (as Zeus) and calls `select(measurements)` with Zeus's one argument.
     """
 
     def score(
@@ -52,10 +55,9 @@ class OptimumSelector:
         """
         raise NotImplementedError(f"{type(self).__name__} implements only `select`.")
 
-    @classmethod
-    def has_score(cls) -> bool:
-        """Whether this selector implements the vectorised `score`."""
-        return cls.score is not OptimumSelector.score
+    def has_score(self) -> bool:
+        """Whether this selector implements the vectorised `score` (else only `select`)."""
+        return type(self).score is not OptimumSelector.score
 
     def select(self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None) -> int:
         """The power limit (W) of the best measurement.
@@ -129,20 +131,73 @@ class ZeusCost(OptimumSelector):
 class MaxSlowdownConstraint(OptimumSelector):
     """The least energy among operating points at most `factor` times slower than the reference.
 
+    Zeus picks the *lowest power limit* among the allowed ones instead; where the energy curve turns up
+    again at low limits (the GPU runs so long that idle power dominates) that costs energy for nothing,
+    so the least energy is the default here. `prefer="lowest_power_limit"` gives Zeus's choice (the
+    optimizer then measures every limit fully, as Zeus, since that rule has no cost to prune with).
+
     Args:
         factor: The largest allowed slowdown against every GPU at its maximum power limit, >= 1.
+        prefer: "least_energy" (default) or "lowest_power_limit" (Zeus's rule).
 
     Raises:
-        ValueError: `factor` < 1.
+        ValueError: `factor` < 1, or an unknown `prefer`.
     """
 
-    def __init__(self, factor: float) -> None:
+    PREFERENCES = ("least_energy", "lowest_power_limit")
+
+    def __init__(self, factor: float, prefer: str = "least_energy") -> None:
         if not factor >= 1.0:
             raise ValueError(
                 f"`MaxSlowdownConstraint(factor={factor!r})`: factor must be >= 1.0 (1.1 = 10% slower)."
             )
+        if prefer not in self.PREFERENCES:
+            raise ValueError(
+                f"`MaxSlowdownConstraint(prefer={prefer!r})`: must be one of {self.PREFERENCES}."
+            )
         self.factor = float(factor)
+        self.prefer = prefer
+
+    def has_score(self) -> bool:  # noqa: D102
+        return self.prefer == "least_energy"
 
     def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
+        if self.prefer != "least_energy":
+            raise NotImplementedError(
+                "`MaxSlowdownConstraint(prefer='lowest_power_limit')` ranks power limits, not costs; it has "
+                "no `score` (use `select`)."
+            )
         time_s = np.asarray(time_s, dtype=float)
         return np.where(time_s <= self.factor * reference_time_s, np.asarray(energy_j, dtype=float), np.inf)
+
+    def select(self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None) -> int:  # noqa: D102
+        if self.prefer == "least_energy" or not measurements:
+            return super().select(measurements, max_power_w)
+        top = max(measurements, key=lambda m: m.power_limit)
+        return min(m.power_limit for m in measurements if m.time <= self.factor * top.time)
+
+    def __repr__(self) -> str:
+        extra = "" if self.prefer == "least_energy" else f", prefer={self.prefer!r}"
+        return f"MaxSlowdownConstraint(factor={self.factor!r}{extra})"
+
+
+def _takes_max_power(select) -> bool:
+    """Whether a `select` method accepts a second argument (ours) or only the measurements (Zeus's)."""
+    try:
+        params = list(inspect.signature(select).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2
+
+
+def select_power_limit(
+    selector: OptimumSelector, measurements: Sequence[PowerLimitMeasurement], max_power_w: float
+) -> int:
+    """`selector.select(measurements, max_power_w)`, or `select(measurements)` for a Zeus-style selector
+    whose `select` takes only the measurements."""
+    if _takes_max_power(selector.select):
+        return int(selector.select(measurements, max_power_w))
+    return int(selector.select(list(measurements)))
