@@ -7,8 +7,9 @@ import json
 import sys
 from typing import Any
 
-from zeus_callbacks.core.device.errors import GPUError, MIGNotSupportedError, NVMLUnavailableError
+from zeus_callbacks.core.device.errors import MIGNotSupportedError, NVMLUnavailableError
 from zeus_callbacks.core.device.gpus import GPU, get_gpus
+from zeus_callbacks.core.device.node_info import safe_call
 
 NO_GPU_MESSAGE = (
     "No NVIDIA GPU or driver found. To use simulated GPUs, set ZEUS_CALLBACKS_SIMULATE=a40 "
@@ -27,20 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _or_none(fn, *args) -> Any:
-    """The value, or None where the GPU does not support the query."""
-    try:
-        return fn(*args)
-    except GPUError:
-        return None
-
-
 def describe(gpu: GPU) -> dict[str, Any]:
     """What `devices` reports about one GPU, in plain numbers (W, MHz)."""
-    constraints = _or_none(gpu.power_limit_constraints_mw)
-    current = _or_none(gpu.power_limit_mw)
-    default = _or_none(gpu.default_power_limit_mw)
-    clocks = _or_none(gpu.supported_sm_clocks_mhz)
+    constraints = safe_call(gpu.power_limit_constraints_mw)
+    current = safe_call(gpu.power_limit_mw)
+    default = safe_call(gpu.default_power_limit_mw)
+    clocks = safe_call(gpu.supported_sm_clocks_mhz)
     return {
         "index": gpu.index,
         "nvml_index": gpu.nvml_index,

@@ -7,16 +7,12 @@ import json
 import sys
 from typing import Any
 
+from zeus_callbacks.cli.devices import NO_GPU_MESSAGE
 from zeus_callbacks.core.device import node_info
 from zeus_callbacks.core.device.errors import MIGNotSupportedError, NVMLUnavailableError
 from zeus_callbacks.core.device.gpus import GPU, get_gpus
 from zeus_callbacks.core.device.power import energy_refresh_period_s, instant_power_mw
 from zeus_callbacks.core.device.state_guard import journal_dir, leftover_entries
-
-NO_GPU_MESSAGE = (
-    "No NVIDIA GPU or driver found (NVML unavailable). To try the package on simulated GPUs, set "
-    "ZEUS_CALLBACKS_SIMULATE=a40 (or v100, a10g, t4)."
-)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "permission",
     "JournalDirCheck",
     "check_journal_dir",
+    "safe_call",
 ]
 
 
