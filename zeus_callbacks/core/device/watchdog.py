@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 __all__ = ["WATCHDOG_ENV", "Watchdog", "main"]
 
@@ -64,6 +65,8 @@ class Watchdog:
             return
         with contextlib.suppress(OSError):
             self._proc.stdin.close()
+        # Reap it once it has exited, so that no zombie is left behind for the life of this process.
+        threading.Thread(target=self._proc.wait, name="zeus-callbacks-watchdog-reaper", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
