@@ -68,11 +68,12 @@ def test_profile_dataloader_writes_scaled_time_energy_and_power(sim_gpus, tmp_pa
     evaluation = ProfileDataLoader(dataset, batch_size=5, split="eval", subset_proportion=0.1)
     assert len(train) == 4  # every 10th sample: 20 samples in batches of 5
     assert train.scaling_factor == pytest.approx(200 / (20 - 5))
+    # 0.1 s per batch: the batches after the first span several refreshes of the A10G's 100 ms counter.
     for _ in range(2):
-        seen = [x for (x,) in train for _ in [burn_cpu(0.01)]]
+        seen = [x for (x,) in train for _ in [burn_cpu(0.1)]]
         assert torch.cat(seen).tolist() == [float(i) for i in range(0, 200, 10)]
     for _ in evaluation:
-        burn_cpu(0.01)
+        burn_cpu(0.1)
 
     time_rows = _rows(tmp_path / "logs" / "bs5.time.csv")
     assert [(r["epoch"], r["split"]) for r in time_rows] == [("1", "train"), ("2", "train"), ("1", "eval")]
