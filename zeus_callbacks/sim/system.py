@@ -440,7 +440,7 @@ class SimulatedGPU:
         # Another process's recent work (this process's own syncs are covered by the local estimate).
         shared = st.get("last_power_w") if now - last_at < 0.5 and last_at > self._last_sync else idle
         _, busy_power = self.operating_point()
-        if now < self._busy_until:
+        if now < self._busy_until or self._queued_s > 0:  # catching up, or kernels queued and running
             return busy_power * 1000
         span = now - self._last_sync
         busy = min(max(0.0, time.process_time() - self._last_cpu), span)

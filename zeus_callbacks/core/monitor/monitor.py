@@ -304,7 +304,9 @@ class ZeusMonitor:
             if self.approx_instant_energy:
                 if instant is not None:
                     energy[i] = instant[i] * elapsed_s
-            elif i not in self._short_warned:
+            elif i not in self._short_warned and not key.startswith(
+                "__"
+            ):  # internal windows: their owner copes
                 self._short_warned.add(i)
                 logger.warning(
                     "Window %r (%.1f ms) on %s is shorter than %s, so its energy reads %.3f J (0 J or one whole "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,6 +31,9 @@ from zeus_callbacks.core.pipeline_frequency.recorder import (
 __all__ = ["PipelineFrequencyOptimizer"]
 
 logger = logging.getLogger(__name__)
+
+# Iteration energy is averaged over the recent steps that span this long (20 refreshes of a 100 ms counter).
+_ITERATION_WINDOW_S = 2.0
 
 _UNLOCKED = 0  # "clock" of measurements taken at the clock the GPU chose itself (no permission to lock)
 
@@ -260,6 +264,9 @@ class PipelineFrequencyOptimizer:
         # metrics
         self.iteration_time_s: float | None = None
         self.iteration_energy_j: float | None = None
+        # Recent steps (time, counter energy): an iteration's energy is their mean, over enough steps for a
+        # counter that moves only every 20-100 ms (a single short step reads 0 J or a whole refresh).
+        self._recent_steps: deque[tuple[float, float]] = deque()
         self.profiling_steps = 0
 
         self._group = dist.Group(process_group)
@@ -336,6 +343,15 @@ class PipelineFrequencyOptimizer:
             out["plan_applied"] = isinstance(self._phase, _Applying)
         return out
 
+    def _record_iteration(self, time_s: float, energy_j: float) -> None:
+        """The last iteration's time, and the mean energy of the recent iterations spanning ~2 s."""
+        recent = self._recent_steps
+        recent.append((time_s, energy_j))
+        while len(recent) > 1 and sum(t for t, _ in recent) - recent[0][0] >= _ITERATION_WINDOW_S:
+            recent.popleft()
+        self.iteration_time_s = time_s
+        self.iteration_energy_j = sum(e for _, e in recent) / len(recent)
+
     # -- hooks ----------------------------------------------------------------------------------
     def on_step_begin(self) -> None:
         """Mark the beginning of a training step (one iteration of the pipeline schedule)."""
@@ -343,6 +359,7 @@ class PipelineFrequencyOptimizer:
             return
         if not self._started:
             self._start()
+        self._recorder.read_power = isinstance(self._phase, _Profiling)
         self._recorder.begin_step()
 
     def on_instruction_begin(self, name: str) -> None:
@@ -372,7 +389,7 @@ class PipelineFrequencyOptimizer:
             return
         m = self._recorder.end_step()
         if m is not None:
-            self.iteration_time_s, self.iteration_energy_j = m.time, m.total_energy
+            self._record_iteration(m.time, m.total_energy)
         if self._controller is not None and self._controller.error is not None and self._failed is None:
             self._failed = str(self._controller.error)
         phase = self._phase

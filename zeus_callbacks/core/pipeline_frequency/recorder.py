@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeus_callbacks.core.device.errors import GPUError
+from zeus_callbacks.core.device.power import energy_refresh_period_s, instant_power_mw
 from zeus_callbacks.core.monitor.monitor import Measurement, ZeusMonitor
 
 __all__ = [
@@ -22,6 +23,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# An instruction shorter than this many refreshes of the energy counter is not measured by its own window
+# (it would read 0 J or whole refreshes) but by attribution: see `ClockMeasurements`.
+_DIRECT_REFRESHES = 10
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -92,11 +97,13 @@ def undisturbed_estimate(values: Sequence[float], quantile: float = 0.1) -> floa
 
 @dataclass
 class InstructionRecord:
-    """One instruction of a step: its kind, and its time and energy (both halves of a split backward)."""
+    """One instruction of a step: its kind, its time and counter energy (both halves of a split backward),
+    and instantaneous power x time (`power_time_j`, when the recorder reads power)."""
 
     kind: str
     time_s: float = 0.0
     energy_j: float = 0.0
+    power_time_j: float = 0.0
 
 
 @dataclass
@@ -122,31 +129,77 @@ class ClockMeasurements:
     the host happened to be busier at another clock. With 4 simulated ranks on 2 cores, the medians of
     stage 0's forward from 1740 MHz down in 45 MHz steps were 1.00, 1.07, 0.96, 1.13, 0.98, 1.29 of the
     first; the 10% quantiles 1.00, 1.06, 1.09, 1.11, 1.13, 1.17, as the clocks predict.
+
+    Instructions shorter than a few refreshes of the GPU's energy counter (which moves only every 20-100 ms)
+    read 0 J or whole refreshes in their own windows. Their energy is then attributed: each instance's
+    instantaneous power x time gives the split between instructions, gaps and the rest of the step, and
+    the counter's energy over all the profiled steps (long windows, hence exact to within a refresh) gives
+    the scale.
     """
 
-    kinds: dict[str, tuple[list[float], list[float]]] = field(
+    kinds: dict[str, tuple[list[float], list[float], list[float]]] = field(
         default_factory=dict
-    )  # kind -> (times, energies)
+    )  # kind -> (times, counter energies, power x time)
     blocked_time_s: float = 0.0
     blocked_energy_j: float = 0.0
+    blocked_power_time_j: float = 0.0
+    step_time_s: float = 0.0
+    step_energy_j: float = 0.0
+    refresh_s: float | None = None
 
     def add_step(self, recorder: InstructionRecorder) -> None:
         """Add the instructions and blocked time of the step `recorder` just recorded."""
         for r in recorder.records:
-            times, energies = self.kinds.setdefault(r.kind, ([], []))
+            times, energies, estimates = self.kinds.setdefault(r.kind, ([], [], []))
             times.append(r.time_s)
             energies.append(r.energy_j)
+            estimates.append(r.power_time_j)
         self.blocked_time_s += recorder.blocked_time_s
         self.blocked_energy_j += recorder.blocked_energy_j
+        self.blocked_power_time_j += recorder.blocked_power_time_j
+        self.step_time_s += recorder.step_time_s
+        self.step_energy_j += recorder.step_energy_j
+        self.refresh_s = recorder.refresh_s
+
+    def attributed(self) -> bool:
+        """Whether instructions are too short for their own windows and power was read to attribute them."""
+        times = [x for t, _, _ in self.kinds.values() for x in t]
+        if not times or self.refresh_s is None:
+            return False
+        has_power = all(e > 0 for _, _, est in self.kinds.values() for e in est)
+        return has_power and undisturbed_estimate(times, 0.5) < _DIRECT_REFRESHES * self.refresh_s
+
+    def _scale(self) -> float:
+        """Counter energy of the profiled steps over their power-x-time estimate (the gaps' average power
+        standing in for the part of a step outside instructions and gaps); 1 when the profiled steps are too
+        short for the counter to measure them either."""
+        if self.refresh_s is None or self.step_time_s < _DIRECT_REFRESHES * self.refresh_s:
+            return 1.0
+        instr_t = sum(sum(t) for t, _, _ in self.kinds.values())
+        instr_e = sum(sum(e) for _, _, e in self.kinds.values())
+        blocked_w = self.blocked_power_time_j / self.blocked_time_s if self.blocked_time_s > 0 else 0.0
+        rest_s = max(0.0, self.step_time_s - instr_t - self.blocked_time_s)
+        estimate = instr_e + self.blocked_power_time_j + blocked_w * rest_s
+        return self.step_energy_j / estimate if estimate > 0 else 1.0
 
     def sample(self, stage: int, frequency_mhz: int, sequence: tuple[str, ...]) -> StageSample:
         """The estimates of every instruction type measured, as this rank's sample of `stage`."""
-        kinds = {
-            k: (undisturbed_estimate(t), undisturbed_estimate(e), len(t))
-            for k, (t, e) in self.kinds.items()
-            if t
-        }
-        return StageSample(stage, frequency_mhz, kinds, self.blocked_time_s, self.blocked_energy_j, sequence)
+        if self.attributed():
+            scale = self._scale()
+            kinds = {
+                k: (undisturbed_estimate(t), scale * undisturbed_estimate(e), len(t))
+                for k, (t, _, e) in self.kinds.items()
+                if t
+            }
+            blocked_j = scale * self.blocked_power_time_j
+        else:
+            kinds = {
+                k: (undisturbed_estimate(t), undisturbed_estimate(e), len(t))
+                for k, (t, e, _) in self.kinds.items()
+                if t
+            }
+            blocked_j = self.blocked_energy_j
+        return StageSample(stage, frequency_mhz, kinds, self.blocked_time_s, blocked_j, sequence)
 
 
 class InstructionRecorder:
@@ -169,6 +222,14 @@ class InstructionRecorder:
         self.records: list[InstructionRecord] = []
         self.blocked_time_s = 0.0
         self.blocked_energy_j = 0.0
+        self.blocked_power_time_j = 0.0
+        self.step_time_s = 0.0
+        self.step_energy_j = 0.0
+        # While profiling: read instantaneous power at the end of each instruction and gap (see
+        # `ClockMeasurements`), on GPUs whose energy counter refreshes too slowly for short windows.
+        self.read_power = False
+        self._gpu = monitor.gpus[monitor.gpu_indices[0]]
+        self.refresh_s: float | None = None
         self.sequence: tuple[str, ...] = ()  # kinds of the last complete step's instructions, in order
         self._in_instruction = False
         self._last_part: str | None = None
@@ -176,8 +237,11 @@ class InstructionRecorder:
     def begin_step(self) -> None:
         """Start recording a step (dropping a step that never ended)."""
         self.records = []
-        self.blocked_time_s = self.blocked_energy_j = 0.0
+        self.blocked_time_s = self.blocked_energy_j = self.blocked_power_time_j = 0.0
+        self.step_time_s = self.step_energy_j = 0.0
         self._last_part = None
+        if self.read_power and self.refresh_s is None:
+            self.refresh_s = self._guarded(lambda: energy_refresh_period_s(self._gpu))
         self._cancel(_BLOCKED)
         self._cancel(_STEP)
         self._guarded(lambda: self.monitor.begin_window(_STEP))
@@ -191,10 +255,12 @@ class InstructionRecorder:
             (the weight half of a split backward right after its input half).
         """
         if _BLOCKED in self.monitor.open_windows:
+            power_w = self._power_w()
             m = self._guarded(lambda: self.monitor.end_window(_BLOCKED))
             if m is not None:
                 self.blocked_time_s += m.time
                 self.blocked_energy_j += m.total_energy
+                self.blocked_power_time_j += power_w * m.time
         index = None
         if not (part == "weight" and self._last_part == "input"):
             self.records.append(InstructionRecord(kind))
@@ -212,6 +278,7 @@ class InstructionRecorder:
         if not self._in_instruction:
             return False
         self._in_instruction = False
+        power_w = self._power_w()  # before the synchronisation, while the instruction's work runs
         # Not open when the GPU failed at the instruction's begin (already reported there).
         m = (
             self._guarded(lambda: self.monitor.end_window(_INSTRUCTION))
@@ -221,6 +288,7 @@ class InstructionRecorder:
         if m is not None and self.records:
             self.records[-1].time_s += m.time
             self.records[-1].energy_j += m.total_energy
+            self.records[-1].power_time_j += power_w * m.time
         self._last_part = part
         self._guarded(lambda: self.monitor.begin_window(_BLOCKED, sync_execution=False))
         return True
@@ -236,7 +304,16 @@ class InstructionRecorder:
             else None
         )
         self.sequence = tuple(r.kind for r in self.records)
+        if m is not None:
+            self.step_time_s, self.step_energy_j = m.time, m.total_energy
         return m
+
+    def _power_w(self) -> float:
+        """Instantaneous power (W) while profiling on a GPU with a slow counter; else 0 (not read)."""
+        if not self.read_power or not self.refresh_s:
+            return 0.0
+        mw = self._guarded(lambda: instant_power_mw(self._gpu))
+        return 0.0 if mw is None else mw / 1000.0
 
     def close(self) -> None:
         """Drop the windows still open; a step in progress is not recorded."""
