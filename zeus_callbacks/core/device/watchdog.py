@@ -28,6 +28,7 @@ __all__ = ["WATCHDOG_ENV", "Watchdog", "main"]
 logger = logging.getLogger(__name__)
 
 WATCHDOG_ENV = "ZEUS_CALLBACKS_WATCHDOG"
+_ENTRY = "import sys; from zeus_callbacks.core.device.watchdog import main; sys.exit(main(sys.argv[1:]))"
 
 
 class Watchdog:
@@ -36,7 +37,8 @@ class Watchdog:
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "zeus_callbacks.core.device.watchdog", str(self._pid)],
+            # `-c`, not `-m`: the package already imported this module, which `-m` would run a second time.
+            [sys.executable, "-c", _ENTRY, str(self._pid)],
             stdin=subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C or a hang-up of the terminal does not reach it
         )
