@@ -390,3 +390,27 @@ def test_close_in_the_middle_of_a_step(node):
     pfo.on_instruction_end("forward")
     pfo.on_step_end()  # nothing left to record, nothing raised
     assert pfo.phase == "waiting" and not pfo.monitor.open_windows
+
+
+def test_empty_clock_list_is_not_supported_not_a_crash(sim_gpus, caplog):
+    node = sim_gpus("a40", faults="empty_clocks")
+    pfo = PipelineFrequencyOptimizer(device_id=0, **FAST)
+    with caplog.at_level(logging.WARNING):
+        run_steps(pfo, 3, _kinds("1f1b", 2))
+    text = caplog.text
+    assert "lists no supported SM clocks" in text and "does not support clock locking" in text
+    assert "CAP_SYS_ADMIN" not in text  # not reported as a permission problem
+    assert pfo.metrics()["iteration_time_s"] > 0  # still measuring
+    pfo.close()
+    assert node.gpus[0].locked_sm_clocks_mhz is None
+
+
+def test_profiling_starts_from_the_default_power_limit(node):
+    gpu = node.gpus[0]
+    gpu.set_power_limit_mw(150_000)  # left low by someone else: it would cap every clock
+    pfo = PipelineFrequencyOptimizer(device_id=0, target_time_s=10.0, **FAST)
+    run_steps(pfo, 3, _kinds("1f1b", 2))
+    assert pfo.phase == "profiling"
+    assert gpu.power_limit_mw == 300_000  # the default, through the guard
+    pfo.close()
+    assert gpu.power_limit_mw == 150_000  # put back as it was found

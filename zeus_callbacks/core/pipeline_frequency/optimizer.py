@@ -261,6 +261,7 @@ class PipelineFrequencyOptimizer:
         self.profile_path = Path(profile_path) if profile_path is not None else None
         self.stage: int | None = pp_rank
         self.may_set = True
+        self._clocks_unsupported = False
         # metrics
         self.iteration_time_s: float | None = None
         self.iteration_energy_j: float | None = None
@@ -435,6 +436,7 @@ class PipelineFrequencyOptimizer:
                 f"`PipelineFrequencyOptimizer(pp_degree={self.pp_degree})`: the ranks report {len(clocks)} stages."
             )
         self.may_set = all(i["may_set"] and i["sweep"] for i in infos)
+        self._clocks_unsupported = any(not i["sweep"] for i in infos)
         overlap = job_gpu_overlap([self.gpu])  # before any change, on every rank
         if overlap is not None:
             logger.warning("PipelineFrequencyOptimizer: %s", overlap)
@@ -459,16 +461,27 @@ class PipelineFrequencyOptimizer:
         except GPUError as e:
             logger.warning("PipelineFrequencyOptimizer: cannot read %s's SM clocks: %s", self.gpu.label, e)
             return [], False
-        sweep = clock_sweep(supported, self.frequency_stride_mhz, self.min_frequency_mhz) if supported else []
-        return sweep, may_set
+        if not supported:
+            logger.warning(
+                "PipelineFrequencyOptimizer: %s lists no supported SM clocks (NVML answered an empty list), so "
+                "clock locking is not supported on it.",
+                self.gpu.label,
+            )
+            return [], False
+        return clock_sweep(supported, self.frequency_stride_mhz, self.min_frequency_mhz), may_set
 
     def _clocks_to_profile(self, clocks: dict[int, list[int]]) -> dict[int, list[int]]:
         """Each stage's sweep: in full, only its maximum (replaying a profile), or the clock in force."""
         if not self.may_set:
+            why = (
+                "a GPU of this job does not support clock locking"
+                if self._clocks_unsupported
+                else "this job may not lock GPU clocks (needs CAP_SYS_ADMIN on every rank)"
+            )
             logger.warning(
-                "PipelineFrequencyOptimizer: this job may not lock GPU clocks (needs root or CAP_SYS_ADMIN on "
-                "every rank), so no per-clock profile can be taken and no plan applied. Time and energy are "
-                "still measured at the current clock%s.",
+                "PipelineFrequencyOptimizer: %s, so no per-clock profile can be taken and no plan applied. Time "
+                "and energy are still measured at the current clock%s.",
+                why,
                 "; the plan from profile_path is reported, not applied" if self._replay else "",
             )
             return dict.fromkeys(clocks, [_UNLOCKED])
@@ -478,8 +491,25 @@ class PipelineFrequencyOptimizer:
             raise ValueError("PipelineFrequencyOptimizer: the replicas of a stage share no SM clock.")
         return clocks
 
+    def _default_power_limit(self) -> None:
+        """Put the GPU's power limit at its default before profiling clocks, as Zeus does: a low limit left
+        by someone else would cap every clock and make the profile wrong (journaled, restored at the end)."""
+        try:
+            default = self.gpu.default_power_limit_mw()
+            if self.gpu.power_limit_mw() != default:
+                logger.info(
+                    "PipelineFrequencyOptimizer: %s's power limit set to its default %g W for the clock profile.",
+                    self.gpu.label,
+                    default / 1000,
+                )
+                self.gpu.set_power_limit_mw(default)
+        except GPUError as e:
+            logger.warning("PipelineFrequencyOptimizer: the power limit stays as it is (%s).", e)
+
     def _begin_profiling(self) -> None:
         assert self._sweep is not None and self.stage is not None
+        if self.may_set:
+            self._default_power_limit()
         clock = self._sweep.clock(self.stage)
         self._set_clock(clock)
         self._phase = _Profiling(clock, self.warmup_steps)
