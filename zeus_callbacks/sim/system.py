@@ -684,8 +684,10 @@ class SimulatedSystem:
         if self.energy_refresh_ms is not None and not 0 <= self.energy_refresh_ms <= 10_000:
             raise ValueError(f"energy_refresh_ms={self.energy_refresh_ms!r} must be within [0, 10000] ms.")
         self.clock = VirtualClock() if self.virtual_clock else None
-        system_id = hashlib.sha1(self.spec.encode()).hexdigest()[:12]
         directory = self.state_path()
+        # A node's GPUs have UUIDs of their own: two simulated nodes (two state directories) never share one.
+        node = "" if directory is None else str(directory.resolve())
+        system_id = hashlib.sha1(f"{self.spec}|{node}".encode()).hexdigest()[:12]
         models = [(spec_for(g.kind), g.trace()) for g in groups for _ in range(g.count)]
         slots = list(range(len(models)))  # place in the spec string
         if "device_order" not in self.ideal_behaviours:
