@@ -423,7 +423,9 @@ class GlobalPowerLimitOptimizer(Callback):
         try:
             constraints = {g.power_limit_constraints_mw() for g in self._gpus}
         except GPUError as e:  # e.g. no power-limit control on this GPU: every rank stands down below
-            logger.warning("GlobalPowerLimitOptimizer: %s Training on without it; energy is still measured.", e)
+            logger.warning(
+                "GlobalPowerLimitOptimizer: %s Training on without it; energy is still measured.", e
+            )
             constraints = {(0, 0)}
         lo, hi = min(c[0] for c in constraints), max(c[1] for c in constraints)
         # Every rank must profile the same grid: refuse mixed GPU models rather than guess.
