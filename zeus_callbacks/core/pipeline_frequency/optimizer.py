@@ -257,6 +257,7 @@ class PipelineFrequencyOptimizer:
         self.profile_path = Path(profile_path) if profile_path is not None else None
         self.stage: int | None = pp_rank
         self.may_set = True
+        self._why_not_set = ""  # why `may_set` is False, in words: no permission is only one of the reasons
         # metrics
         self.iteration_time_s: float | None = None
         self.iteration_energy_j: float | None = None
@@ -418,10 +419,14 @@ class PipelineFrequencyOptimizer:
                 f"`PipelineFrequencyOptimizer(pp_degree={self.pp_degree})`: the ranks report {len(clocks)} stages."
             )
         self.may_set = all(i["may_set"] and i["sweep"] for i in infos)
+        if not all(i["sweep"] for i in infos):
+            self._why_not_set = "SM clocks cannot be locked: a rank's GPU or driver does not support it"
+        elif not self.may_set:
+            self._why_not_set = "no permission to lock SM clocks (needs root or CAP_SYS_ADMIN on every rank)"
         overlap = job_gpu_overlap([self.gpu])  # before any change, on every rank
         if overlap is not None:
             logger.warning("PipelineFrequencyOptimizer: %s", overlap)
-            self.may_set = False
+            self.may_set, self._why_not_set = False, "ranks share a GPU"
         if self.profile_path is not None and self.profile_path.exists() and self._group.rank() == 0:
             self._replay = read_profile(self.profile_path)
         self._replay = self._group.broadcast(self._replay)
@@ -449,9 +454,9 @@ class PipelineFrequencyOptimizer:
         """Each stage's sweep: in full, only its maximum (replaying a profile), or the clock in force."""
         if not self.may_set:
             logger.warning(
-                "PipelineFrequencyOptimizer: this job may not lock GPU clocks (needs root or CAP_SYS_ADMIN on "
-                "every rank), so no per-clock profile can be taken and no plan applied. Time and energy are "
-                "still measured at the current clock%s.",
+                "PipelineFrequencyOptimizer: %s, so no per-clock profile can be taken and no plan applied. "
+                "Time and energy are still measured at the current clock%s.",
+                self._why_not_set,
                 "; the plan from profile_path is reported, not applied" if self._replay else "",
             )
             return dict.fromkeys(clocks, [_UNLOCKED])
@@ -527,7 +532,7 @@ class PipelineFrequencyOptimizer:
             return
         if not self.may_set:
             self._phase = _Inactive(
-                "no permission to lock SM clocks: the plan from profile_path is predicted, not applied"
+                f"{self._why_not_set}: the plan from profile_path is predicted, not applied"
             )
             return
         steps = result["stage_plans"][self.stage]
@@ -548,7 +553,7 @@ class PipelineFrequencyOptimizer:
         assert self._sweep is not None
         if self._replay is None and not self.may_set:
             return {
-                "error": "no permission to lock SM clocks, so no per-clock profile can be taken; "
+                "error": f"{self._why_not_set}, so no per-clock profile can be taken; "
                 "measurements at the current clock are in report()['profile']"
             }
         rows = self._replay if self._replay is not None else self._sweep.profile_rows()
@@ -599,7 +604,9 @@ class PipelineFrequencyOptimizer:
         self._request(self._sweep.max_clock(self.stage))
 
     def _deactivate(self, reason: str) -> None:
-        logger.warning("PipelineFrequencyOptimizer: %s. Restoring the GPU's clocks and training on.", reason)
+        logger.warning(
+            "PipelineFrequencyOptimizer: %s. Restoring the GPU's clocks and training on.", reason.rstrip(".")
+        )
         self._phase = _Inactive(reason)
         if self._controller is not None:
             self._controller.close()
