@@ -37,7 +37,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="zeus-callbacks",
         description="Measure and cut the GPU energy of deep-learning training (real or simulated GPUs).",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level, and show the traceback of an error")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO level, and show the traceback of an error"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _COMMANDS.items():
         if name == command:
