@@ -10,6 +10,8 @@ core calls out.
 
 from __future__ import annotations
 
+import functools
+import logging
 import sys
 import weakref
 from pathlib import Path
@@ -57,6 +59,8 @@ __all__ = [
     "HFEpochLog",
 ]
 
+logger = logging.getLogger(__name__)
+
 
 def _run_before_trackers(callback: TrainerCallback) -> None:
     """Move `callback` to the front of the trainer's callbacks; call it from a hook only.
@@ -103,6 +107,52 @@ class _LogsFirst(TrainerCallback):
     ) -> None:
         """`on_train_begin` → move this callback before the trackers (added after `on_init_end`)."""
         _run_before_trackers(self)
+
+
+def _undo_gpu_changes(trainer: Trainer) -> None:
+    """Call `_train_failed` on every `_RestoresOnException` callback of `trainer`; `train()` raised."""
+    for callback in list(getattr(getattr(trainer, "callback_handler", None), "callbacks", ())):
+        if isinstance(callback, _RestoresOnException):
+            try:
+                callback._train_failed()
+            except Exception:  # the training error is the one to see
+                logger.warning("%s could not undo its GPU changes.", type(callback).__name__, exc_info=True)
+
+
+def _restoring_on_exception(train: Any) -> Any:
+    """`Trainer.train`, made to call `_undo_gpu_changes` before an exception leaves it."""
+
+    @functools.wraps(train)
+    def restoring_train(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(self, *args, **kwargs)
+        except BaseException:
+            _undo_gpu_changes(self)
+            raise
+
+    restoring_train._zeus_callbacks_restores = True  # type: ignore[attr-defined]
+    return restoring_train
+
+
+class _RestoresOnException(TrainerCallback):
+    """A callback whose GPU changes are undone the moment `trainer.train()` raises.
+
+    transformers has no exception hook (Lightning has `on_exception`), so when `train()` raises and the
+    process lives on (a notebook cell, a caller that catches) no hook runs. Building the first such
+    callback therefore wraps `Trainer.train` once: an exception leaving any trainer's `train()` calls
+    `_train_failed` on the callbacks of this kind attached to that trainer, then propagates unchanged.
+    Other trainers see no difference; a subclass whose `train` does not call `Trainer.train` is not
+    covered (its GPUs are restored at exit, as before).
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _RestoresOnException:
+        if not getattr(Trainer.train, "_zeus_callbacks_restores", False):
+            Trainer.train = _restoring_on_exception(Trainer.train)  # type: ignore[method-assign]
+        return super().__new__(cls)
+
+    def _train_failed(self) -> None:
+        """Undo this callback's GPU changes; `train()` raised. No collective: the other ranks may not."""
+        raise NotImplementedError
 
 
 class HFZeusMonitor(_LogsFirst):
@@ -167,17 +217,18 @@ class HFZeusMonitor(_LogsFirst):
         _log(state, None, self._reporter.stop())
 
 
-class HFGlobalPowerLimitOptimizer(_LogsFirst, ExportableState):
+class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableState):
     """Find the best GPU power limit during training and keep it (Zeus's `HFGlobalPowerLimitOptimizer`).
 
     Drives `zeus_callbacks.GlobalPowerLimitOptimizer` (see it for the method and the arguments) from the
     trainer's steps: `on_step_begin`/`on_step_end`/`on_epoch_end` → the optimizer's hooks of the same
     names, `on_train_end` → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs get their settings back).
-    If training raises, `on_train_end` never runs; the process's GPU-state guard then restores the GPUs at
-    exit or on SIGINT/SIGTERM. Every log event gets `GlobalPowerLimitOptimizer.metrics()` and the energy of
-    the logging interval, prefixed `power_limit_optimizer/`. Checkpoints carry the optimizer's state
-    (`state()`); resuming with `TrainingArguments(restore_callback_states_from_checkpoint=True)` applies
-    the chosen limit without profiling again.
+    If `trainer.train()` raises, the GPUs get their settings back before the exception leaves it
+    (`GlobalPowerLimitOptimizer.on_train_end`), as with Lightning's `on_exception`. Every log event gets
+    `GlobalPowerLimitOptimizer.metrics()` and the energy of the logging interval, prefixed
+    `power_limit_optimizer/`. Checkpoints carry the optimizer's state (`state()`); resuming with
+    `TrainingArguments(restore_callback_states_from_checkpoint=True)` applies the chosen limit without
+    profiling again.
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s) (under torch.distributed, this rank's).
@@ -313,8 +364,14 @@ class HFGlobalPowerLimitOptimizer(_LogsFirst, ExportableState):
         self.optimizer.on_train_end()
         self._training = False
 
+    @override
+    def _train_failed(self) -> None:
+        """`trainer.train()` raised → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs' settings back)."""
+        self.optimizer.on_train_end()
+        self._training = False
 
-class HFPipelineFrequencyOptimizer(_LogsFirst):
+
+class HFPipelineFrequencyOptimizer(_RestoresOnException, _LogsFirst):
     """Perseus for a `Trainer` whose training step runs a `torch.distributed.pipelining` schedule.
 
     Drives `zeus_callbacks.PipelineFrequencyOptimizer` (see it for the method and the arguments):
@@ -322,8 +379,8 @@ class HFPipelineFrequencyOptimizer(_LogsFirst):
     `PipelineStage` or a single-stage schedule) and reports its `forward_one_chunk`/`backward_one_chunk`
     calls as instructions (`StageAttachment.attach`); `on_step_begin`/`on_step_end` → the optimizer's hooks
     of the same names (one training step = one pipeline iteration); `on_train_end` →
-    `StageAttachment.detach` (clocks reset). If training raises, the GPU-state guard resets the clocks at
-    exit or on SIGINT/SIGTERM. Every log event gets `PipelineFrequencyOptimizer.metrics()`, prefixed
+    `StageAttachment.detach` (clocks reset), also when `trainer.train()` raises, before the exception leaves
+    it. Every log event gets `PipelineFrequencyOptimizer.metrics()`, prefixed
     `pipeline_frequency_optimizer/`.
 
     Args:
@@ -395,12 +452,18 @@ class HFPipelineFrequencyOptimizer(_LogsFirst):
         """`on_train_end` → `StageAttachment.detach` (clocks reset, instrumentation removed)."""
         self._stage.detach()
 
+    @override
+    def _train_failed(self) -> None:
+        """`trainer.train()` raised → `StageAttachment.detach` (clocks reset, instrumentation removed)."""
+        self._stage.detach()
 
-class HFHeterogeneousCallback(TrainerCallback):
+
+class HFHeterogeneousCallback(_RestoresOnException):
     """Run this rank's GPU at its planned power limit during `trainer.train()`.
 
-    `on_train_begin` → `apply_power_limit(rank_plan, gpu_index)`; `on_train_end` → `restore_power_limits()`
-    (also done at exit and on signals by the GPU-state guard). `HeterogeneousTrainer` adds it itself.
+    `on_train_begin` → `apply_power_limit(rank_plan, gpu_index)`; `on_train_end`, or `trainer.train()`
+    raising → `restore_power_limits()` (also done at exit and on signals by the GPU-state guard).
+    `HeterogeneousTrainer` adds it itself.
 
     Args:
         rank_plan: This rank's share of the plan (`rank_plan(plan)`).
@@ -423,6 +486,11 @@ class HFHeterogeneousCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """`on_train_end` → `restore_power_limits`."""
+        restore_power_limits()
+
+    @override
+    def _train_failed(self) -> None:
+        """`trainer.train()` raised → `restore_power_limits`."""
         restore_power_limits()
 
 

@@ -369,7 +369,7 @@ def test_parse_faults():
         "2*a40", faults="no_permission;not_supported=power;not_supported=clocks@1", state_dir=""
     )
     assert system.gpus[1].faults.no_permission and system.gpus[1].faults.not_supported == {"power", "clocks"}
-    with pytest.raises(ValueError, match="Unknown simulated fault 'melt'"):
+    with pytest.raises(ValueError, match="unknown fault 'melt'"):
         parse_faults("melt")
 
 

@@ -7,6 +7,9 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+from zeus_callbacks.core.device.errors import ZeusCallbacksError
 
 # Subcommand name -> (module under `zeus_callbacks.cli`, one-line help). Each module defines
 # `register(subparsers)`, which adds its parser and sets `func=run` where `run(args) -> int`. Only the
@@ -34,7 +37,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="zeus-callbacks",
         description="Measure and cut the GPU energy of deep-learning training (real or simulated GPUs).",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO level, and show the traceback of an error"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _COMMANDS.items():
         if name == command:
@@ -65,7 +70,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ZeusCallbacksError, ValueError, OSError) as e:
+        if args.verbose or not _input_error(e):
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"zeus-callbacks {args.command}: {message}", file=sys.stderr)
+        return 2
+
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+def _input_error(e: BaseException) -> bool:
+    """Whether `e` reports a bad input in words of ours: the package's errors, file errors, and the
+    `ValueError`s this package raises. A `ValueError` raised inside another library is a message we did
+    not write (or a bug): it keeps its traceback."""
+    if isinstance(e, (ZeusCallbacksError, OSError)):
+        return True
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE_DIR)
 
 
 if __name__ == "__main__":

@@ -75,8 +75,10 @@ def simulate_run(args: argparse.Namespace) -> dict[str, Any]:
     from zeus_callbacks.core.monitor.monitor import ZeusMonitor
     from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 
-    if args.noise < 0:
-        raise _Error(f"--noise {args.noise!r} must be >= 0")
+    if not 0 <= args.noise <= 0.5:
+        raise _Error(
+            f"--noise {args.noise!r} must be a number from 0 to 0.5 (the relative spread, e.g. 0.02)"
+        )
     if args.pl_step <= 0:
         raise _Error(f"--pl-step {args.pl_step!r} must be a positive number of watts")
     kind = args.gpu or _guess_gpu(args.trace)

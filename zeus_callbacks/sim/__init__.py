@@ -38,9 +38,12 @@ Everything the simulator reports is a simulation, and the package labels it so.
 
 from __future__ import annotations
 
+import math
 import os
+from typing import Any
 
 from zeus_callbacks.core.device import gpus as devices
+from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.sim import fake_nvml
 from zeus_callbacks.sim.system import (
     IDEAL_BEHAVIOURS,
@@ -121,20 +124,40 @@ def simulate(
 
 
 def active() -> SimulatedSystem | None:
-    """The simulated node of this process: the one set by `simulate`, else one built from the environment."""
+    """The simulated node of this process: the one set by `simulate`, else one built from the environment.
+
+    Raises:
+        InvalidInputError: a `ZEUS_CALLBACKS_SIM*` variable holds a value the simulator cannot use.
+    """
     if fake_nvml.system() is None and os.environ.get(SIMULATE_ENV):
         fake_nvml.attach(
             SimulatedSystem(
                 os.environ[SIMULATE_ENV],
-                float(os.environ.get(_NOISE_ENV) or 0.0),
-                int(os.environ.get(_SEED_ENV) or 0),
+                _env_number(_NOISE_ENV, float, "a relative noise from 0 to 0.5, e.g. 0.02") or 0.0,
+                _env_number(_SEED_ENV, int, "a whole number, e.g. 0") or 0,
                 os.environ.get(_FAULTS_ENV, ""),
                 os.environ.get(_STATE_ENV) or None,
                 ideal=os.environ.get(_IDEAL_ENV, ""),
-                energy_refresh_ms=float(os.environ[_REFRESH_ENV]) if os.environ.get(_REFRESH_ENV) else None,
+                energy_refresh_ms=_env_number(
+                    _REFRESH_ENV, float, "a period in ms from 0 to 10000, e.g. 100"
+                ),
             )
         )
     return fake_nvml.system()
+
+
+def _env_number(name: str, kind: type, expected: str) -> Any:
+    """The variable `name` as a finite `kind`, None when unset or empty."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value):
+        raise InvalidInputError(f"{name}={text!r} is not {expected}: set it so, or unset it.")
+    return value
 
 
 def enqueue_work(gpu_index: int, work_s: float) -> None:

@@ -15,10 +15,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from zeus_callbacks.core.device.backend import cuda_visible_uuids
+from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.sim.specs import GPUSpec, spec_for
 from zeus_callbacks.sim.traces import Trace, load_trace, shipped_trace
 
@@ -581,16 +583,21 @@ def parse_spec(spec: str) -> list[GPUGroup]:
         if "*" in item:
             n, item = item.split("*", 1)
             if not n.strip().isdigit() or int(n) < 1:
-                raise ValueError(f"Simulation spec {spec!r}: {raw!r} needs a positive count before '*'.")
+                raise InvalidInputError(
+                    f"{_SPEC_INPUT} {spec!r}: {raw!r} needs a positive count before '*', e.g. 4*a40."
+                )
             count = int(n)
         trace_file = None
         if "@" in item:
             item, trace_file = item.split("@", 1)
         kind, _, workload = item.partition(":")
-        spec_for(kind)  # validates the kind
+        try:
+            spec_for(kind)
+        except ValueError as e:
+            raise InvalidInputError(f"{_SPEC_INPUT} {spec!r}: {e}") from None
         groups.append(GPUGroup(kind.strip().lower(), count, workload or None, trace_file))
     if not groups:
-        raise ValueError(f"Simulation spec {spec!r} names no GPU; e.g. ZEUS_CALLBACKS_SIMULATE=a40.")
+        raise InvalidInputError(f"{_SPEC_INPUT} {spec!r} names no GPU; e.g. ZEUS_CALLBACKS_SIMULATE=a40.")
     return groups
 
 
@@ -607,24 +614,50 @@ def parse_faults(text: str) -> dict[int | None, Faults]:
     out: dict[int | None, Faults] = {}
     for raw in filter(None, (t.strip() for t in text.replace(",", ";").split(";"))):
         item, _, where = raw.partition("@")
-        name, _, value = item.partition("=")
-        target = int(where) if where else None
+        name, eq, value = (t.strip() for t in item.partition("="))
+        target = _fault_number(text, raw, where, int, 0) if where else None
         f = out.setdefault(target, Faults())
         if name == "not_supported":
+            if (value or "clocks") not in _UNSUPPORTABLE:
+                raise _bad_fault(text, raw, f"not_supported takes one of {', '.join(_UNSUPPORTABLE)}")
             f.not_supported = f.not_supported | {value or "clocks"}
         elif name == "lost_after":
-            f.lost_after_calls = int(value)
+            f.lost_after_calls = _fault_number(text, raw, value, int, 0)
         elif name in _FLAG_FAULTS:
+            if eq:
+                raise _bad_fault(text, raw, f"{name} takes no value")
             setattr(f, name, True)
         elif name == "default_limit_w":
-            f.default_limit_w = float(value)
+            f.default_limit_w = _fault_number(text, raw, value, float, 1)
         else:
-            raise ValueError(
-                f"Unknown simulated fault {name!r} in {text!r}. Known: no_permission, no_cap_sys_admin, "
-                "not_supported=WHAT, lost_after=N, no_energy_counter, mig, hidden, empty_clocks, "
-                "default_limit_w=W."
-            )
+            raise _bad_fault(text, raw, f"unknown fault {name!r}")
     return out
+
+
+_UNSUPPORTABLE = ("power", "clocks", "persistence")
+_FAULTS_INPUT = "Simulated faults (ZEUS_CALLBACKS_SIM_FAULTS, or simulate(faults=...))"
+_SPEC_INPUT = "Simulated GPUs (ZEUS_CALLBACKS_SIMULATE, or simulate(spec))"
+_FAULTS_KNOWN = (
+    "Known: no_permission, no_cap_sys_admin, not_supported=power|clocks|persistence, lost_after=N, "
+    "no_energy_counter, mig, hidden, empty_clocks, default_limit_w=W, each optionally @GPU_INDEX."
+)
+
+
+def _bad_fault(text: str, raw: str, why: str) -> InvalidInputError:
+    where = repr(text) if raw == text.strip() else f"{text!r}, in {raw!r}"
+    return InvalidInputError(f"{_FAULTS_INPUT} {where}: {why}. {_FAULTS_KNOWN}")
+
+
+def _fault_number(text: str, raw: str, value: str, kind: type, lowest: float) -> Any:
+    """`value` as a finite `kind` (int or float) >= `lowest`, or an error naming the fault."""
+    try:
+        number = kind(value)
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number) or number < lowest:
+        what = "a whole number" if kind is int else "a number"
+        raise _bad_fault(text, raw, f"{value!r} is not {what} >= {lowest}")
+    return number
 
 
 _FLAG_FAULTS = ("no_permission", "no_cap_sys_admin", "no_energy_counter", "mig", "hidden", "empty_clocks")
@@ -645,9 +678,9 @@ def parse_ideal(text: str) -> frozenset[str]:
     names = frozenset(filter(None, (t.strip() for t in text.replace(";", ",").split(","))))
     unknown = sorted(names - set(IDEAL_BEHAVIOURS))
     if unknown:
-        raise ValueError(
-            f"Unknown ideal simulator behaviour(s) {', '.join(unknown)} in {text!r}. "
-            f"Known: {', '.join(IDEAL_BEHAVIOURS)}."
+        raise InvalidInputError(
+            f"Unknown ideal simulator behaviour(s) {', '.join(unknown)} in {text!r} (ZEUS_CALLBACKS_SIM_IDEAL, "
+            f"or simulate(ideal=...)). Known: {', '.join(IDEAL_BEHAVIOURS)}."
         )
     return names
 
@@ -681,17 +714,21 @@ class SimulatedSystem:
         groups = parse_spec(self.spec)
         faults = parse_faults(self.faults)
         self.ideal_behaviours = parse_ideal(self.ideal)
-        if self.energy_refresh_ms is not None and not 0 <= self.energy_refresh_ms <= 10_000:
-            raise ValueError(f"energy_refresh_ms={self.energy_refresh_ms!r} must be within [0, 10000] ms.")
+        self._check_numbers()
         self.clock = VirtualClock() if self.virtual_clock else None
         directory = self.state_path()
         # A node's GPUs have UUIDs of their own: two simulated nodes (two state directories) never share one.
         node = "" if directory is None else str(directory.resolve())
         system_id = hashlib.sha1(f"{self.spec}|{node}".encode()).hexdigest()[:12]
-        models = [(spec_for(g.kind), g.trace()) for g in groups for _ in range(g.count)]
+        try:
+            traces = [g.trace() for g in groups]
+        except (OSError, ValueError) as e:
+            raise InvalidInputError(f"{_SPEC_INPUT} {self.spec!r}: {e}") from None
+        models = [(spec_for(g.kind), t) for g, t in zip(groups, traces, strict=True) for _ in range(g.count)]
         slots = list(range(len(models)))  # place in the spec string
         if "device_order" not in self.ideal_behaviours:
             slots.sort(key=lambda s: models[s][0].fp32_tflops)  # stable: the spec's order among equals
+        self._check_faults(faults, [models[slot][1] for slot in slots])
         self.gpus = []
         for i, slot in enumerate(slots):
             spec, trace = models[slot]
@@ -715,6 +752,45 @@ class SimulatedSystem:
                 )
             )
         self._cuda_cache: tuple[tuple[str | None, str | None], list[SimulatedGPU]] | None = None
+
+    def _check_numbers(self) -> None:
+        if (
+            isinstance(self.noise, bool)
+            or not isinstance(self.noise, (int, float))
+            or not 0 <= self.noise <= 0.5
+        ):
+            raise InvalidInputError(
+                f"Simulated noise {self.noise!r} (ZEUS_CALLBACKS_SIM_NOISE, or simulate(noise=...)) must be a "
+                "number from 0 to 0.5: the relative run-to-run spread, e.g. 0.02."
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InvalidInputError(
+                f"Simulation seed {self.seed!r} (ZEUS_CALLBACKS_SIM_SEED, or simulate(seed=...)) must be a "
+                "whole number, e.g. 0."
+            )
+        refresh = self.energy_refresh_ms
+        if refresh is not None and not (isinstance(refresh, (int, float)) and 0 <= refresh <= 10_000):
+            raise InvalidInputError(
+                f"Energy-counter refresh period {refresh!r} (ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS, or "
+                "simulate(energy_refresh_ms=...)) must be a number of ms from 0 to 10000 (0: every read is "
+                "exact); unset it for each model's own."
+            )
+
+    def _check_faults(self, faults: dict[int | None, Faults], traces: list[Trace]) -> None:
+        """Faults must name GPUs of this node (`traces` in NVML order) and limits within their range."""
+        missing = sorted(i for i in faults if i is not None and i >= len(traces))
+        if missing:
+            raise InvalidInputError(
+                f"{_FAULTS_INPUT} {self.faults!r} target GPU {missing[0]}, but {self.spec!r} has "
+                f"{len(traces)} GPU(s) (NVML indices 0-{len(traces) - 1})."
+            )
+        for i, trace in enumerate(traces):
+            w = _merge(faults.get(None), faults.get(i)).default_limit_w
+            if w is not None and not trace.min_power_limit_w <= w <= trace.max_power_limit_w:
+                raise InvalidInputError(
+                    f"{_FAULTS_INPUT} {self.faults!r}: default_limit_w={w:g} is outside GPU {i}'s power-limit "
+                    f"range {trace.min_power_limit_w:g}-{trace.max_power_limit_w:g} W."
+                )
 
     def cuda_gpus(self) -> list[SimulatedGPU]:
         """The GPUs CUDA shows this process, in CUDA's numbering (element i is `cuda:i`).

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
+
+from zeus_callbacks.core.device.errors import InvalidInputError
 
 __all__ = ["Trace", "load_trace", "shipped_workloads", "DATA_FORMATS_HELP"]
 
@@ -75,6 +78,45 @@ def _data_dir() -> Path:
     return Path(str(resources.files("zeus_callbacks"))) / "sim" / "data"
 
 
+def _number(path: Path, where: str, field: str, value: object, positive: bool = True) -> float:
+    """`value` of `field` as a finite (positive) number, or an error naming the file, line and field."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or (number <= 0 if positive else number < 0):
+        expected = "a positive number" if positive else "a number >= 0"
+        raise InvalidInputError(
+            f"{path}, {where}: {field} is {value!r}, expected {expected}. Fix or remove that entry."
+        )
+    return number
+
+
+def _csv_rows(path: Path, needed: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+    """(line number, row) of a CSV file whose header has `needed`; short rows are errors naming the line."""
+    try:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in needed if c not in (reader.fieldnames or [])]
+            if missing:
+                raise InvalidInputError(
+                    f"{path}, line 1: the header lacks {', '.join(missing)}. {DATA_FORMATS_HELP}"
+                )
+            rows = []
+            for r in reader:
+                if None in r.values() or None in r:
+                    raise InvalidInputError(
+                        f"{path}, line {reader.line_num}: {len(r) - (None in r)} fields where the header has "
+                        f"{len(reader.fieldnames or [])}. Fix or remove that row."
+                    )
+                rows.append((reader.line_num, r))
+            return rows
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"{path} is not a text file. {DATA_FORMATS_HELP}") from None
+    except csv.Error as e:
+        raise InvalidInputError(f"{path}: not a readable CSV file ({e}). {DATA_FORMATS_HELP}") from None
+
+
 def _from_points(gpu: str, workload: str, source: str, pts: dict[float, tuple[float, float]]) -> Trace:
     pls = np.array(sorted(pts), dtype=float)
     return Trace(
@@ -92,14 +134,17 @@ def _load_nsdi23(path: Path, key: str, gpu: str) -> Trace:
     if len(parts) not in (3, 4):
         raise ValueError(f"Workload {key!r} for {path.name}: expected DATASET/NETWORK/BATCH[/OPTIMIZER].")
     rows: dict[str, dict[float, tuple[float, float]]] = {}
-    with path.open(newline="") as f:
-        for r in csv.DictReader(f):
-            if [r["dataset"], r["network"], r["batch_size"]] != parts[:3]:
-                continue
-            if len(parts) == 4 and r["optimizer"] != parts[3]:
-                continue
-            pts = rows.setdefault(r["optimizer"], {})
-            pts[float(r["power_limit"])] = (float(r["time_per_epoch"]), float(r["average_power"]))
+    for line, r in _csv_rows(path, _NSDI23_COLUMNS):
+        if [r["dataset"], r["network"], r["batch_size"]] != parts[:3]:
+            continue
+        if len(parts) == 4 and r["optimizer"] != parts[3]:
+            continue
+        pts = rows.setdefault(r["optimizer"], {})
+        at = f"line {line}"
+        pts[_number(path, at, "power_limit", r["power_limit"])] = (
+            _number(path, at, "time_per_epoch", r["time_per_epoch"]),
+            _number(path, at, "average_power", r["average_power"]),
+        )
     if not rows:
         known = _nsdi23_keys(path)
         # The keys of the same dataset/network first: those are what a typo most likely meant.
@@ -114,37 +159,74 @@ def _load_nsdi23(path: Path, key: str, gpu: str) -> Trace:
     return _from_points(gpu, "/".join(parts[:3] + [opt]), str(path), pts)
 
 
+_NSDI23_COLUMNS = (
+    "dataset",
+    "network",
+    "batch_size",
+    "optimizer",
+    "power_limit",
+    "time_per_epoch",
+    "average_power",
+)
+
+
 def _nsdi23_keys(path: Path) -> list[str]:
-    with path.open(newline="") as f:
-        keys = {
-            f"{r['dataset']}/{r['network']}/{r['batch_size']}/{r['optimizer']}" for r in csv.DictReader(f)
-        }
-    return sorted(keys)
+    rows = _csv_rows(path, _NSDI23_COLUMNS)
+    return sorted({f"{r['dataset']}/{r['network']}/{r['batch_size']}/{r['optimizer']}" for _, r in rows})
+
+
+def _read_zeus2(path: Path) -> dict[str, list[dict[str, object]]]:
+    try:
+        data = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"{path} is not a text file. {DATA_FORMATS_HELP}") from None
+    except json.JSONDecodeError as e:
+        raise InvalidInputError(
+            f"{path}, line {e.lineno} column {e.colno}: not valid JSON ({e.msg}); the file may be truncated."
+        ) from None
+    if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
+        raise InvalidInputError(f"{path} is not a Zeus² profile. {DATA_FORMATS_HELP}")
+    bad = [k for k in data if not k.isdigit()]
+    if bad:
+        raise InvalidInputError(f"{path}: key {bad[0]!r} is not a batch size. {DATA_FORMATS_HELP}")
+    return data
 
 
 def _load_zeus2(path: Path, key: str, gpu: str) -> Trace:
-    data = json.loads(path.read_text())
+    data = _read_zeus2(path)
     batch = key.strip("/").split("/")[-1] if key else ""
     if batch not in data:
-        raise ValueError(f"Batch size {batch!r} is not in {path}; measured: {sorted(data, key=int)}.")
-    pts = {
-        float(p["power_limit"]): (float(p["time"]), float(p["energy"]) / float(p["time"]))
-        for p in data[batch]
-    }
+        raise InvalidInputError(f"Batch size {batch!r} is not in {path}; measured: {sorted(data, key=int)}.")
+    pts = {}
+    for i, p in enumerate(data[batch]):
+        at = f'batch size "{batch}", entry {i}'
+        if not isinstance(p, dict) or not {"power_limit", "time", "energy"} <= set(p):
+            raise InvalidInputError(
+                f"{path}, {at}: expected power_limit, time and energy. {DATA_FORMATS_HELP}"
+            )
+        time_s = _number(path, at, "time", p["time"])
+        pts[_number(path, at, "power_limit", p["power_limit"])] = (
+            time_s,
+            _number(path, at, "energy", p["energy"]) / time_s,
+        )
     return _from_points(gpu, f"{path.stem}/{batch}", str(path), pts)
 
 
 def _load_monitor_csv(path: Path, key: str, gpu: str) -> Trace:
     pts: dict[float, tuple[float, float]] = {}
-    with path.open(newline="") as f:
-        for r in csv.DictReader(f):
-            m = re.fullmatch(r"__GlobalPowerLimitOptimizer_(\d+)", r["window_name"])
-            if not m:
-                continue
-            energies = [float(v) for k, v in r.items() if k.startswith("gpu") and k.endswith("_energy")]
-            t = float(r["elapsed_time"])
-            # One GPU's view of the job: the mean GPU energy over the window gives its average power.
-            pts[float(m.group(1))] = (t, sum(energies) / len(energies) / t)
+    for line, r in _csv_rows(path, ("window_name", "elapsed_time")):
+        m = re.fullmatch(r"__GlobalPowerLimitOptimizer_(\d+)", r["window_name"])
+        if not m:
+            continue
+        at = f"line {line}"
+        energies = [
+            _number(path, at, k, v) for k, v in r.items() if k.startswith("gpu") and k.endswith("_energy")
+        ]
+        if not energies:
+            raise InvalidInputError(f"{path}, line 1: no gpu<i>_energy column. {DATA_FORMATS_HELP}")
+        t = _number(path, at, "elapsed_time", r["elapsed_time"])
+        # One GPU's view of the job: the mean GPU energy over the window gives its average power.
+        pts[_number(path, at, "power limit", m.group(1))] = (t, sum(energies) / len(energies) / t)
     if not pts:
         raise ValueError(f"{path} has no __GlobalPowerLimitOptimizer_<W> windows. {DATA_FORMATS_HELP}")
     return _from_points(gpu, path.stem, str(path), pts)
@@ -158,13 +240,16 @@ def load_trace(path: str | Path, key: str = "", gpu_model: str = "") -> Trace:
     gpu = gpu_model or path.stem.split("+")[0]
     if path.suffix == ".json":
         return _load_zeus2(path, key, gpu)
-    with path.open(newline="") as f:
-        header = f.readline().strip().split(",")
+    try:
+        with path.open(newline="") as f:
+            header = f.readline().strip().split(",")
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"{path} is not a text file. {DATA_FORMATS_HELP}") from None
     if "time_per_epoch" in header:
         return _load_nsdi23(path, key, gpu)
     if "window_name" in header:
         return _load_monitor_csv(path, key, gpu)
-    raise ValueError(f"Cannot tell the format of {path} from its header {header}. {DATA_FORMATS_HELP}")
+    raise InvalidInputError(f"Cannot tell the format of {path} from its header {header}. {DATA_FORMATS_HELP}")
 
 
 # Shipped traces per simulated GPU kind: (file, default workload key).
@@ -193,7 +278,7 @@ def shipped_workloads(kind: str) -> list[str]:
     file, _ = _SHIPPED[kind]
     path = _data_dir() / file
     if path.suffix == ".json":
-        return [f"cifar100/shufflenetv2/{b}" for b in sorted(json.loads(path.read_text()), key=int)]
+        return [f"cifar100/shufflenetv2/{b}" for b in sorted(_read_zeus2(path), key=int)]
     keys = _nsdi23_keys(path)
     prefix = {"a40": "A40", "v100": "V100"}[kind]
     keys += sorted(p.name.split("+")[1] for p in (_data_dir() / "zeus_profiles").glob(f"{prefix}+*+gpu0.csv"))

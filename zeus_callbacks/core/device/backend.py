@@ -18,7 +18,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from zeus_callbacks.core.device.errors import SIMULATION_HINT, MIGNotSupportedError, NVMLUnavailableError
+from zeus_callbacks.core.device.errors import (
+    SIMULATION_HINT,
+    InvalidInputError,
+    MIGNotSupportedError,
+    NVMLUnavailableError,
+)
 from zeus_callbacks.core.device.journal import default_journal_dir
 
 __all__ = [
@@ -68,7 +73,7 @@ def cuda_visible_uuids(visible: str | None, uuids: list[str]) -> list[str]:
 
     Raises:
         MIGNotSupportedError: an entry selects a MIG device.
-        ValueError: an entry names a GPU twice.
+        InvalidInputError: (a ValueError) an entry names a GPU twice.
     """
     if visible is None:
         return list(uuids)
@@ -91,7 +96,10 @@ def cuda_visible_uuids(visible: str | None, uuids: list[str]) -> list[str]:
             break
         out.append(matches[0])
     if len(set(out)) != len(out):
-        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} names a GPU twice.")
+        raise InvalidInputError(
+            f"CUDA_VISIBLE_DEVICES={visible!r} names a GPU twice (CUDA then sees none): name each GPU once, "
+            "e.g. CUDA_VISIBLE_DEVICES=0,1."
+        )
     return out
 
 

@@ -8,6 +8,7 @@ __all__ = [
     "SIMULATION_HINT",
     "nvml_error",
     "ZeusCallbacksError",
+    "InvalidInputError",
     "GPUError",
     "GPUNoPermissionError",
     "GPUNotSupportedError",
@@ -26,6 +27,11 @@ SIMULATION_HINT = (
 
 class ZeusCallbacksError(Exception):
     """Base class of every error raised by zeus_callbacks."""
+
+
+class InvalidInputError(ZeusCallbacksError, ValueError):
+    """An argument, environment variable or file holds a value this package cannot use; the message names
+    the input (and the file and line) and says what to do."""
 
 
 class GPUError(ZeusCallbacksError):

@@ -9,6 +9,7 @@ writes it from one `BatchSizeRun` per batch size (each written by the profiled s
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from zeus_callbacks._version import __version__
+from zeus_callbacks.core.device.errors import InvalidInputError
 
 __all__ = [
     "DEFAULT_IDLE_POWER_FRACTION",
@@ -219,8 +221,14 @@ class GPUProfile:
             raise ValueError(
                 f"{where}: time and energy must have shape {shape} (power limits x batch sizes)."
             )
-        if not np.all(time_s > 0) or not np.all(energy_j >= 0):
-            raise ValueError(f"{where}: times must be > 0 and energies >= 0.")
+        if not np.all(time_s > 0) or not np.all(energy_j >= 0) or not np.all(np.isfinite(time_s + energy_j)):
+            raise ValueError(f"{where}: times must be finite and > 0, and energies finite and >= 0.")
+        if limits[0] <= 0:
+            raise ValueError(f"{where}: power limits must be > 0 W; got {limits.tolist()}.")
+        if self.idle_power_w is not None and not 0 <= self.idle_power_w < math.inf:
+            raise ValueError(
+                f"{where}: idle_power_w must be a number of watts >= 0; got {self.idle_power_w!r}."
+            )
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"{where}: max_batch_size must be >= 1; got {self.max_batch_size}.")
         idle = self.idle_power_w
@@ -319,7 +327,12 @@ def load_profile(path_or_name: str | os.PathLike[str]) -> GPUProfile:
     path = Path(path_or_name)
     name = str(path_or_name)
     if path.is_file():
-        text, source, default_name = path.read_text(), str(path), path.stem.removeprefix("cifar_")
+        try:
+            text, source, default_name = path.read_text(), str(path), path.stem.removeprefix("cifar_")
+        except UnicodeDecodeError:
+            raise InvalidInputError(
+                f"profile {path}: not a text file; expected a Zeus² profile JSON."
+            ) from None
     else:
         key = name.lower().removeprefix("cifar_").removesuffix(".json")
         if key not in SHIPPED_PROFILES or os.sep in name:
@@ -329,14 +342,66 @@ def load_profile(path_or_name: str | os.PathLike[str]) -> GPUProfile:
         resource = resources.files("zeus_callbacks") / "sim" / "data" / "zeus2_aws" / SHIPPED_PROFILES[key]
         text, source, default_name = resource.read_text(), f"shipped:{SHIPPED_PROFILES[key]}", key
     try:
-        return _parse(json.loads(text), default_name, source)
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"`load_profile({name!r})`: not a Zeus² profile ({type(e).__name__}: {e}).") from e
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidInputError(
+            f"profile {source}, line {e.lineno} column {e.colno}: not valid JSON ({e.msg}); the file may be "
+            "truncated. Expected a Zeus² profile."
+        ) from None
+    return _parse(data, default_name, source)
 
 
-def _parse(data: dict[str, Any], default_name: str, source: str) -> GPUProfile:
-    metadata = dict(data.pop("metadata", None) or {})
-    steps = int(metadata.get("steps_per_window", DEFAULT_STEPS_PER_WINDOW))
+_PROFILE_FORMAT = (
+    'expected {"<batch size>": [{"power_limit": W, "time": s, "energy": J}, ...], "metadata": {...}}'
+)
+
+
+def _field(source: str, where: str, value: Any, kind: type, lowest: float, strict: bool = False) -> Any:
+    """`value` as a finite `kind` >= `lowest` (> with `strict`), or an error naming the file and the field."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+    if not ok and kind is int and isinstance(value, str) and value.strip().isdigit():
+        value, ok = int(value), True
+    if not ok or not math.isfinite(value) or value < lowest or (strict and value == lowest):
+        bound = f"> {lowest:g}" if strict else f">= {lowest:g}"
+        what = "a whole number" if kind is int else "a number"
+        raise InvalidInputError(
+            f"profile {source}, {where} is {value!r}: expected {what} {bound}. Fix the file."
+        )
+    return kind(value)
+
+
+def _parse(data: Any, default_name: str, source: str) -> GPUProfile:
+    if not isinstance(data, dict):
+        raise InvalidInputError(f"profile {source}: not a Zeus² profile; {_PROFILE_FORMAT}.")
+    data = dict(data)
+    metadata = data.pop("metadata", None) or {}
+    if not isinstance(metadata, dict):
+        raise InvalidInputError(f'profile {source}: "metadata" must be an object; {_PROFILE_FORMAT}.')
+    steps = _field(
+        source,
+        "metadata.steps_per_window",
+        metadata.get("steps_per_window", DEFAULT_STEPS_PER_WINDOW),
+        int,
+        1,
+    )
+    for key, rows in data.items():
+        _field(source, f"key {key!r} (a batch size)", key, int, 1)
+        if not isinstance(rows, list) or not all(isinstance(m, dict) for m in rows):
+            raise InvalidInputError(f"profile {source}, batch size {key}: {_PROFILE_FORMAT}.")
+        for i, m in enumerate(rows):
+            at = f'batch size "{key}", entry {i}'
+            missing = [f for f in ("power_limit", "time", "energy") if f not in m]
+            if missing:
+                raise InvalidInputError(
+                    f"profile {source}, {at}: no {', '.join(missing)}; {_PROFILE_FORMAT}."
+                )
+            _field(source, f"{at}: power_limit", m["power_limit"], float, 0, strict=True)
+            _field(source, f"{at}: time", m["time"], float, 0, strict=True)
+            _field(source, f"{at}: energy", m["energy"], float, 0)
+    if metadata.get("idle_power_w") is not None:
+        _field(source, "metadata.idle_power_w", metadata["idle_power_w"], float, 0)
+    if metadata.get("max_batch_size") is not None:
+        _field(source, "metadata.max_batch_size", metadata["max_batch_size"], int, 1)
     batch_sizes = sorted(int(k) for k in data)
     limits = sorted({int(m["power_limit"]) for rows in data.values() for m in rows})
     time_s = np.full((len(limits), len(batch_sizes)), np.nan)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
+import operator
+import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -10,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from zeus_callbacks.core.device.errors import GPUError
+from zeus_callbacks.core.device.errors import SIMULATION_HINT, GPUError, InvalidInputError
 from zeus_callbacks.core.device.gpus import GPU, get_gpus
 from zeus_callbacks.core.device.power import MAX_REFRESH_PERIOD_S, energy_refresh_period_s, instant_power_mw
 from zeus_callbacks.core.monitor import rapl
@@ -121,6 +124,41 @@ class _PowerSampler:
         self._stop.set()
 
 
+def _gpu_indices(gpu_indices: object, visible: int) -> list[int]:
+    """`ZeusMonitor`'s `gpu_indices` as a list of distinct visible GPU indices, or a clear error."""
+    if gpu_indices is None:
+        if visible == 0:
+            raise InvalidInputError(
+                "`ZeusMonitor()`: no GPU is visible to this process "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Make one visible, or pass "
+                f"gpu_indices=[] to measure only the CPU. {SIMULATION_HINT}"
+            )
+        return list(range(visible))
+    call = f"`ZeusMonitor(gpu_indices={gpu_indices!r})`"
+    items = [gpu_indices] if isinstance(gpu_indices, int) else gpu_indices  # Zeus's DDP example: one int
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence | set | frozenset | range):
+        raise InvalidInputError(f"{call}: expected a list of GPU indices, e.g. [0] or [0, 1].")
+    indices = []
+    for i in items:
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            indices.append(operator.index(i))
+        except TypeError:
+            raise InvalidInputError(
+                f"{call}: {i!r} is not a GPU index; expected whole numbers, e.g. [0]."
+            ) from None
+    bad = [i for i in indices if not 0 <= i < visible]
+    if bad:
+        raise InvalidInputError(
+            f"{call}: {bad} not among the {visible} visible GPU(s). Indices count from 0 after "
+            "CUDA_VISIBLE_DEVICES."
+        )
+    if len(set(indices)) != len(indices):
+        raise InvalidInputError(f"{call}: a GPU is named twice; name each once.")
+    return indices
+
+
 class ZeusMonitor:
     """Measure the time and GPU energy of named windows, as Zeus's `ZeusMonitor` does.
 
@@ -145,7 +183,8 @@ class ZeusMonitor:
         power_sample_interval_s: Sampling period for GPUs without an energy counter.
 
     Raises:
-        ValueError: an index that is not a visible GPU.
+        InvalidInputError: (a ValueError) `gpu_indices` is not a list of distinct visible GPU indices, no
+            GPU is visible (with the default `gpu_indices`), or `power_sample_interval_s` is under 1 ms.
         NVMLUnavailableError: no GPU and no simulation selected (the message says how to select one).
 
     Example::
@@ -166,17 +205,18 @@ class ZeusMonitor:
         sync_execution_with: str = "torch",
         power_sample_interval_s: float = 0.1,
     ) -> None:
-        self.gpus = get_gpus()
-        if gpu_indices is None:
-            gpu_indices = list(range(len(self.gpus)))
-        elif isinstance(gpu_indices, int):  # Zeus's data-parallel example passes the local rank itself
-            gpu_indices = [gpu_indices]
-        bad = [i for i in gpu_indices if not 0 <= i < len(self.gpus)]
-        if bad:
-            raise ValueError(
-                f"`ZeusMonitor(gpu_indices={list(gpu_indices)!r})`: {bad} not among the {len(self.gpus)} visible "
-                "GPU(s). Indices count from 0 after CUDA_VISIBLE_DEVICES."
+        interval = power_sample_interval_s
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, (int, float))
+            or not 0.001 <= interval < math.inf
+        ):
+            raise InvalidInputError(
+                f"`ZeusMonitor(power_sample_interval_s={interval!r})`: expected a number of seconds of at "
+                "least 0.001 (default 0.1)."
             )
+        self.gpus = get_gpus()
+        gpu_indices = _gpu_indices(gpu_indices, len(self.gpus))
         if sync_execution_with not in ("torch",):
             raise ValueError(
                 f"`ZeusMonitor(sync_execution_with={sync_execution_with!r})`: only 'torch' is supported."

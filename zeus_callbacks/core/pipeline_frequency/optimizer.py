@@ -261,7 +261,7 @@ class PipelineFrequencyOptimizer:
         self.profile_path = Path(profile_path) if profile_path is not None else None
         self.stage: int | None = pp_rank
         self.may_set = True
-        self._clocks_unsupported = False
+        self._why_not_set = ""  # why `may_set` is False, in words: no permission is only one of the reasons
         # metrics
         self.iteration_time_s: float | None = None
         self.iteration_energy_j: float | None = None
@@ -436,11 +436,14 @@ class PipelineFrequencyOptimizer:
                 f"`PipelineFrequencyOptimizer(pp_degree={self.pp_degree})`: the ranks report {len(clocks)} stages."
             )
         self.may_set = all(i["may_set"] and i["sweep"] for i in infos)
-        self._clocks_unsupported = any(not i["sweep"] for i in infos)
+        if not all(i["sweep"] for i in infos):
+            self._why_not_set = "SM clocks cannot be locked: a rank's GPU or driver does not support it"
+        elif not self.may_set:
+            self._why_not_set = "no permission to lock SM clocks (needs root or CAP_SYS_ADMIN on every rank)"
         overlap = job_gpu_overlap([self.gpu])  # before any change, on every rank
         if overlap is not None:
             logger.warning("PipelineFrequencyOptimizer: %s", overlap)
-            self.may_set = False
+            self.may_set, self._why_not_set = False, "ranks share a GPU"
         if self.profile_path is not None and self.profile_path.exists() and self._group.rank() == 0:
             self._replay = read_profile(self.profile_path)
         self._replay = self._group.broadcast(self._replay)
@@ -473,15 +476,10 @@ class PipelineFrequencyOptimizer:
     def _clocks_to_profile(self, clocks: dict[int, list[int]]) -> dict[int, list[int]]:
         """Each stage's sweep: in full, only its maximum (replaying a profile), or the clock in force."""
         if not self.may_set:
-            why = (
-                "a GPU of this job does not support clock locking"
-                if self._clocks_unsupported
-                else "this job may not lock GPU clocks (needs CAP_SYS_ADMIN on every rank)"
-            )
             logger.warning(
-                "PipelineFrequencyOptimizer: %s, so no per-clock profile can be taken and no plan applied. Time "
-                "and energy are still measured at the current clock%s.",
-                why,
+                "PipelineFrequencyOptimizer: %s, so no per-clock profile can be taken and no plan applied. "
+                "Time and energy are still measured at the current clock%s.",
+                self._why_not_set,
                 "; the plan from profile_path is reported, not applied" if self._replay else "",
             )
             return dict.fromkeys(clocks, [_UNLOCKED])
@@ -574,7 +572,7 @@ class PipelineFrequencyOptimizer:
             return
         if not self.may_set:
             self._phase = _Inactive(
-                "no permission to lock SM clocks: the plan from profile_path is predicted, not applied"
+                f"{self._why_not_set}: the plan from profile_path is predicted, not applied"
             )
             return
         steps = result["stage_plans"][self.stage]
@@ -595,7 +593,7 @@ class PipelineFrequencyOptimizer:
         assert self._sweep is not None
         if self._replay is None and not self.may_set:
             return {
-                "error": "no permission to lock SM clocks, so no per-clock profile can be taken; "
+                "error": f"{self._why_not_set}, so no per-clock profile can be taken; "
                 "measurements at the current clock are in report()['profile']"
             }
         rows = self._replay if self._replay is not None else self._sweep.profile_rows()
@@ -646,7 +644,9 @@ class PipelineFrequencyOptimizer:
         self._request(self._sweep.max_clock(self.stage))
 
     def _deactivate(self, reason: str) -> None:
-        logger.warning("PipelineFrequencyOptimizer: %s. Restoring the GPU's clocks and training on.", reason)
+        logger.warning(
+            "PipelineFrequencyOptimizer: %s. Restoring the GPU's clocks and training on.", reason.rstrip(".")
+        )
         self._phase = _Inactive(reason)
         if self._controller is not None:
             self._controller.close()

@@ -678,7 +678,10 @@ class GlobalPowerLimitOptimizer(Callback):
         return True
 
     def _gpu_failed(self, error: Exception) -> None:
-        logger.warning("GlobalPowerLimitOptimizer: %s. Restoring the GPU and training on without it.", error)
+        logger.warning(  # the device layer's messages are sentences already: no second period
+            "GlobalPowerLimitOptimizer: %s. Restoring the GPU and training on without it.",
+            str(error).rstrip("."),
+        )
         self._failed = True
         if not self._collective:
             self._deactivate(str(error))

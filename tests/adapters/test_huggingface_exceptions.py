@@ -1,0 +1,153 @@
+"""An exception that leaves `trainer.train()` but not the process puts the GPU back at once (real Trainer)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from zeus_callbacks import sim  # noqa: E402
+from zeus_callbacks.core.device.state_guard import guard  # noqa: E402
+from zeus_callbacks.core.heterogeneous.training import RankPlan  # noqa: E402
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor  # noqa: E402
+from zeus_callbacks.huggingface import HeterogeneousTrainer, HFGlobalPowerLimitOptimizer  # noqa: E402
+
+MAX_W = 300  # the simulated A40's maximum power limit
+PLO_KW = {"wait_steps": 1, "warmup_steps": 1, "profile_steps": 2, "pl_step": 100}
+
+
+@pytest.fixture
+def node(sim_gpus) -> Iterator[sim.SimulatedSystem]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the simulator counts CPU time as GPU work
+    yield sim_gpus("a40")
+    torch.set_num_threads(threads)
+
+
+class Model(torch.nn.Module):
+    """A linear model; its forward raises while `fail_below_w` is set and the GPU is below that limit."""
+
+    def __init__(self, system: sim.SimulatedSystem) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.system = system
+        self.fail_below_w: int | None = None
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        limit_w = self.system.gpus[0].power_limit_mw // 1000
+        if self.fail_below_w is not None and limit_w < self.fail_below_w:
+            raise RuntimeError(f"forward failed at {limit_w} W")
+        return {"loss": torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
+
+
+class FailBelow(TrainerCallback):
+    """Raises from `on_step_end` (outside `training_step`) once the GPU runs below `limit_w`."""
+
+    def __init__(self, system: sim.SimulatedSystem, limit_w: int = MAX_W) -> None:
+        self.system, self.limit_w = system, limit_w
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.failed_at_w = self.system.gpus[0].power_limit_mw // 1000
+        if self.failed_at_w < self.limit_w:
+            raise RuntimeError("callback failed below the maximum limit")
+
+
+DATA = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(256)]
+
+
+def trainer_args(tmp_path: Path, max_steps: int = 40) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        save_strategy="no",
+    )
+
+
+def monitor() -> ZeusMonitor:
+    return ZeusMonitor([0], approx_instant_energy=True)  # steps of a few ms, shorter than a refresh
+
+
+def assert_restored_now(system: sim.SimulatedSystem) -> None:
+    """The limit is back and nothing is left to restore, before any later process or exit runs."""
+    assert system.gpus[0].power_limit_mw == MAX_W * 1000
+    assert not guard().entries  # nothing journaled is left for exit or a repair
+
+
+def test_callbacks_given_at_construction(node, tmp_path):
+    fail = FailBelow(node)
+    plo = HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW)
+    trainer = Trainer(
+        model=Model(node), args=trainer_args(tmp_path), train_dataset=DATA, callbacks=[plo, fail]
+    )
+    with pytest.raises(RuntimeError, match="callback failed"):
+        trainer.train()
+    assert fail.failed_at_w == 200
+    assert_restored_now(node)
+
+
+def test_callback_added_later_first_call_fails_in_training_step(node, tmp_path):
+    model = Model(node)
+    model.fail_below_w = MAX_W
+    trainer = Trainer(model=model, args=trainer_args(tmp_path), train_dataset=DATA)
+    trainer.add_callback(HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW))
+    with pytest.raises(RuntimeError, match="forward failed at 200 W"):
+        trainer.train()
+    assert_restored_now(node)
+
+
+def test_callback_added_later_second_call_fails_anywhere(node, tmp_path):
+    trainer = Trainer(model=Model(node), args=trainer_args(tmp_path, max_steps=4), train_dataset=DATA)
+    plo = HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW)
+    trainer.add_callback(plo)
+    trainer.train()  # too short to leave the maximum limit
+    trainer.args.max_steps = 40
+    trainer.add_callback(FailBelow(node))
+    with pytest.raises(RuntimeError, match="callback failed"):
+        trainer.train()
+    assert_restored_now(node)
+    # A caught failure leaves a trainer that trains again, and restores at its end as usual.
+    trainer.pop_callback(FailBelow)
+    trainer.train()
+    assert plo.optimizer.phase == "done"
+    assert_restored_now(node)
+
+
+def test_heterogeneous_trainer(node, tmp_path):
+    plan = RankPlan(
+        rank=0, world_size=1, gpu_name="a40", local_batch=2, global_batch=2, offset=0, power_limit_w=150
+    )
+    trainer = HeterogeneousTrainer(
+        model=Model(node),
+        args=trainer_args(tmp_path),
+        train_dataset=DATA,
+        rank_plan=plan,
+        callbacks=[FailBelow(node)],
+    )
+    with pytest.raises(RuntimeError, match="callback failed"):
+        trainer.train()
+    assert_restored_now(node)
+
+
+def test_keyboard_interrupt_in_a_notebook_cell(node, tmp_path):
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if node.gpus[0].power_limit_mw < MAX_W * 1000:
+                raise KeyboardInterrupt
+
+    plo = HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW)
+    trainer = Trainer(
+        model=Model(node), args=trainer_args(tmp_path), train_dataset=DATA, callbacks=[plo, Interrupt()]
+    )
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert_restored_now(node)
