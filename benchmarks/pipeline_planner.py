@@ -1,16 +1,21 @@
-"""Benchmark: our Perseus planner against lowtime 0.3.0 (Phillips-Dessouky) on synthetic pipeline profiles.
+"""Benchmark: our Perseus planner against lowtime 0.3.0 (Phillips-Dessouky) and the exact ILP on synthetic profiles.
 
 For each size (stages x microbatches) it builds one synthetic A40-like profile, then:
 
-- lowtime: the DAG is built the way Perseus' `run_perseus.py` does (lowtime's `Synchronous1F1B`, forward/backward
-  dependency rules, dummy source/sink, `ExponentialModel` cost fit on Pareto options, effective energy
-  `e - P_blk * t`, `unit_time` quantisation) and `PhillipsDessouky.run()` is iterated from the all-slowest plan
-  down to the fastest, as Perseus does. The plan reported is the least-energy iterate whose exact iteration time
-  is within the all-max-frequency time (or the fastest iterate if quantisation keeps all of them above it).
-- ours: `solve(schedule, options, p_blk)` with the same target (also timed: `frontier(...)` with 24 points).
+- lowtime, set up exactly as Zeus' `examples/pipeline_frequency_optimizer/run_optimization.py` (Perseus'
+  reference script) does: every profiled option's cost turned into effective energy `e - P_blk * t` (quantised
+  time) *before* lowtime's Pareto filtering, the filtering retried with `noise_factor=0.95` when it leaves 3
+  options or fewer, `ExponentialModel(search_strategy="best")`, the `Synchronous1F1B` DAG with the
+  forward/backward dependency rules and dummy source/sink, `unit_time` 1 ms; `PhillipsDessouky.run()` is
+  iterated from the all-slowest plan down to the fastest. Its plan is the least-energy iterate whose exact
+  iteration time is within the all-max-frequency time (or within its own quantised time when every iterate is
+  above). A run stopped by `--lowtime-budget-s` is reported as cut off, with no energy.
+- ours: `solve(schedule, options, p_blk)` (timed at the all-max time; also `frontier(...)` with 24 points), and
+  `solve` again at lowtime's iteration time when that is longer.
+- exact: `exact_plan` (HiGHS ILP) at the same time, where it proves optimality within `--exact-limit-s`.
 
-Both plans are re-evaluated with the same exact energy model (`evaluate`). Run:
-`PYTHONPATH=. python benchmarks/pipeline_planner.py [--sizes 4x8,4x16,8x16,8x32] [--lowtime-budget-s 200]`.
+Every plan is re-evaluated with the same exact energy model (`evaluate`). Run:
+`PYTHONPATH=. python benchmarks/pipeline_planner.py [--sizes 4x8,4x16,8x16,8x32] [--lowtime-budget-s 3600]`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 from typing import Any
 
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction, build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.exact import exact_plan
 from zeus_callbacks.core.pipeline_frequency.frontier import (
     FrequencyOption,
     evaluate,
@@ -102,8 +108,14 @@ def _lowtime_specs(
     options: dict[tuple[int, str], list[FrequencyOption]],
     p_blk: list[float],
     unit_time_s: float,
+    noise_factor: float = 0.95,
 ) -> dict[int, dict[type, Any]]:
-    """lowtime's operation specs per stage and instruction class, costed in effective energy as Perseus does."""
+    """lowtime's operation specs per stage and instruction class, exactly as Zeus'
+    `examples/pipeline_frequency_optimizer/run_optimization.py` prepares them: every profiled option, its
+    cost turned into effective energy `e - P_blk * quant_time * unit_time` *before* the Pareto filtering, the
+    filtering retried with `noise_factor` when it leaves 3 options or fewer, and `ExponentialModel` fitted with
+    `search_strategy="best"`. (The script has one P_blk for all stages; each stage's own is used here, as in
+    our planner.)"""
     from lowtime.cost_model import ExponentialModel
     from lowtime.operation import CandidateExecutionOptions, ExecutionOption, OperationSpec
     from lowtime.perseus.instruction import Backward, Forward
@@ -118,10 +130,13 @@ def _lowtime_specs(
                 )
                 for o in options[stage, kind]
             ]
+            for opt in raw:  # Effective energy, before filtering, as the reference script does.
+                opt.cost -= p_blk[stage] * opt.quant_time * opt.unit_time
             cand = CandidateExecutionOptions[int](options=raw)
-            for opt in cand.options:  # Effective energy, as in Perseus: computation minus blocking energy.
-                opt.cost = opt.cost - p_blk[stage] * opt.quant_time * unit_time_s
-            op_spec_map[stage][cls] = OperationSpec(options=cand, cost_model=ExponentialModel(cand))
+            if len(cand.options) <= 3:
+                cand = CandidateExecutionOptions[int](options=raw, noise_factor=noise_factor)
+            model = ExponentialModel(cand, search_strategy="best")
+            op_spec_map[stage][cls] = OperationSpec[int](options=cand, cost_model=model)
     return op_spec_map
 
 
@@ -179,7 +194,15 @@ def main() -> None:
     parser.add_argument(
         "--unit-time-s", type=float, default=1e-3, help="lowtime time quantum (Perseus: 1 ms)"
     )
-    parser.add_argument("--lowtime-budget-s", type=float, default=200.0, help="cap on lowtime's solve time")
+    parser.add_argument(
+        "--lowtime-budget-s",
+        type=float,
+        default=3600.0,
+        help="cap on lowtime's solve time (cut off: no result)",
+    )
+    parser.add_argument(
+        "--exact-limit-s", type=float, default=120.0, help="HiGHS time limit of the exact ILP (0: skip it)"
+    )
     parser.add_argument("--skip-lowtime", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -197,11 +220,10 @@ def main() -> None:
         ours = solve(schedule, options, p_blk)  # from the schedule: DAG construction is inside the timing
         ours_s = time.perf_counter() - tick
         tick = time.perf_counter()
-        front = frontier(schedule, options, p_blk)
+        frontier(schedule, options, p_blk)
         front_s = time.perf_counter() - tick
         assert ours.iteration_time_s <= ref.iteration_time_s * (1 + 1e-9)
-
-        row = {
+        row: dict[str, Any] = {
             "size": size,
             "nodes": len(dag),
             "opts": n_opts,
@@ -209,9 +231,9 @@ def main() -> None:
             "e_ref": ref.energy_j,
             "ours_s": ours_s,
             "front_s": front_s,
-            "front_n": len(front.plans),
             "ours_t": ours.iteration_time_s,
             "ours_e": ours.energy_j,
+            "target": ref.iteration_time_s,
         }
         if not args.skip_lowtime:
             lt_s, lt_freqs, lt_iters, finished = run_lowtime(
@@ -223,51 +245,76 @@ def main() -> None:
                 args.unit_time_s,
                 args.lowtime_budget_s,
             )
-            lt = evaluate(schedule, options, p_blk, lt_freqs)
-            row.update(
-                lt_s=lt_s, lt_iters=lt_iters, lt_done=finished, lt_t=lt.iteration_time_s, lt_e=lt.energy_j
-            )
-            # Quantisation can leave every lowtime iterate slightly above the target: compare at its time too.
-            row["ours_at_lt_e"] = solve(
-                schedule, options, p_blk, max(lt.iteration_time_s, ref.iteration_time_s)
-            ).energy_j
+            row.update(lt_s=lt_s, lt_iters=lt_iters, lt_done=finished)
+            if finished:
+                lt = evaluate(schedule, options, p_blk, lt_freqs)
+                row.update(lt_t=lt.iteration_time_s, lt_e=lt.energy_j)
+                # Quantisation can leave every lowtime iterate slightly above the all-max time: compare all
+                # three at lowtime's own iteration time then.
+                row["target"] = max(lt.iteration_time_s, ref.iteration_time_s)
+                at = solve(schedule, options, p_blk, row["target"])
+                row.update(ours_t=at.iteration_time_s, ours_e=at.energy_j)
+        if args.exact_limit_s > 0:
+            tick = time.perf_counter()
+            exact = exact_plan(dag, options, p_blk, row["target"], time_limit_s=args.exact_limit_s)
+            row["ex_s"] = time.perf_counter() - tick
+            if exact is not None:
+                row.update(ex_t=exact.iteration_time_s, ex_e=exact.energy_j)
         rows.append(row)
         print(_describe(row), flush=True)
+    _print_table(rows)
 
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
     print()
     header = (
-        f"{'size':>6} {'instr':>5} {'opts':>4} {'T_maxf s':>9} {'E_maxf J':>9} | {'ours s':>7} {'T s':>8} {'E J':>9} "
-        f"{'save%':>6} | {'lowtime s':>9} {'iters':>5} {'T s':>8} {'E J':>9} {'save%':>6} | {'speedup':>7} {'dE%':>7} {'dE%@T_lt':>9}"
+        f"{'size':>6} {'instr':>5} {'opts':>4} {'T_maxf s':>9} {'E_maxf J':>9} {'T cmp s':>8} | "
+        f"{'ours s':>7} {'E J':>9} {'save%':>6} | {'lowtime s':>9} {'iters':>5} {'E J':>9} | "
+        f"{'exact s':>7} {'E J':>9} | {'ours-lt%':>8} {'ours-ex%':>8} {'lt-ex%':>7}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         line = (
-            f"{r['size']:>6} {r['nodes']:>5} {r['opts']:>4.1f} {r['t_ref']:>9.4f} {r['e_ref']:>9.1f} | "
-            f"{r['ours_s']:>7.3f} {r['ours_t']:>8.4f} {r['ours_e']:>9.1f} {100 * (1 - r['ours_e'] / r['e_ref']):>6.2f} | "
+            f"{r['size']:>6} {r['nodes']:>5} {r['opts']:>4.1f} {r['t_ref']:>9.4f} {r['e_ref']:>9.1f} "
+            f"{r['target']:>8.4f} | {r['ours_s']:>7.3f} {r['ours_e']:>9.1f} "
+            f"{100 * (1 - r['ours_e'] / r['e_ref']):>6.2f} | "
         )
-        if "lt_s" in r:
-            mark = "" if r["lt_done"] else "+"
-            line += (
-                f"{r['lt_s']:>8.2f}{mark or ' '} {r['lt_iters']:>5} {r['lt_t']:>8.4f} {r['lt_e']:>9.1f} "
-                f"{100 * (1 - r['lt_e'] / r['e_ref']):>6.2f} | {r['lt_s'] / r['ours_s']:>6.0f}x "
-                f"{100 * (r['ours_e'] / r['lt_e'] - 1):>+7.3f} {100 * (r['ours_at_lt_e'] / r['lt_e'] - 1):>+9.3f}"
-            )
+        if "lt_s" not in r:
+            line += f"{'skipped':>9} {'':>5} {'':>9} | "
+        elif "lt_e" in r:
+            line += f"{r['lt_s']:>9.2f} {r['lt_iters']:>5} {r['lt_e']:>9.1f} | "
+        else:
+            line += f"{'cut off':>9} {r['lt_iters']:>5} {'-':>9} | "
+        line += f"{r['ex_s']:>7.2f} {r['ex_e']:>9.1f} | " if "ex_e" in r else f"{'-':>7} {'-':>9} | "
+
+        line += f"{_gap(r, 'ours_e', 'lt_e')} {_gap(r, 'ours_e', 'ex_e')} {_gap(r, 'lt_e', 'ex_e'):>7}"
         print(line)
     print(
-        "\nsave% = energy saving vs all-max-frequency at no slowdown; dE% = (ours - lowtime) / lowtime energy "
-        "(negative: ours lower); dE%@T_lt: ours solved with lowtime's (quantised, slightly longer) iteration time as\n"
-        "the target; '+' = lowtime stopped at the time budget.\n"
-        "frontier (24 targets) solve time: " + ", ".join(f"{r['size']} {r['front_s']:.3f} s" for r in rows)
+        "\nAll energies at the same iteration time 'T cmp' (the all-max-frequency time, or lowtime's iterate time"
+        " when its\nquantisation keeps it above): ours = solve(target=T cmp), lowtime = its least-energy iterate"
+        " within T cmp, exact = the ILP\n(HiGHS; '-' = not proven optimal within --exact-limit-s). 'cut off' ="
+        " lowtime stopped at --lowtime-budget-s: no result.\nsave% = 1 - ours E / E_maxf (ours at T cmp). 'ours s' = solve from the schedule at the all-max"
+        " time. frontier (24 targets) solve time: "
+        + ", ".join(f"{r['size']} {r['front_s']:.3f} s" for r in rows)
     )
+
+
+def _gap(row: dict[str, Any], a: str, b: str) -> str:
+    """Percent by which energy `a` exceeds energy `b`, or '-' when either is missing."""
+    return f"{100 * (row[a] / row[b] - 1):>+8.3f}" if a in row and b in row else f"{'-':>8}"
 
 
 def _describe(row: dict) -> str:
     text = (
         f"{row['size']}: ours {row['ours_s']:.3f} s E={row['ours_e']:.1f} J (frontier {row['front_s']:.3f} s)"
     )
-    if "lt_s" in row:
-        text += f"; lowtime {row['lt_s']:.2f} s ({row['lt_iters']} iters) E={row['lt_e']:.1f} J T={row['lt_t']:.4f}"
+    if "lt_e" in row:
+        text += f"; lowtime {row['lt_s']:.2f} s ({row['lt_iters']} iters) E={row['lt_e']:.1f} J"
+    elif "lt_s" in row:
+        text += f"; lowtime cut off after {row['lt_s']:.0f} s ({row['lt_iters']} iters)"
+    if "ex_e" in row:
+        text += f"; exact {row['ex_s']:.2f} s E={row['ex_e']:.1f} J"
     return text
 
 
