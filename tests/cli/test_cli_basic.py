@@ -49,14 +49,14 @@ def test_help_lists_the_subcommands(capsys):
 
 
 def test_devices_table(sim_gpus, capsys):
-    sim_gpus("a40,t4", faults="no_permission@1")
+    sim_gpus("a40,t4", faults="no_permission@0")  # NVML index 0: the T4, on the lower PCI bus
     assert cli.main(["devices"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("SIMULATED GPUs")
     lines = out.splitlines()
     assert lines[1].split()[:3] == ["GPU", "NVML", "name"]
     a40, t4 = lines[2], lines[3]
-    assert a40.split()[:4] == ["0", "0", "NVIDIA", "A40"]
+    assert a40.split()[:4] == ["0", "1", "NVIDIA", "A40"]  # CUDA 0 (fastest first) is NVML 1
     assert "SIMULATED" in a40 and "100-300" in a40 and "210-1740" in a40 and a40.rstrip().endswith("yes")
     assert "Tesla T4" in t4 and "60-70" in t4 and t4.rstrip().endswith("no")
     assert "CAP_SYS_ADMIN" in out

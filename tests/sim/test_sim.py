@@ -223,24 +223,24 @@ def test_run_step_lasts_as_long_as_the_slowest_gpu():
     fast, slow = system.gpus
     tr = fast.trace
     slow.set_power_limit_mw(100_000)
-    e0 = [g.energy_mj() for g in system.gpus]
+    e0 = [g.true_energy_mj() for g in system.gpus]
     t0 = system.clock.now()
     span = system.run_step(2.0)
     rel = tr.relative_time(100)
     assert span == pytest.approx(2.0 * rel)
     assert system.clock.now() - t0 == pytest.approx(span)
     idle = fast.spec.idle_power_w
-    e1 = [g.energy_mj() for g in system.gpus]
+    e1 = [g.true_energy_mj() for g in system.gpus]
     assert (e1[0] - e0[0]) / 1000 == pytest.approx(2.0 * tr.power(300) + (span - 2.0) * idle)
     assert (e1[1] - e0[1]) / 1000 == pytest.approx(span * tr.power(100))
     # Per-GPU work: the GPU with no work only idles.
     e0 = e1
     span = system.run_step({0: 1.0})
     assert span == pytest.approx(1.0)
-    e1 = [g.energy_mj() for g in system.gpus]
+    e1 = [g.true_energy_mj() for g in system.gpus]
     assert (e1[1] - e0[1]) / 1000 == pytest.approx(idle * 1.0)
-    # Virtual time stands still between steps: the counters do not move.
-    assert [g.energy_mj() for g in system.gpus] == e1
+    # Virtual time stands still between steps: the energy does not move.
+    assert [g.true_energy_mj() for g in system.gpus] == e1
 
 
 def test_run_step_needs_a_virtual_clock():
@@ -315,9 +315,13 @@ def test_simulate_exports_the_environment(sim_gpus, sim_state_dir):
 def test_active_builds_the_node_from_the_environment(monkeypatch):
     monkeypatch.setenv("ZEUS_CALLBACKS_SIMULATE", "a10g,t4")
     monkeypatch.setenv("ZEUS_CALLBACKS_SIM_FAULTS", "no_energy_counter@1")
+    monkeypatch.setenv("ZEUS_CALLBACKS_SIM_IDEAL", "power_average")
+    monkeypatch.setenv("ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS", "40")
     system = sim.active()
-    assert [g.spec.kind for g in system.gpus] == ["a10g", "t4"]
+    assert [g.spec.kind for g in system.gpus] == ["t4", "a10g"]  # NVML's order: the T4 on the lower bus
     assert not system.gpus[0].faults.no_energy_counter and system.gpus[1].faults.no_energy_counter
+    assert system.ideal_behaviours == {"power_average"}
+    assert [g.energy_refresh_s for g in system.gpus] == [0.04, 0.04]
     assert sim.active() is system
 
 

@@ -9,9 +9,30 @@ e.g. `4*a40:imagenet/resnet50/256`, `a10g,t4`, `a40:mydata/mynet/64@/path/profil
 Options (environment variables, or arguments of `simulate`):
 - `ZEUS_CALLBACKS_SIM_NOISE`: relative run-to-run noise of time and power (e.g. 0.02), seeded by
   `ZEUS_CALLBACKS_SIM_SEED`;
-- `ZEUS_CALLBACKS_SIM_FAULTS`: injected faults, e.g. `no_permission;lost_after=200@1` (see `parse_faults`);
+- `ZEUS_CALLBACKS_SIM_FAULTS`: injected faults, e.g. `no_permission;lost_after=200@1` (see `parse_faults`):
+  `no_permission`, `no_cap_sys_admin` (root in a container without CAP_SYS_ADMIN: setters raise
+  NO_PERMISSION), `hidden` (NVML counts the GPU, opening it raises NO_PERMISSION, CUDA does not see it),
+  `empty_clocks`, `default_limit_w=W` (GeForce-like default limit below the maximum), `not_supported=...`,
+  `lost_after=N`, `no_energy_counter`, `mig`; `@I` targets NVML index I;
 - `ZEUS_CALLBACKS_SIM_STATE_DIR`: where the GPUs' state (power limit, clocks, energy) persists across
-  processes (default: a per-user directory under the temp dir).
+  processes (default: a per-user directory under the temp dir);
+- `ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS`: the energy counter's refresh period for every GPU (default: each
+  model's own, see below);
+- `ZEUS_CALLBACKS_SIM_IDEAL`: comma-separated hardware behaviours to switch off (below), for tests that
+  need the ideal case, e.g. `energy_counter,power_average`.
+
+The simulated GPUs answer as real ones do, by default (each name is what `ZEUS_CALLBACKS_SIM_IDEAL` takes):
+- `energy_counter`: `nvmlDeviceGetTotalEnergyConsumption` returns integer mJ that move only when the
+  driver refreshes the counter, every 100 ms on A40 and A10G, 50 ms on T4, 20 ms on V100; between refreshes
+  it returns the last value, so a window shorter than the period reads 0 J or a whole period.
+- `power_average`: `nvmlDeviceGetPowerUsage` is a 1-second moving average on Ampere boards (A40, A10G) and
+  instantaneous on V100 and T4; `nvmlDeviceGetFieldValues` answers `NVML_FI_DEV_POWER_INSTANT` and
+  `NVML_FI_DEV_POWER_AVERAGE` (mW in `value.uiVal`; other fields NOT_SUPPORTED in their own `nvmlReturn`).
+- `device_order`: NVML numbers GPUs by PCI bus, with the slower models on the lower buses; CUDA numbers them
+  fastest first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so on `a10g,t4` NVML index 0 is the T4 and `cuda:0`
+  the A10G. `CUDA_VISIBLE_DEVICES` indices are CUDA's. Ideal: both orders are the spec's.
+- `interruptible_sync`: a synchronisation waits in "native code": Python signal handlers (SIGINT,
+  SIGTERM, ...) run only after it returns, as with `torch.cuda.synchronize()`.
 Everything the simulator reports is a simulation, and the package labels it so.
 """
 
@@ -21,7 +42,15 @@ import os
 
 from zeus_callbacks.core.device import gpus as devices
 from zeus_callbacks.sim import fake_nvml
-from zeus_callbacks.sim.system import SimulatedGPU, SimulatedSystem, VirtualClock, parse_faults, parse_spec
+from zeus_callbacks.sim.system import (
+    IDEAL_BEHAVIOURS,
+    SimulatedGPU,
+    SimulatedSystem,
+    VirtualClock,
+    parse_faults,
+    parse_ideal,
+    parse_spec,
+)
 from zeus_callbacks.sim.traces import DATA_FORMATS_HELP, Trace, load_trace, shipped_trace, shipped_workloads
 
 __all__ = [
@@ -39,6 +68,8 @@ __all__ = [
     "shipped_workloads",
     "parse_spec",
     "parse_faults",
+    "parse_ideal",
+    "IDEAL_BEHAVIOURS",
     "DATA_FORMATS_HELP",
 ]
 
@@ -47,6 +78,8 @@ _NOISE_ENV = "ZEUS_CALLBACKS_SIM_NOISE"
 _SEED_ENV = "ZEUS_CALLBACKS_SIM_SEED"
 _FAULTS_ENV = "ZEUS_CALLBACKS_SIM_FAULTS"
 _STATE_ENV = "ZEUS_CALLBACKS_SIM_STATE_DIR"
+_IDEAL_ENV = "ZEUS_CALLBACKS_SIM_IDEAL"
+_REFRESH_ENV = "ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS"
 
 
 def simulate(
@@ -58,14 +91,18 @@ def simulate(
     state_dir: str | None = None,
     virtual_clock: bool = False,
     export_env: bool = True,
+    ideal: str = "",
+    energy_refresh_ms: float | None = None,
 ) -> SimulatedSystem:
     """Use simulated GPUs in this process (and, with `export_env`, in processes it starts).
 
-    Virtual-clock systems keep their state in memory and are never exported.
+    `ideal` switches hardware behaviours off (comma-separated `IDEAL_BEHAVIOURS`, see the module's
+    docstring); `energy_refresh_ms` sets the energy counter's refresh period of every GPU (default: each
+    model's). Virtual-clock systems keep their state in memory and are never exported.
     """
     if virtual_clock and state_dir is None:
         state_dir = ""
-    system = SimulatedSystem(spec, noise, seed, faults, state_dir, virtual_clock)
+    system = SimulatedSystem(spec, noise, seed, faults, state_dir, virtual_clock, ideal, energy_refresh_ms)
     devices.reset()  # restores what this process changed on the previous node first
     fake_nvml.attach(system)
     if export_env and not virtual_clock:
@@ -73,6 +110,11 @@ def simulate(
         os.environ[_NOISE_ENV] = str(noise)
         os.environ[_SEED_ENV] = str(seed)
         os.environ[_FAULTS_ENV] = faults
+        os.environ[_IDEAL_ENV] = ideal
+        if energy_refresh_ms is None:
+            os.environ.pop(_REFRESH_ENV, None)
+        else:
+            os.environ[_REFRESH_ENV] = str(energy_refresh_ms)
         if state_dir is not None:
             os.environ[_STATE_ENV] = state_dir
     return system
@@ -88,13 +130,16 @@ def active() -> SimulatedSystem | None:
                 int(os.environ.get(_SEED_ENV) or 0),
                 os.environ.get(_FAULTS_ENV, ""),
                 os.environ.get(_STATE_ENV) or None,
+                ideal=os.environ.get(_IDEAL_ENV, ""),
+                energy_refresh_ms=float(os.environ[_REFRESH_ENV]) if os.environ.get(_REFRESH_ENV) else None,
             )
         )
     return fake_nvml.system()
 
 
 def enqueue_work(gpu_index: int, work_s: float) -> None:
-    """Queue work on simulated GPU `gpu_index` (its NVML index) that uses no host CPU: a stand-in for a
+    """Queue work on simulated GPU `gpu_index` (its CUDA index: `cuda:gpu_index` under this process's
+    `CUDA_VISIBLE_DEVICES` and `CUDA_DEVICE_ORDER`) that uses no host CPU: a stand-in for a
     kernel that takes `work_s` seconds at the maximum power limit and clock. The GPU's next synchronisation
     waits for it, stretched by the slowdown of the limit and clock in force. Lets examples and tests run
     many ranks on few CPU cores without the host's contention deciding the GPU's pace.
@@ -107,12 +152,12 @@ def enqueue_work(gpu_index: int, work_s: float) -> None:
         raise RuntimeError(
             "enqueue_work needs simulated GPUs: set ZEUS_CALLBACKS_SIMULATE (see zeus_callbacks.sim)."
         )
-    system.gpus[gpu_index].enqueue(work_s)
+    system.cuda_gpus()[gpu_index].enqueue(work_s)
 
 
 def disable() -> None:
     """Stop simulating in this process and forget the exported environment variables."""
     devices.reset()  # restores what this process changed first
     fake_nvml.attach(None)
-    for name in (SIMULATE_ENV, _NOISE_ENV, _SEED_ENV, _FAULTS_ENV, _STATE_ENV):
+    for name in (SIMULATE_ENV, _NOISE_ENV, _SEED_ENV, _FAULTS_ENV, _STATE_ENV, _IDEAL_ENV, _REFRESH_ENV):
         os.environ.pop(name, None)

@@ -18,7 +18,8 @@ class SimulatedBackend(NVMLBackend):
     """Simulated GPUs of one `SimulatedSystem`, reached through `fake_nvml`.
 
     Differs from the real driver where NVML cannot say: synchronising runs the simulator's model of the
-    queued work, permission comes from the injected faults, the clock is the node's (virtual or wall),
+    queued work, CUDA's numbering comes from the simulator's model of it (torch stands in for it on real
+    GPUs), permission comes from the injected faults, the clock is the node's (virtual or wall),
     journals live beside the node's persistent state, and every step boundary synchronises (standing in
     for the bounded launch queue that keeps a real host at most about a step ahead of its GPU).
     """
@@ -42,8 +43,12 @@ class SimulatedBackend(NVMLBackend):
         handle.synchronize()
 
     def may_change_settings(self, handle: Any) -> bool:
-        """False only where the `no_permission` fault is injected."""
-        return not handle.faults.no_permission
+        """False only where the `no_permission` or `no_cap_sys_admin` fault is injected."""
+        return not (handle.faults.no_permission or handle.faults.no_cap_sys_admin)
+
+    def cuda_uuids(self) -> list[str]:
+        """From the simulator's model of CUDA's numbering (see `SimulatedSystem.cuda_gpus`)."""
+        return [g.uuid for g in self.system.cuda_gpus()]
 
     def journal_dir(self) -> Path | None:
         """Beside the node's state, so that the journal outlives the process exactly as long as the state."""

@@ -6,6 +6,7 @@ The package's NVML layer (and Zeus, for side-by-side benchmarks) call this modul
 
 from __future__ import annotations
 
+import ctypes
 from collections import namedtuple
 
 import pynvml as _real
@@ -56,7 +57,7 @@ def _gpu(handle: object, *, feature: str | None = None, setter: bool = False) ->
         raise _err(_real.NVML_ERROR_GPU_IS_LOST)
     if feature is not None and feature in handle.faults.not_supported:
         raise _err(_real.NVML_ERROR_NOT_SUPPORTED)
-    if setter and handle.faults.no_permission:
+    if setter and (handle.faults.no_permission or handle.faults.no_cap_sys_admin):
         raise _err(_real.NVML_ERROR_NO_PERMISSION)
     return handle
 
@@ -93,7 +94,7 @@ def nvmlDeviceGetHandleByIndex(index: int) -> SimulatedGPU:  # noqa: N802
     count = nvmlDeviceGetCount()
     if not 0 <= index < count:
         raise _err(_real.NVML_ERROR_INVALID_ARGUMENT)
-    return _system.gpus[index]  # type: ignore[union-attr]
+    return _open(_system.gpus[index])  # type: ignore[union-attr]
 
 
 def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> SimulatedGPU:  # noqa: N802
@@ -101,8 +102,24 @@ def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> SimulatedGPU:  # noqa: N802
     text = uuid.decode() if isinstance(uuid, bytes) else uuid
     for g in _system.gpus:  # type: ignore[union-attr]
         if g.uuid == text:
-            return g
+            return _open(g)
     raise _err(_real.NVML_ERROR_NOT_FOUND)
+
+
+def nvmlDeviceGetHandleByPciBusId(pciBusId: str | bytes) -> SimulatedGPU:  # noqa: N802, N803
+    nvmlDeviceGetCount()
+    text = (pciBusId.decode() if isinstance(pciBusId, bytes) else pciBusId).upper()
+    for g in _system.gpus:  # type: ignore[union-attr]
+        if g.pci_bus_id.endswith(text) or text.endswith(g.pci_bus_id[4:]):
+            return _open(g)
+    raise _err(_real.NVML_ERROR_NOT_FOUND)
+
+
+def _open(g: SimulatedGPU) -> SimulatedGPU:
+    """A handle, unless the job's cgroup hides the GPU: NVML counts it but may not open it."""
+    if g.faults.hidden:
+        raise _err(_real.NVML_ERROR_NO_PERMISSION)
+    return g
 
 
 # -- identity -------------------------------------------------------------------------------------
@@ -121,6 +138,18 @@ def nvmlDeviceGetIndex(handle) -> int:  # noqa: N802
 def nvmlDeviceGetArchitecture(handle) -> int:  # noqa: N802
     g = _gpu(handle)
     return _real.NVML_DEVICE_ARCH_PASCAL if g.faults.no_energy_counter else g.spec.architecture
+
+
+def nvmlDeviceGetPciInfo_v3(handle) -> _real.nvmlPciInfo_t:  # noqa: N802
+    g = _gpu(handle)
+    info = _real.nvmlPciInfo_t()
+    domain, bus, rest = g.pci_bus_id.split(":")
+    info.busId = info.busIdLegacy = g.pci_bus_id.encode()
+    info.domain, info.bus, info.device = int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)
+    return info
+
+
+nvmlDeviceGetPciInfo = nvmlDeviceGetPciInfo_v3
 
 
 def nvmlDeviceGetMigMode(handle) -> list[int]:  # noqa: N802
@@ -150,7 +179,38 @@ def nvmlDeviceGetTotalEnergyConsumption(handle) -> int:  # noqa: N802
 
 
 def nvmlDeviceGetPowerUsage(handle) -> int:  # noqa: N802
-    return int(_gpu(handle).power_mw())
+    """A 1-second moving average on Ampere and newer boards except the A100 class; else instantaneous."""
+    g = _gpu(handle)
+    return int(g.average_power_mw() if g.power_usage_averaged else g.power_mw())
+
+
+_POWER_FIELDS = {
+    _real.NVML_FI_DEV_POWER_AVERAGE: lambda g: g.average_power_mw(),
+    _real.NVML_FI_DEV_POWER_INSTANT: lambda g: g.power_mw(),
+    _real.NVML_FI_DEV_POWER_DEFAULT_LIMIT: lambda g: g.default_power_limit_mw,
+    _real.NVML_FI_DEV_POWER_CURRENT_LIMIT: lambda g: g.power_limit_mw,
+    _real.NVML_FI_DEV_POWER_MIN_LIMIT: lambda g: g.trace.min_power_limit_w * 1000,
+    _real.NVML_FI_DEV_POWER_MAX_LIMIT: lambda g: g.trace.max_power_limit_w * 1000,
+}
+
+
+def nvmlDeviceGetFieldValues(handle, fieldIds: list) -> ctypes.Array:  # noqa: N802, N803
+    """Power fields (mW, `value.uiVal`) of the whole GPU; each other field answers NOT_SUPPORTED in its
+    own `nvmlReturn`, as NVML does, while the call itself succeeds."""
+    g = _gpu(handle)
+    values = (_real.c_nvmlFieldValue_t * len(fieldIds))()
+    stamp = int(g.now() * 1e6)
+    for v, field in zip(values, fieldIds, strict=True):
+        field_id, scope = field if isinstance(field, tuple) else (field, 0)
+        v.fieldId, v.scopeId, v.timestamp = field_id, scope, stamp
+        read = _POWER_FIELDS.get(field_id)
+        if read is None or scope != _real.NVML_POWER_SCOPE_GPU:
+            v.nvmlReturn = _real.NVML_ERROR_NOT_SUPPORTED
+            continue
+        v.valueType = _real.NVML_VALUE_TYPE_UNSIGNED_INT
+        v.value.uiVal = int(read(g))
+        v.nvmlReturn = _real.NVML_SUCCESS
+    return values
 
 
 def nvmlDeviceGetPowerManagementLimitConstraints(handle) -> list[int]:  # noqa: N802
@@ -159,7 +219,7 @@ def nvmlDeviceGetPowerManagementLimitConstraints(handle) -> list[int]:  # noqa: 
 
 
 def nvmlDeviceGetPowerManagementDefaultLimit(handle) -> int:  # noqa: N802
-    return int(_gpu(handle, feature="power").trace.max_power_limit_w * 1000)
+    return _gpu(handle, feature="power").default_power_limit_mw
 
 
 def nvmlDeviceGetPowerManagementLimit(handle) -> int:  # noqa: N802
@@ -196,7 +256,7 @@ def nvmlDeviceGetSupportedGraphicsClocks(handle, memoryClockMHz: int) -> list[in
     g = _gpu(handle, feature="clocks")
     if memoryClockMHz not in g.spec.memory_clocks_mhz:
         raise _err(_real.NVML_ERROR_INVALID_ARGUMENT)
-    return g.spec.supported_sm_clocks_mhz()
+    return [] if g.faults.empty_clocks else g.spec.supported_sm_clocks_mhz()
 
 
 def nvmlDeviceGetMaxClockInfo(handle, clock_type: int) -> int:  # noqa: N802

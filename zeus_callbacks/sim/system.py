@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import math
 import mmap
 import os
 import random
+import signal
 import struct
 import tempfile
 import threading
@@ -16,34 +18,65 @@ from pathlib import Path
 
 import numpy as np
 
+from zeus_callbacks.core.device.backend import cuda_visible_uuids
 from zeus_callbacks.sim.specs import GPUSpec, spec_for
 from zeus_callbacks.sim.traces import Trace, load_trace, shipped_trace
 
-__all__ = ["SimulatedGPU", "SimulatedSystem", "Faults", "VirtualClock", "parse_spec"]
+__all__ = [
+    "SimulatedGPU",
+    "SimulatedSystem",
+    "Faults",
+    "VirtualClock",
+    "parse_spec",
+    "parse_faults",
+    "parse_ideal",
+    "IDEAL_BEHAVIOURS",
+]
+
+IDEAL_BEHAVIOURS = ("energy_counter", "power_average", "device_order", "interruptible_sync")
+"""Hardware behaviours a simulation can switch off (`simulate(ideal=...)`, `ZEUS_CALLBACKS_SIM_IDEAL`)."""
 
 # Persistent per-GPU state: a small file of float64 fields, mapped into memory so that reads cost
 # about a microsecond and every process on the "node" sees the same GPU, as with a real one.
+# A ring of the true energy at the ticks of a 0.1 s grid over the last ~1.2 s, for the 1-second moving
+# average of power that `nvmlDeviceGetPowerUsage` reports on Ampere and newer boards.
+_RING_SLOTS = 12
+_RING_TICK_S = 0.1
 _FIELDS = (
     "power_limit_mw",
     "sm_lock_min_mhz",
     "sm_lock_max_mhz",
     "persistence",
-    "energy_mj",
+    "energy_mj",  # the true energy, accounted up to `updated_at`
     "updated_at",
+    "refreshed_mj",  # the counter as the driver last refreshed it, at `refreshed_at` (a refresh tick)
+    "refreshed_at",
     "version",
     "mem_locked",
     "last_power_w",
     "last_power_at",
+    *(f"ring{i}_{part}" for i in range(_RING_SLOTS) for part in ("tick", "mj")),
 )
 _IDX = {name: i for i, name in enumerate(_FIELDS)}
 _FMT = f"<{len(_FIELDS)}d"
 _SIZE = struct.calcsize(_FMT)
-# The energy counter and its timestamp are adjacent, so the hot read is one unpack.
-_ENERGY = struct.Struct("<2d")
+# The energy counter, its timestamp and the driver's refreshed value are adjacent: the hot read is one unpack.
+_ENERGY = struct.Struct("<4d")
 _ENERGY_OFFSET = 8 * _IDX["energy_mj"]
 _read_energy = _ENERGY.unpack_from  # bound once: the energy read is the monitor's hot path
 _wall = time.time
-assert _IDX["updated_at"] == _IDX["energy_mj"] + 1
+assert _IDX["refreshed_at"] == _IDX["energy_mj"] + 3
+_RING_OFFSET = 8 * _IDX["ring0_tick"]
+_RING_SLOT = struct.Struct("<2d")
+# Signals whose Python handlers a native synchronisation defers until it returns.
+_DEFERRED_SIGNALS = {
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+}
 
 
 class _HostWait:
@@ -103,6 +136,10 @@ class Faults:
     lost_after_calls: int | None = None
     no_energy_counter: bool = False
     mig: bool = False
+    hidden: bool = False  # counted by NVML, but the job's cgroup does not grant it
+    no_cap_sys_admin: bool = False  # root without CAP_SYS_ADMIN: every setter is refused
+    empty_clocks: bool = False  # the supported graphics clocks list is empty
+    default_limit_w: float | None = None  # a default power limit below the maximum settable (GeForce)
 
 
 class _State:
@@ -175,6 +212,10 @@ class SimulatedGPU:
         noise: float,
         seed: int,
         faults: Faults,
+        energy_refresh_s: float = 0.0,
+        power_usage_averaged: bool = False,
+        blocking_sync: bool = False,
+        pci_bus_id: str = "",
     ) -> None:
         self.index = index
         self.spec = spec
@@ -186,15 +227,27 @@ class SimulatedGPU:
         self._rng = random.Random(seed * 1_000_003 + index)
         self._calls = 0
         self._idle_mw = spec.idle_power_w * 1000
+        self.pci_bus_id = pci_bus_id
+        self.power_usage_averaged = power_usage_averaged and not faults.no_energy_counter
+        self.blocking_sync = blocking_sync
+        # The driver refreshes the energy counter every `energy_refresh_s` (0: every read sees the truth),
+        # at a phase of its own so that the GPUs of a node do not refresh together.
+        self.energy_refresh_s = energy_refresh_s
+        phase = int(hashlib.sha1(uuid.encode()).hexdigest()[:8], 16) / 16**8
+        self._phase_s = phase * energy_refresh_s
         # Reads that no injected fault can touch skip the fault checks (the monitor's hot path).
         self.plain_reads = faults.lost_after_calls is None and not faults.no_energy_counter
+        default_w = trace.max_power_limit_w if faults.default_limit_w is None else faults.default_limit_w
+        self.default_power_limit_mw = int(default_w * 1000)
         self._state = _State(
             state_path,
             {
-                "power_limit_mw": trace.max_power_limit_w * 1000,
+                "power_limit_mw": self.default_power_limit_mw,
                 "persistence": 0.0,
                 "energy_mj": 0.0,
                 "updated_at": self.now(),
+                "refreshed_mj": 0.0,  # the last refresh before the state began, as if nothing was drawn yet
+                "refreshed_at": self._last_refresh(self.now()) if energy_refresh_s else float("-inf"),
             },
         )
         self._buf = self._state._buf
@@ -318,10 +371,58 @@ class SimulatedGPU:
 
     # -- energy -----------------------------------------------------------------------------------
     def energy_mj(self) -> float:
-        """The energy counter (mJ): accounted energy plus idle power since the last update."""
-        energy, updated = _read_energy(self._buf, _ENERGY_OFFSET)
-        since = (_wall() if self._clock is None else self._clock.now()) - updated
+        """The energy counter as NVML reports it (mJ): its value at the driver's last refresh.
+
+        Between refreshes (every `energy_refresh_s`) the counter stands still, as on real boards.
+        """
+        energy, updated, refreshed, refreshed_at = _read_energy(self._buf, _ENERGY_OFFSET)
+        now = _wall() if self._clock is None else self._clock.now()
+        period = self.energy_refresh_s
+        if period:
+            now -= (now - self._phase_s) % period  # the last refresh
+            if now <= refreshed_at:
+                return refreshed
+        since = now - updated
         return energy + self._idle_mw * since if since > 0 else energy
+
+    def _last_refresh(self, t: float) -> float:
+        """The time of the driver's last refresh of the energy counter at or before `t`."""
+        return t - (t - self._phase_s) % self.energy_refresh_s
+
+    def true_energy_mj(self) -> float:
+        """The energy the GPU has drawn up to now (mJ), unrounded by the counter's refresh: ground truth."""
+        energy, updated, _, _ = _read_energy(self._buf, _ENERGY_OFFSET)
+        since = self.now() - updated
+        return energy + self._idle_mw * since if since > 0 else energy
+
+    def _energy_at(self, t: float) -> float:
+        """The true energy (mJ) at time `t`, no earlier than about 1.1 s before the last accounting."""
+        energy, updated, _, _ = _read_energy(self._buf, _ENERGY_OFFSET)
+        if t >= updated:
+            return energy + self._idle_mw * (t - updated)
+        k = math.floor(t / _RING_TICK_S)
+        t0, e0 = self._ring(k)
+        if t0 != t0:  # nothing accounted then: the GPU idled
+            return energy - self._idle_mw * (updated - t)
+        t1, e1 = (updated, energy) if (k + 1) * _RING_TICK_S > updated else self._ring(k + 1)
+        if t1 != t1 or t1 <= t0:
+            return e0
+        return e0 + (e1 - e0) * (t - t0) / (t1 - t0)
+
+    def _ring(self, tick: int) -> tuple[float, float]:
+        """(time, true energy in mJ) at a tick of the power-average grid; (nan, nan) when not stored."""
+        stored, mj = _RING_SLOT.unpack_from(self._buf, _RING_OFFSET + 16 * (tick % _RING_SLOTS))
+        return (tick * _RING_TICK_S, mj) if stored == tick else (math.nan, math.nan)
+
+    def average_power_mw(self) -> float:
+        """Power averaged over the last second (mW), as Ampere and newer boards report `nvmlDeviceGetPowerUsage`."""
+        now = self.now()
+        if self.virtual:
+            return self._energy_at(now) - self._energy_at(now - 1.0)
+        # Work issued since the last synchronisation is not accounted yet: the instantaneous estimate covers it.
+        unsynced_from = min(max(now - 1.0, self._last_sync), now)
+        accounted = self._energy_at(unsynced_from) - self._energy_at(now - 1.0)
+        return accounted + self.power_mw() * (now - unsynced_from)
 
     def power_mw(self) -> float:
         """Instantaneous power draw (mW).
@@ -351,9 +452,29 @@ class SimulatedGPU:
         st = self._state
         with st.lock():
             updated = st.get("updated_at")
-            gap = max(0.0, start - updated) * self.spec.idle_power_w
-            st.set("energy_mj", st.get("energy_mj") + 1000 * (gap + energy_j))
-            st.set("updated_at", max(updated, end))
+            before = st.get("energy_mj")
+            gap_mj = max(0.0, start - updated) * self._idle_mw
+            work_from = max(start, updated)
+
+            def energy_at(t: float) -> float:  # the true energy (mJ) at t in [updated, end]
+                if t <= work_from or end <= work_from:
+                    return before + self._idle_mw * max(0.0, min(t, work_from) - updated)
+                return before + gap_mj + 1000 * energy_j * min(1.0, (t - work_from) / (end - work_from))
+
+            new_updated = max(updated, end)
+            period = self.energy_refresh_s
+            if period:  # the driver refreshed the counter at its last tick up to now: remember that value
+                tick = self._last_refresh(new_updated)
+                if tick > updated:
+                    st.set("refreshed_mj", energy_at(tick))
+                    st.set("refreshed_at", tick)
+            first = max(math.ceil(updated / _RING_TICK_S), math.ceil((end - 1.2) / _RING_TICK_S))
+            for k in range(first, math.floor(end / _RING_TICK_S) + 1):
+                _RING_SLOT.pack_into(
+                    st._buf, _RING_OFFSET + 16 * (k % _RING_SLOTS), k, energy_at(k * _RING_TICK_S)
+                )
+            st.set("energy_mj", before + gap_mj + 1000 * energy_j)
+            st.set("updated_at", new_updated)
             if end - start >= 0.01:  # a shorter interval's average is mostly noise
                 st.set("last_power_w", energy_j / (end - start))
                 st.set("last_power_at", end)
@@ -386,7 +507,7 @@ class SimulatedGPU:
             extra = gpu_busy - busy - _HOST_WAIT.credit(cpu, self.index)
             if extra > 0:
                 self._busy_until = now + extra
-                time.sleep(extra)
+                self._wait(extra)
                 _HOST_WAIT.add(cpu, time.time() - now, time.process_time(), self.index)
             end = time.time()
             busy_span = min(gpu_busy, end - start)
@@ -394,6 +515,17 @@ class SimulatedGPU:
             self._add(start, end, busy_span * power + idle_span * self.spec.idle_power_w)
             self._last_sync = end
             self._last_cpu = time.process_time()
+
+    def _wait(self, seconds: float) -> None:
+        """Wait for the GPU; like CUDA's synchronisation, in native code that defers Python signal handlers."""
+        if not self.blocking_sync:
+            time.sleep(seconds)
+            return
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED_SIGNALS)
+        try:
+            time.sleep(seconds)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def enqueue(self, work_s: float) -> None:
         """Queue `work_s` seconds of work (at the maximum limit and clock) that uses no host CPU: a stand-in
@@ -465,8 +597,12 @@ def parse_spec(spec: str) -> list[GPUGroup]:
 def parse_faults(text: str) -> dict[int | None, Faults]:
     """Parse `ZEUS_CALLBACKS_SIM_FAULTS`: `;`-separated `NAME[=VALUE][@GPU_INDEX]`.
 
-    Names: `no_permission`, `not_supported=power|clocks|persistence` (repeatable), `lost_after=N`
-    (NVML calls), `no_energy_counter`, `mig`. Without `@GPU_INDEX` a fault applies to every GPU.
+    Names: `no_permission` (a user without the right to change settings), `no_cap_sys_admin` (root in a
+    container without CAP_SYS_ADMIN), `not_supported=power|clocks|persistence` (repeatable),
+    `lost_after=N` (NVML calls), `no_energy_counter`, `mig`, `hidden` (NVML counts the GPU but the job's
+    cgroup does not grant it: opening it raises NO_PERMISSION), `empty_clocks` (no supported graphics
+    clocks listed), `default_limit_w=W` (a default power limit below the maximum, as on GeForce boards).
+    Without `@GPU_INDEX` a fault applies to every GPU; `GPU_INDEX` is the NVML index (PCI bus order).
     """
     out: dict[int | None, Faults] = {}
     for raw in filter(None, (t.strip() for t in text.replace(",", ";").split(";"))):
@@ -474,38 +610,61 @@ def parse_faults(text: str) -> dict[int | None, Faults]:
         name, _, value = item.partition("=")
         target = int(where) if where else None
         f = out.setdefault(target, Faults())
-        if name == "no_permission":
-            f.no_permission = True
-        elif name == "not_supported":
+        if name == "not_supported":
             f.not_supported = f.not_supported | {value or "clocks"}
         elif name == "lost_after":
             f.lost_after_calls = int(value)
-        elif name == "no_energy_counter":
-            f.no_energy_counter = True
-        elif name == "mig":
-            f.mig = True
+        elif name in _FLAG_FAULTS:
+            setattr(f, name, True)
+        elif name == "default_limit_w":
+            f.default_limit_w = float(value)
         else:
             raise ValueError(
-                f"Unknown simulated fault {name!r} in {text!r}. Known: no_permission, not_supported=WHAT, "
-                "lost_after=N, no_energy_counter, mig."
+                f"Unknown simulated fault {name!r} in {text!r}. Known: no_permission, no_cap_sys_admin, "
+                "not_supported=WHAT, lost_after=N, no_energy_counter, mig, hidden, empty_clocks, "
+                "default_limit_w=W."
             )
     return out
+
+
+_FLAG_FAULTS = ("no_permission", "no_cap_sys_admin", "no_energy_counter", "mig", "hidden", "empty_clocks")
 
 
 def _merge(a: Faults | None, b: Faults | None) -> Faults:
     a, b = a or Faults(), b or Faults()
     return Faults(
-        no_permission=a.no_permission or b.no_permission,
         not_supported=a.not_supported | b.not_supported,
         lost_after_calls=b.lost_after_calls if b.lost_after_calls is not None else a.lost_after_calls,
-        no_energy_counter=a.no_energy_counter or b.no_energy_counter,
-        mig=a.mig or b.mig,
+        default_limit_w=b.default_limit_w if b.default_limit_w is not None else a.default_limit_w,
+        **{name: getattr(a, name) or getattr(b, name) for name in _FLAG_FAULTS},
     )
+
+
+def parse_ideal(text: str) -> frozenset[str]:
+    """Parse `ZEUS_CALLBACKS_SIM_IDEAL`: comma-separated hardware behaviours to switch off (`IDEAL_BEHAVIOURS`)."""
+    names = frozenset(filter(None, (t.strip() for t in text.replace(";", ",").split(","))))
+    unknown = sorted(names - set(IDEAL_BEHAVIOURS))
+    if unknown:
+        raise ValueError(
+            f"Unknown ideal simulator behaviour(s) {', '.join(unknown)} in {text!r}. "
+            f"Known: {', '.join(IDEAL_BEHAVIOURS)}."
+        )
+    return names
+
+
+def _pci_bus_id(nvml_index: int) -> str:
+    return f"00000000:{0x17 + 0x10 * nvml_index:02X}:00.0"
 
 
 @dataclass
 class SimulatedSystem:
-    """A node of simulated GPUs built from a spec string."""
+    """A node of simulated GPUs built from a spec string.
+
+    `gpus` lists them in NVML's order, by PCI bus. Unless `device_order` is ideal, the slower models sit
+    on the lower buses, so that on a mixed node NVML's order differs from CUDA's default (fastest first)
+    as it does on real ones; `cuda_gpus()` gives CUDA's. A GPU's UUID and persistent state follow its
+    place in the spec string, whatever its bus.
+    """
 
     spec: str
     noise: float = 0.0
@@ -513,33 +672,65 @@ class SimulatedSystem:
     faults: str = ""
     state_dir: str | None = None  # None: a per-user directory under the temp dir; "" : in memory only
     virtual_clock: bool = False
+    ideal: str = ""  # comma-separated IDEAL_BEHAVIOURS to switch off
+    energy_refresh_ms: float | None = None  # None: each model's own period
     gpus: list[SimulatedGPU] = field(init=False)
     clock: VirtualClock | None = field(init=False)
 
     def __post_init__(self) -> None:
         groups = parse_spec(self.spec)
         faults = parse_faults(self.faults)
+        self.ideal_behaviours = parse_ideal(self.ideal)
+        if self.energy_refresh_ms is not None and not 0 <= self.energy_refresh_ms <= 10_000:
+            raise ValueError(f"energy_refresh_ms={self.energy_refresh_ms!r} must be within [0, 10000] ms.")
         self.clock = VirtualClock() if self.virtual_clock else None
         system_id = hashlib.sha1(self.spec.encode()).hexdigest()[:12]
         directory = self.state_path()
+        models = [(spec_for(g.kind), g.trace()) for g in groups for _ in range(g.count)]
+        slots = list(range(len(models)))  # place in the spec string
+        if "device_order" not in self.ideal_behaviours:
+            slots.sort(key=lambda s: models[s][0].fp32_tflops)  # stable: the spec's order among equals
         self.gpus = []
-        for g in groups:
-            spec, trace = spec_for(g.kind), g.trace()
-            for _ in range(g.count):
-                i = len(self.gpus)
-                self.gpus.append(
-                    SimulatedGPU(
-                        index=i,
-                        spec=spec,
-                        trace=trace,
-                        uuid=_uuid_for(system_id, i),
-                        state_path=None if directory is None else directory / f"gpu{i}.state",
-                        clock=self.clock,
-                        noise=self.noise,
-                        seed=self.seed,
-                        faults=_merge(faults.get(None), faults.get(i)),
-                    )
+        for i, slot in enumerate(slots):
+            spec, trace = models[slot]
+            refresh_ms = spec.energy_refresh_ms if self.energy_refresh_ms is None else self.energy_refresh_ms
+            self.gpus.append(
+                SimulatedGPU(
+                    index=i,
+                    spec=spec,
+                    trace=trace,
+                    uuid=_uuid_for(system_id, slot),
+                    state_path=None if directory is None else directory / f"gpu{slot}.state",
+                    clock=self.clock,
+                    noise=self.noise,
+                    seed=self.seed,
+                    faults=_merge(faults.get(None), faults.get(i)),
+                    energy_refresh_s=0.0 if "energy_counter" in self.ideal_behaviours else refresh_ms / 1000,
+                    power_usage_averaged=spec.power_usage_averaged
+                    and "power_average" not in self.ideal_behaviours,
+                    blocking_sync="interruptible_sync" not in self.ideal_behaviours,
+                    pci_bus_id=_pci_bus_id(i),
                 )
+            )
+        self._cuda_cache: tuple[tuple[str | None, str | None], list[SimulatedGPU]] | None = None
+
+    def cuda_gpus(self) -> list[SimulatedGPU]:
+        """The GPUs CUDA shows this process, in CUDA's numbering (element i is `cuda:i`).
+
+        CUDA cannot open a GPU the job's cgroup hides. It numbers the rest fastest first, then by PCI
+        bus, unless `CUDA_DEVICE_ORDER=PCI_BUS_ID` (NVML's order); `CUDA_VISIBLE_DEVICES` then selects
+        and renumbers them by that numbering or by UUID prefix.
+        """
+        key = (os.environ.get("CUDA_DEVICE_ORDER"), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if self._cuda_cache is not None and self._cuda_cache[0] == key:
+            return self._cuda_cache[1]
+        order = [g for g in self.gpus if not g.faults.hidden]
+        if key[0] != "PCI_BUS_ID" and "device_order" not in self.ideal_behaviours:
+            order.sort(key=lambda g: -g.spec.fp32_tflops)
+        by_uuid = {g.uuid: g for g in order}
+        gpus = [by_uuid[u] for u in cuda_visible_uuids(key[1], [g.uuid for g in order])]
+        self._cuda_cache = (key, gpus)
+        return gpus
 
     def state_path(self) -> Path | None:
         """Directory where this node's GPU state lives (None when kept in memory)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from zeus_callbacks.core.device.errors import SIMULATION_HINT, NVMLUnavailableError
+from zeus_callbacks.core.device.errors import SIMULATION_HINT, MIGNotSupportedError, NVMLUnavailableError
 
 __all__ = [
     "NVMLBackend",
@@ -28,6 +28,9 @@ __all__ = [
     "active_backend",
     "reset_backend",
     "has_cap_sys_admin",
+    "cuda_visible_uuids",
+    "nvml_uuid",
+    "nvml_inventory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,65 @@ def has_cap_sys_admin(status_path: str = "/proc/self/status") -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return False
+
+
+def nvml_uuid(cuda_uuid: object) -> str:
+    """A CUDA device's UUID (e.g. torch's `get_device_properties(i).uuid`) in NVML's `GPU-...` form."""
+    text = str(cuda_uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+def cuda_visible_uuids(visible: str | None, uuids: list[str]) -> list[str]:
+    """The devices `CUDA_VISIBLE_DEVICES=visible` selects from `uuids` (CUDA's numbering), in its order.
+
+    Entries are indices into `uuids` or unique UUID prefixes; as CUDA does, the list ends at the first
+    entry that names no device.
+
+    Raises:
+        MIGNotSupportedError: an entry selects a MIG device.
+        ValueError: an entry names a GPU twice.
+    """
+    if visible is None:
+        return list(uuids)
+    out: list[str] = []
+    for raw in (v.strip() for v in visible.split(",")):
+        if not raw:
+            break
+        if raw.startswith("MIG-"):
+            raise MIGNotSupportedError(
+                f"CUDA_VISIBLE_DEVICES={visible!r} selects a MIG device; NVML cannot measure or control MIG "
+                "instances. Select whole GPUs by index or GPU-<uuid>."
+            )
+        if raw.lstrip("-").isdigit():
+            if not 0 <= int(raw) < len(uuids):
+                break  # CUDA ignores the rest of the list after an invalid entry
+            out.append(uuids[int(raw)])
+            continue
+        matches = [u for u in uuids if u.startswith(raw)]
+        if len(matches) != 1:
+            break
+        out.append(matches[0])
+    if len(set(out)) != len(out):
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} names a GPU twice.")
+    return out
+
+
+def nvml_inventory(nvml: ModuleType) -> tuple[dict[int, str], list[int]]:
+    """({NVML index: UUID} of the GPUs this process may open, NVML indices of those it may not).
+
+    Under cgroups (containers, Slurm, Kubernetes) NVML counts every GPU of the node, but opening one the
+    job was not granted raises NO_PERMISSION.
+    """
+    opened: dict[int, str] = {}
+    denied: list[int] = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        try:
+            opened[i] = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))
+        except nvml.NVMLError as e:
+            if e.value != nvml.NVML_ERROR_NO_PERMISSION:
+                raise
+            denied.append(i)
+    return opened, denied
 
 
 class NVMLBackend:
@@ -89,6 +151,34 @@ class NVMLBackend:
     def may_change_settings(self, handle: Any) -> bool:
         """Whether this process may change the power limit and clocks of the GPU behind `handle`."""
         return has_cap_sys_admin()
+
+    def cuda_uuids(self) -> list[str]:
+        """The NVML UUIDs of the CUDA devices this process sees: element i is CUDA device i (`cuda:i`).
+
+        From torch's device properties when CUDA is available to torch. Otherwise CUDA's numbering is
+        assumed to be NVML's (PCI bus order), exact only with `CUDA_DEVICE_ORDER=PCI_BUS_ID` or identical
+        GPUs; a mixed node without it is warned about.
+        """
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                n = torch.cuda.device_count()
+                return [nvml_uuid(torch.cuda.get_device_properties(i).uuid) for i in range(n)]
+        except ImportError:
+            pass
+        nvml = self.nvml
+        opened, _ = nvml_inventory(nvml)
+        if os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and len(opened) > 1:
+            names = {nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByUUID(u)) for u in opened.values()}
+            if len(names) > 1:
+                logger.warning(
+                    "CUDA numbers mixed GPUs (%s) fastest first, and without torch's CUDA this process cannot "
+                    "ask CUDA for its order; assuming PCI bus order. Set CUDA_DEVICE_ORDER=PCI_BUS_ID so that "
+                    "GPU i is the same device for every library.",
+                    ", ".join(sorted(names)),
+                )
+        return cuda_visible_uuids(os.environ.get("CUDA_VISIBLE_DEVICES"), list(opened.values()))
 
     def journal_dir(self) -> Path | None:
         """Default directory of the state guard's journals (None: keep them in memory only).

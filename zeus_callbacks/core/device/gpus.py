@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-from zeus_callbacks.core.device import state_guard
-from zeus_callbacks.core.device.backend import NVMLBackend, active_backend, reset_backend
+from zeus_callbacks.core.device import power, state_guard
+from zeus_callbacks.core.device.backend import NVMLBackend, active_backend, nvml_inventory, reset_backend
 from zeus_callbacks.core.device.errors import (
     SIMULATION_HINT,
     GPUNoPermissionError,
@@ -27,24 +26,27 @@ logger = logging.getLogger(__name__)
 class GPU:
     """One GPU: NVML queries and settings in the units NVML uses (mW, mJ, MHz).
 
+    `index` is the CUDA index (what frameworks call GPU i, `cuda:i`); `nvml_index` is NVML's (PCI bus
+    order), which differs on mixed nodes. The two are tied by the UUID, never by position.
+
     Changes of power limit, clocks and persistence go through the process's `GPUStateGuard`, which
     records the value in force before the first change and restores it at the end.
     """
 
-    def __init__(self, backend: NVMLBackend, index: int, nvml_index: int) -> None:
+    def __init__(self, backend: NVMLBackend, index: int, uuid: str) -> None:
         self.backend = backend
         self.nvml: ModuleType = backend.nvml
         self.index = index
-        self.nvml_index = nvml_index
+        self.uuid = uuid
         self.simulated = backend.simulated
         nvml = self.nvml
         try:
-            self.handle = nvml.nvmlDeviceGetHandleByIndex(nvml_index)
+            self.handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            self.nvml_index: int = nvml.nvmlDeviceGetIndex(self.handle)
             self.name: str = nvml.nvmlDeviceGetName(self.handle)
-            self.uuid: str = nvml.nvmlDeviceGetUUID(self.handle)
             self.architecture: int = nvml.nvmlDeviceGetArchitecture(self.handle)
         except nvml.NVMLError as e:
-            raise nvml_error(nvml, e, "Querying the GPU", f"GPU {index} (NVML index {nvml_index})") from None
+            raise nvml_error(nvml, e, "Opening the GPU", f"CUDA device {index} ({uuid})") from None
         self.supports_energy_counter = self.architecture >= nvml.NVML_DEVICE_ARCH_VOLTA
         if self.supports_energy_counter:
             try:
@@ -181,7 +183,11 @@ class GPU:
 
 
 class GPUs(Sequence[GPU]):
-    """The GPUs this process may use, in framework order (honours `CUDA_VISIBLE_DEVICES`)."""
+    """The GPUs this process may use, in CUDA's numbering (`CUDA_DEVICE_ORDER`, `CUDA_VISIBLE_DEVICES`).
+
+    Each CUDA device is tied to its NVML handle by UUID. GPUs NVML counts but the job may not open
+    (a container's or cgroup's device list) are skipped with one log message.
+    """
 
     def __init__(self, backend: NVMLBackend) -> None:
         self.backend = backend
@@ -189,8 +195,25 @@ class GPUs(Sequence[GPU]):
         self.simulated = backend.simulated
         self.clock: Callable[[], float] = backend.clock
         self.virtual_clock = backend.virtual_clock
-        nvml_indices = _visible_nvml_indices(self.nvml, self._count())
-        self._gpus = [GPU(backend, i, n) for i, n in enumerate(nvml_indices)]
+        try:
+            _, denied = nvml_inventory(self.nvml)
+        except self.nvml.NVMLError as e:
+            raise nvml_error(self.nvml, e, "Counting the GPUs", "this machine") from None
+        if denied:
+            logger.info(
+                "NVML counts %d GPU(s) this process may not open (NVML index %s: no permission, e.g. not "
+                "granted to this container or job); skipped.",
+                len(denied),
+                ", ".join(map(str, denied)),
+            )
+        uuids = backend.cuda_uuids()
+        for i, uuid in enumerate(uuids):
+            if uuid.startswith("MIG-"):
+                raise MIGNotSupportedError(
+                    f"CUDA device {i} is the MIG device {uuid}; NVML cannot measure or control MIG instances. "
+                    "Select whole GPUs (CUDA_VISIBLE_DEVICES) or disable MIG."
+                )
+        self._gpus = [GPU(backend, i, uuid) for i, uuid in enumerate(uuids)]
         for g in self._gpus:
             _refuse_mig(g)
         # Settings left by dead processes that discovery put back (`zeus-callbacks restore` reports them).
@@ -204,12 +227,6 @@ class GPUs(Sequence[GPU]):
 
     def __iter__(self) -> Iterator[GPU]:
         return iter(self._gpus)
-
-    def _count(self) -> int:
-        try:
-            return self.nvml.nvmlDeviceGetCount()
-        except self.nvml.NVMLError as e:
-            raise nvml_error(self.nvml, e, "Counting the GPUs", "this machine") from None
 
     def synchronize(self, indices: Sequence[int]) -> None:
         """Wait for the work queued on these GPUs."""
@@ -249,37 +266,6 @@ class GPUs(Sequence[GPU]):
         return read_counters
 
 
-def _visible_nvml_indices(nvml: ModuleType, count: int) -> list[int]:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return list(range(count))
-    uuids: list[str] | None = None
-    out: list[int] = []
-    for raw in (v.strip() for v in visible.split(",")):
-        if not raw:
-            break
-        if raw.startswith("MIG-"):
-            raise MIGNotSupportedError(
-                f"CUDA_VISIBLE_DEVICES={visible!r} selects a MIG device; NVML cannot measure or control MIG "
-                "instances. Select whole GPUs by index or GPU-<uuid>."
-            )
-        if raw.lstrip("-").isdigit():
-            idx = int(raw)
-            if not 0 <= idx < count:
-                break  # CUDA ignores the rest of the list after an invalid entry
-            out.append(idx)
-            continue
-        if uuids is None:
-            uuids = [nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
-        matches = [i for i, u in enumerate(uuids) if u.startswith(raw)]
-        if len(matches) != 1:
-            break
-        out.append(matches[0])
-    if len(set(out)) != len(out):
-        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r} names a GPU twice.")
-    return out
-
-
 def _refuse_mig(gpu: GPU) -> None:
     try:
         current, _ = gpu.nvml.nvmlDeviceGetMigMode(gpu.handle)
@@ -296,8 +282,11 @@ _lock = threading.Lock()
 _gpus: GPUs | None = None
 
 
-def get_gpus() -> GPUs:
+def get_gpus(repair: bool = True) -> GPUs:
     """The process's GPUs (discovered once) through the active NVML backend (see `backend`).
+
+    At the first discovery, settings left changed by processes that died hard are put back, unless
+    `repair` is False (read-only callers such as `zeus-callbacks doctor`).
 
     Raises:
         NVMLUnavailableError: no NVML library or driver, and no other backend (simulation) selected.
@@ -313,7 +302,8 @@ def get_gpus() -> GPUs:
             except nvml.NVMLError as e:
                 raise nvml_error(nvml, e, "Initialising NVML", "this machine") from None
             _gpus = GPUs(backend)
-            _gpus.repaired = state_guard.guard().repair_dead_runs(_gpus)
+            if repair:
+                _gpus.repaired = state_guard.guard().repair_dead_runs(_gpus)
         return _gpus
 
 
@@ -326,4 +316,5 @@ def reset() -> None:
     with _lock:
         _gpus = None
     state_guard.reset()
+    power.forget_refresh_periods()
     reset_backend()

@@ -25,7 +25,7 @@ from zeus_callbacks.core.device.errors import GPUError, nvml_error
 if TYPE_CHECKING:
     from zeus_callbacks.core.device.gpus import GPU, GPUs
 
-__all__ = ["GPUStateGuard", "JournalEntry", "guard", "journal_dir", "reset"]
+__all__ = ["GPUStateGuard", "JournalEntry", "guard", "journal_dir", "leftover_entries", "reset"]
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +228,23 @@ class GPUStateGuard:
             else:
                 path.unlink(missing_ok=True)
         return restored
+
+
+def leftover_entries(directory: Path | None = None) -> list[tuple[int, JournalEntry]]:
+    """Settings journaled by processes that are no longer running, as (pid, entry); read-only."""
+    directory = journal_dir() if directory is None else directory
+    if directory is None or not directory.is_dir():
+        return []
+    out: list[tuple[int, JournalEntry]] = []
+    for path in sorted(directory.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+            pid = int(data["pid"])
+            if not _alive(pid, data.get("start")):
+                out.extend((pid, JournalEntry(**raw)) for raw in data["entries"])
+        except (OSError, ValueError, KeyError, TypeError):
+            logger.warning("Ignoring unreadable GPU-state journal %s.", path)
+    return out
 
 
 _guard: GPUStateGuard | None = None

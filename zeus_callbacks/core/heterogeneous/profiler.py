@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from zeus_callbacks.core.device.gpus import GPU
+from zeus_callbacks.core.device.power import energy_refresh_period_s
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.heterogeneous.profile_file import BatchSizeRun, PowerLimitWindow, write_run
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -21,6 +22,10 @@ from zeus_callbacks.core.power_limit.search import power_limit_grid
 __all__ = ["PROFILE_ENV", "PowerLimitWindow", "profile_batch_size", "profile_power_limits"]
 
 logger = logging.getLogger(__name__)
+
+# A window spans at least this many refreshes of the energy counter, which moves only when the driver
+# refreshes it: then its energy is off by at most 1/20 of the window, and by much less on average.
+MIN_REFRESHES_PER_WINDOW = 20
 
 PROFILE_ENV = {
     "batch_size": "ZEUS_CALLBACKS_PROFILE_BATCH_SIZE",
@@ -141,18 +146,33 @@ def _limits(gpu: GPU, power_limits: Sequence[int] | None, pl_step: int) -> list[
 def _measure(
     step_fn: Callable[[], Any], monitor: ZeusMonitor, gpu: GPU, pl: int, warmup_steps: int, steps: int
 ) -> PowerLimitWindow:
+    """One window at `pl`: at least `steps` steps, and as many more as the GPU's energy counter needs to be
+    read to within a few percent (it moves only at each refresh); figures are scaled back to `steps`."""
     boundary = monitor.gpus.step_boundary
     gpu.set_power_limit_mw(pl * 1000)
     for _ in range(warmup_steps):
         step_fn()
         boundary(monitor.gpu_indices)
+    period = energy_refresh_period_s(gpu)
+    min_window_s = 0.0 if period is None else MIN_REFRESHES_PER_WINDOW * period
+    clock = monitor.gpus.clock
     monitor.begin_window(_WINDOW)
-    for _ in range(steps):
+    start, done = clock(), 0
+    while done < steps or clock() - start < min_window_s:
         step_fn()
         boundary(monitor.gpu_indices)
+        done += 1
     m = monitor.end_window(_WINDOW)
-    window = PowerLimitWindow(pl, m.time, m.gpu_energy[gpu.index], steps)
-    logger.info("%d W: %.4f s, %.2f J per %d steps", pl, m.time, window.energy_j, steps)
+    scale = steps / done
+    window = PowerLimitWindow(pl, m.time * scale, m.gpu_energy[gpu.index] * scale, steps)
+    logger.info(
+        "%d W: %.4f s, %.2f J per %d steps (measured over %d steps)",
+        pl,
+        window.time_s,
+        window.energy_j,
+        steps,
+        done,
+    )
     return window
 
 

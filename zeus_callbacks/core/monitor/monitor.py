@@ -248,6 +248,9 @@ class ZeusMonitor:
             raise ValueError(
                 f"Measurement window {key!r} was not begun (open: {sorted(self._windows)})."
             ) from None
+        # Instantaneous power is read before the synchronisation, while the window's work still runs (Zeus
+        # does the same): afterwards the GPU may already have dropped to idle.
+        instant = self._instant_power_w() if self.approx_instant_energy and not cancel else None
         if sync_execution:
             self.gpus.synchronize(self.gpu_indices)
         if cancel:
@@ -262,7 +265,7 @@ class ZeusMonitor:
         if (end - start < self._short_s or not all(energy.values())) and (
             self.approx_instant_energy or len(self._short_warned) < len(energy)
         ):
-            self._short_window(key, end - start, energy)
+            self._short_window(key, end - start, energy, instant)
         if self._sampler is not None:
             energy.update(zip(self._sampled_indices, self._sampler.energy_j(start, end), strict=True))
         cpu_j, dram_j = self._cpu_energy(cpu_before)
@@ -273,7 +276,16 @@ class ZeusMonitor:
             self._log.flush()
         return m
 
-    def _short_window(self, key: str, elapsed_s: float, energy: dict[int, float]) -> None:
+    def _instant_power_w(self) -> dict[int, float] | None:
+        try:
+            return {i: instant_power_mw(self.gpus[i]) / 1000.0 for i in self._counter_indices}
+        except GPUError as e:
+            logger.warning("Could not read instantaneous power: %s", e)
+            return None
+
+    def _short_window(
+        self, key: str, elapsed_s: float, energy: dict[int, float], instant: dict[int, float] | None
+    ) -> None:
         """A window that may be shorter than a counter's refresh: approximate it, or warn once per GPU."""
         periods = [energy_refresh_period_s(self.gpus[i]) for i in energy]
         if all(p is not None for p in periods):
@@ -283,21 +295,19 @@ class ZeusMonitor:
             period = energy_refresh_period_s(gpu)
             if period is None:
                 short = energy[i] == 0.0
-                period_text = "the energy counter's refresh period"
+                period_text = "its energy counter's refresh period"
             else:
                 short = elapsed_s < period
                 period_text = f"its energy counter's refresh period ({period * 1000:.0f} ms)"
             if not short:
                 continue
             if self.approx_instant_energy:
-                try:
-                    energy[i] = instant_power_mw(gpu) / 1000.0 * elapsed_s
-                except GPUError as e:
-                    logger.warning("Could not approximate the energy of window %r: %s", key, e)
+                if instant is not None:
+                    energy[i] = instant[i] * elapsed_s
             elif i not in self._short_warned:
                 self._short_warned.add(i)
                 logger.warning(
-                    "Window %r (%.1f ms) is shorter than %s's %s, so its energy reads %.3f J (0 J or one whole "
+                    "Window %r (%.1f ms) on %s is shorter than %s, so its energy reads %.3f J (0 J or one whole "
                     "refresh). Measure longer windows, or pass `ZeusMonitor(approx_instant_energy=True)` to use "
                     "instantaneous power x time for such windows. (Warned once per GPU.)",
                     key,

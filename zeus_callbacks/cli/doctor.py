@@ -1,0 +1,195 @@
+"""`zeus-callbacks doctor`: a read-only check of a node before training (real or simulated GPUs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from zeus_callbacks.core.device import node_info
+from zeus_callbacks.core.device.errors import MIGNotSupportedError, NVMLUnavailableError
+from zeus_callbacks.core.device.gpus import GPU, get_gpus
+from zeus_callbacks.core.device.power import energy_refresh_period_s, instant_power_mw
+from zeus_callbacks.core.device.state_guard import journal_dir, leftover_entries
+
+NO_GPU_MESSAGE = (
+    "No NVIDIA GPU or driver found (NVML unavailable). To try the package on simulated GPUs, set "
+    "ZEUS_CALLBACKS_SIMULATE=a40 (or v100, a10g, t4)."
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `doctor` subcommand."""
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check this node before training: GPUs by UUID, energy counter, power, limits, permissions",
+        description=(
+            "Read-only check of this node: NVML and driver, each visible GPU (CUDA index -> NVML UUID), its "
+            "energy counter and refresh period, power (average and instant), power limits, clocks, whether "
+            "this process may change settings and why not, the journal directory, and settings left changed "
+            "by dead runs. Changes nothing. Exits 1 when something would stop the optimizers."
+        ),
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def _watts(mw: int | None) -> float | None:
+    return None if mw is None else mw / 1000
+
+
+def describe(gpu: GPU) -> dict[str, Any]:
+    """What `doctor` reports about one GPU (W, MHz, ms)."""
+    call = node_info.safe_call
+    constraints = call(gpu.power_limit_constraints_mw)
+    clocks = call(gpu.supported_sm_clocks_mhz)
+    period = energy_refresh_period_s(gpu) if gpu.supports_energy_counter else None
+    return {
+        "cuda_index": gpu.index,
+        "nvml_index": gpu.nvml_index,
+        "uuid": gpu.uuid,
+        "name": gpu.name,
+        "simulated": gpu.simulated,
+        "energy_counter": gpu.supports_energy_counter,
+        "energy_refresh_ms": None if period is None else round(period * 1000, 1),
+        "power_average_w": _watts(call(gpu.power_mw)),
+        "power_instant_w": _watts(call(instant_power_mw, gpu)),
+        "power_limit_w": _watts(call(gpu.power_limit_mw)),
+        "min_power_limit_w": None if constraints is None else constraints[0] / 1000,
+        "max_power_limit_w": None if constraints is None else constraints[1] / 1000,
+        "default_power_limit_w": _watts(call(gpu.default_power_limit_mw)),
+        "sm_clock_mhz": call(node_info.current_sm_clock_mhz, gpu),
+        "supported_sm_clocks": len(clocks) if clocks else 0,
+        "min_sm_clock_mhz": min(clocks) if clocks else None,
+        "max_sm_clock_mhz": max(clocks) if clocks else None,
+        "may_change_settings": gpu.may_change_settings(),
+    }
+
+
+def _gpu_findings(g: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(problems that stop an optimizer, warnings) for one GPU."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    label = f"GPU {g['cuda_index']} ({g['name']})"
+    if g["max_power_limit_w"] is None:
+        problems.append(f"{label}: power limits cannot be read; the power-limit optimizer stands down.")
+    if not g["supported_sm_clocks"]:
+        problems.append(f"{label}: no supported SM clocks; the pipeline-frequency optimizer stands down.")
+    if not g["energy_counter"]:
+        warnings.append(f"{label}: no energy counter (pre-Volta); energy comes from sampled power.")
+    elif g["energy_refresh_ms"] is None:
+        warnings.append(f"{label}: the energy counter's refresh period could not be measured.")
+    default, top = g["default_power_limit_w"], g["max_power_limit_w"]
+    if default is not None and top is not None and default < top:
+        warnings.append(f"{label}: default power limit {default:g} W is below the maximum {top:g} W.")
+    if g["power_limit_w"] is not None and default is not None and g["power_limit_w"] != default:
+        warnings.append(
+            f"{label}: the power limit in force ({g['power_limit_w']:g} W) differs from the default "
+            f"({default:g} W); if no job of yours set it, `zeus-callbacks restore` puts back what a dead run left."
+        )
+    return problems, warnings
+
+
+def check() -> dict[str, Any]:
+    """The whole report as plain data; raises `NVMLUnavailableError` without NVML or simulation."""
+    gpus = get_gpus(repair=False)
+    driver, nvml_version = node_info.driver_versions(gpus)
+    perm = node_info.permission(gpus)
+    journal = node_info.check_journal_dir(journal_dir())
+    leftovers = [
+        {"pid": pid, "uuid": e.uuid, "name": e.name, "knob": e.knob, "original": e.original}
+        for pid, e in leftover_entries()
+    ]
+    rows = [describe(g) for g in gpus]
+    problems: list[str] = [] if rows else ["No GPU is visible to this process (check CUDA_VISIBLE_DEVICES)."]
+    warnings: list[str] = []
+    for row in rows:
+        p, w = _gpu_findings(row)
+        problems += p
+        warnings += w
+    if not perm.may_change:
+        problems.append(
+            f"This process may not change power limits or clocks: {perm.reason}. The optimizers only measure."
+        )
+    if not journal.safe:
+        problems.append(
+            f"Journal directory {journal.path} {journal.problem}; no GPU setting will be changed."
+        )
+    if leftovers:
+        warnings.append(
+            f"{len(leftovers)} setting(s) left changed by dead runs; `zeus-callbacks restore` puts them back."
+        )
+    return {
+        "simulated": gpus.simulated,
+        "driver_version": driver,
+        "nvml_version": nvml_version,
+        "permission": perm.__dict__,
+        "journal_dir": journal.__dict__,
+        "leftovers": leftovers,
+        "gpus": rows,
+        "problems": problems,
+        "warnings": warnings,
+    }
+
+
+def _fmt(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}{unit}"
+    return f"{value}{unit}"
+
+
+def _print_report(r: dict[str, Any]) -> None:
+    if r["simulated"]:
+        print("SIMULATED GPUs (ZEUS_CALLBACKS_SIMULATE): every figure below is a simulation, not hardware.")
+    print(f"driver {_fmt(r['driver_version'])}, NVML {_fmt(r['nvml_version'])}")
+    for g in r["gpus"]:
+        print(f"\nGPU {g['cuda_index']} (CUDA) = NVML {g['nvml_index']}  {g['name']}  {g['uuid']}")
+        print(
+            f"  energy counter: {_fmt(g['energy_counter'])}, refreshes every {_fmt(g['energy_refresh_ms'], ' ms')}"
+        )
+        print(
+            f"  power: {_fmt(g['power_average_w'], ' W')} average, {_fmt(g['power_instant_w'], ' W')} instant"
+        )
+        print(
+            f"  power limit: {_fmt(g['power_limit_w'], ' W')} in force, {_fmt(g['min_power_limit_w'])}-"
+            f"{_fmt(g['max_power_limit_w'], ' W')} settable, default {_fmt(g['default_power_limit_w'], ' W')}"
+        )
+        print(
+            f"  SM clock: {_fmt(g['sm_clock_mhz'], ' MHz')} now, {g['supported_sm_clocks']} supported "
+            f"({_fmt(g['min_sm_clock_mhz'])}-{_fmt(g['max_sm_clock_mhz'], ' MHz')})"
+        )
+    p, j = r["permission"], r["journal_dir"]
+    print(
+        f"\nmay change settings: {_fmt(p['may_change'])} ({p['reason']}; euid {p['euid']}, "
+        f"CAP_SYS_ADMIN {_fmt(p['cap_sys_admin'])}, container {_fmt(p['container'])})"
+    )
+    print(f"journal directory: {_fmt(j['path'])} ({'safe' if j['safe'] else j['problem']})")
+    print(f"settings left by dead runs: {len(r['leftovers'])}")
+    for w in r["warnings"]:
+        print(f"warning: {w}")
+    for problem in r["problems"]:
+        print(f"PROBLEM: {problem}")
+    if not r["problems"]:
+        print("OK: nothing here stops the optimizers.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report; 1 when something would stop the optimizers (or there is no NVML)."""
+    try:
+        report = check()
+    except NVMLUnavailableError:
+        print(NO_GPU_MESSAGE, file=sys.stderr)
+        return 1
+    except MIGNotSupportedError as e:
+        print(e, file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_report(report)
+    return 1 if report["problems"] else 0

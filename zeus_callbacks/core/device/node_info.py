@@ -1,0 +1,140 @@
+"""Read-only facts about the node for `zeus-callbacks doctor`: driver, clocks, permissions, journal safety."""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from zeus_callbacks.core.device.backend import has_cap_sys_admin
+from zeus_callbacks.core.device.errors import GPUError, nvml_error
+from zeus_callbacks.core.device.gpus import GPU, GPUs
+
+__all__ = [
+    "driver_versions",
+    "current_sm_clock_mhz",
+    "Permission",
+    "permission",
+    "JournalDirCheck",
+    "check_journal_dir",
+]
+
+
+def driver_versions(gpus: GPUs) -> tuple[str | None, str | None]:
+    """(driver version, NVML library version); None where the library does not say."""
+    out: list[str | None] = []
+    for name in ("nvmlSystemGetDriverVersion", "nvmlSystemGetNVMLVersion"):
+        fn = getattr(gpus.nvml, name, None)
+        try:
+            value = fn() if fn is not None else None
+        except gpus.nvml.NVMLError:
+            value = None
+        out.append(value.decode() if isinstance(value, bytes) else value)
+    return out[0], out[1]
+
+
+def current_sm_clock_mhz(gpu: GPU) -> int:
+    """The SM clock now (MHz)."""
+    try:
+        return int(gpu.nvml.nvmlDeviceGetClockInfo(gpu.handle, gpu.nvml.NVML_CLOCK_SM))
+    except gpu.nvml.NVMLError as e:
+        raise nvml_error(gpu.nvml, e, "Reading the SM clock", gpu.label) from None
+
+
+@dataclass(frozen=True)
+class Permission:
+    """Whether this process may change GPU settings, and why (not)."""
+
+    may_change: bool
+    euid: int
+    cap_sys_admin: bool
+    container: str | None  # "docker", "podman", "kubernetes", ... when detected
+    reason: str
+
+
+def _container() -> str | None:
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return "kubernetes"
+    if Path("/.dockerenv").exists():
+        return "docker"
+    if Path("/run/.containerenv").exists():
+        return "podman"
+    try:
+        cgroup = Path("/proc/1/cgroup").read_text()
+    except OSError:
+        return None
+    for word in ("kubepods", "docker", "containerd", "lxc"):
+        if word in cgroup:
+            return word
+    return None
+
+
+def permission(gpus: GPUs) -> Permission:
+    """What decides whether the optimizers may change power limits and clocks here."""
+    cap = has_cap_sys_admin()
+    container = _container()
+    may = all(g.may_change_settings() for g in gpus) if len(gpus) else cap
+    if may:
+        reason = "this process holds CAP_SYS_ADMIN" if not gpus.simulated else "the simulated GPUs allow it"
+    elif gpus.simulated:
+        reason = "the simulated GPUs refuse it (ZEUS_CALLBACKS_SIM_FAULTS)"
+    elif os.geteuid() == 0:
+        reason = "root without CAP_SYS_ADMIN" + (
+            f" (a {container} container drops it: add `--cap-add SYS_ADMIN` or the pod's securityContext "
+            "capability)"
+            if container
+            else ""
+        )
+    else:
+        reason = "not root and no CAP_SYS_ADMIN: run as root, grant the capability, or use zeusd"
+    return Permission(may, os.geteuid(), cap, container, reason)
+
+
+@dataclass(frozen=True)
+class JournalDirCheck:
+    """The GPU-state journal directory and whether this process can trust and use it."""
+
+    path: str | None
+    exists: bool
+    safe: bool
+    problem: str | None
+
+
+def check_journal_dir(path: Path | None) -> JournalDirCheck:
+    """Is `path` a directory owned by this user (or root), not writable by others and not a symlink?"""
+    if path is None:
+        return JournalDirCheck(None, False, True, "journals are kept in memory only")
+    if not os.path.lexists(path):
+        parent = _nearest_existing(path)
+        writable = os.access(parent, os.W_OK)
+        problem = None if writable else f"{parent} is not writable: the journal cannot be created"
+        return JournalDirCheck(str(path), False, writable, problem)
+    info = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(info.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory"
+    elif info.st_uid not in (os.geteuid(), 0):
+        problem = f"is owned by uid {info.st_uid}, not by this user or root"
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = "is writable by other users"
+    elif not os.access(path, os.W_OK):
+        problem = "is not writable by this process"
+    return JournalDirCheck(str(path), True, problem is None, problem)
+
+
+def _nearest_existing(path: Path) -> Path:
+    for parent in (path, *path.parents):
+        if parent.exists():
+            return parent
+    return Path("/")
+
+
+def safe_call(fn, *args):
+    """`fn(*args)`, or None where the GPU or driver does not support the query."""
+    try:
+        return fn(*args)
+    except GPUError:
+        return None
