@@ -50,6 +50,11 @@ class SimulatedBackend(NVMLBackend):
         """From the simulator's model of CUDA's numbering (see `SimulatedSystem.cuda_gpus`)."""
         return [g.uuid for g in self.system.cuda_gpus()]
 
+    def known_energy_refresh_s(self, handle: Any) -> float | None:
+        """On a virtual clock polling cannot see the counter move, so the model's period is told; on the
+        wall clock it is measured by polling, exactly as on a real GPU."""
+        return handle.energy_refresh_s if self.virtual_clock else None
+
     def journal_dir(self) -> Path | None:
         """Beside the node's state, so that the journal outlives the process exactly as long as the state."""
         path = self.system.state_path()

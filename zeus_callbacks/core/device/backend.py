@@ -180,6 +180,11 @@ class NVMLBackend:
                 )
         return cuda_visible_uuids(os.environ.get("CUDA_VISIBLE_DEVICES"), list(opened.values()))
 
+    def known_energy_refresh_s(self, handle: Any) -> float | None:
+        """The energy counter's refresh period where the backend knows it without measuring (None: measure
+        it by polling, as on real GPUs, whose drivers do not report it)."""
+        return None
+
     def journal_dir(self) -> Path | None:
         """Default directory of the state guard's journals (None: keep them in memory only).
 

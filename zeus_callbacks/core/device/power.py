@@ -80,9 +80,13 @@ def energy_refresh_period_s(gpu: GPU, clock=time.monotonic) -> float | None:
     with _periods_lock:
         if gpu.uuid in _periods:
             return _periods[gpu.uuid]
-    # A virtual clock only moves with simulated work, so polling cannot see the counter refresh.
-    measurable = gpu.supports_energy_counter and not gpu.backend.virtual_clock
-    period = _measure(gpu, clock) if measurable else None
+    known = gpu.backend.known_energy_refresh_s(gpu.handle)
+    if known is not None:
+        period: float | None = known or None  # 0: a counter that is always current
+    elif gpu.supports_energy_counter and not gpu.backend.virtual_clock:
+        period = _measure(gpu, clock)
+    else:  # a virtual clock only moves with simulated work, so polling cannot see the counter refresh
+        period = None
     if period is not None:
         logger.info("%s: energy counter refreshes every %.0f ms.", gpu.label, period * 1000)
     with _periods_lock:
