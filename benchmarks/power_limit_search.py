@@ -104,7 +104,7 @@ def within_tolerance(trace: sim.Trace, grid: list[int], selector: str, chosen: i
 
 # -- driving the optimizers -----------------------------------------------------------------------------
 def _energy_j(system: sim.SimulatedSystem) -> float:
-    return sum(g.energy_mj() for g in system.gpus) / 1000
+    return sum(g.true_energy_mj() for g in system.gpus) / 1000
 
 
 def run_ours(
