@@ -370,7 +370,7 @@ def test_gpu_lost_mid_run(tmp_path: Path, caplog, run_python):
             system.run_step(WORK_S)  # training goes on
             opt.on_step_end()
         opt.on_train_end()
-    assert opt.phase == "inactive" and opt.metrics()["phase"] == "inactive"
+    assert opt.phase == "inactive" and opt.metrics()["phase_index"] == 4
     assert any("lost" in r.getMessage() for r in caplog.records)
     sim.disable()
     # The GPU is back (a fresh node over the same persisted state): the journal puts the limit back, as
@@ -484,3 +484,40 @@ def test_bursty_steps_are_seeded_heavy_tailed_and_set_aside():
     # measured limit's visit cannot be told from its speed: that limit is only pruned later or not).
     s = opt.stats[opt.optimal_power_limit_w]
     assert s.mean_time_s <= 1.1 * WORK_S * system.gpus[0].trace.relative_time(s.power_limit_w)
+
+
+def test_metrics_are_numbers_labelled_simulated():
+    from zeus_callbacks.core.monitor.reporting import power_limit_metrics
+
+    system = vsim()
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), Time())
+    for _ in range(30):
+        opt.on_step_begin()
+        system.run_step(WORK_S)
+        opt.on_step_end()
+        named = power_limit_metrics(opt.metrics())
+        assert all(isinstance(v, float) for v in named.values()), named
+        assert named["power_limit_optimizer/simulated"] == 1.0
+    assert named["power_limit_optimizer/phase_index"] == GlobalPowerLimitOptimizer.PHASE_INDEX[opt.phase]
+
+
+def test_unfinished_profiling_said_at_train_end_and_choice_announced(caplog, tmp_path: Path):
+    system = vsim()
+    path = tmp_path / "plo.json"
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), Time(), profile_path=path)
+    with caplog.at_level(logging.WARNING, logger="zeus_callbacks"):
+        for _ in range(40):
+            opt.on_step_begin()
+            system.run_step(WORK_S)
+            opt.on_step_end()
+        opt.on_train_end()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("training ended before profiling finished" in m and str(path) in m for m in said), said
+    caplog.clear()
+    again = GlobalPowerLimitOptimizer(ZeusMonitor(), Time(), profile_path=path)  # carries on
+    with caplog.at_level(logging.WARNING, logger="zeus_callbacks"):
+        drive(again, system)
+    assert again.profiling_steps < opt.profiling_steps + again.profiling_steps
+    assert any(
+        f"chose the power limit {again.optimal_power_limit_w} W" in r.getMessage() for r in caplog.records
+    )

@@ -32,11 +32,10 @@ def _prefixed(prefix: str, metrics: Mapping[str, float | str], numbers_only: boo
 
 
 def power_limit_metrics(
-    metrics: Mapping[str, float | str], *, numbers_only: bool = False
+    metrics: Mapping[str, float | str], *, numbers_only: bool = True
 ) -> dict[str, float | str]:
-    """`GlobalPowerLimitOptimizer.metrics()` named for the loggers (`power_limit_optimizer/...`).
-
-    `numbers_only` drops the strings (the phase), for loggers that take numbers only (Lightning's).
+    """`GlobalPowerLimitOptimizer.metrics()` named for the loggers (`power_limit_optimizer/...`): numbers
+    only (trackers take numbers; MLflow warns at every string), the same names for every framework.
     """
     return _prefixed(POWER_LIMIT_PREFIX, metrics, numbers_only)
 

@@ -269,9 +269,22 @@ class GlobalPowerLimitOptimizer(Callback):
         """The chosen power limit once profiling is over (also when this process may not apply it)."""
         return self._phase.power_limit_w if isinstance(self._phase, (_Done, _Inactive)) else None
 
-    def metrics(self) -> dict[str, float | str]:
-        """Numbers for the trainer's loggers: current limit, phase, profiling cost, the choice."""
-        out: dict[str, float | str] = {"phase": self.phase}
+    # The phase as a number for trackers, which take numbers only (MLflow warns at every string).
+    PHASE_INDEX: ClassVar[dict[str, int]] = {
+        "waiting": 0,
+        "warmup": 1,
+        "profiling": 2,
+        "done": 3,
+        "inactive": 4,
+    }
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers for the trainer's loggers: current limit, phase (`PHASE_INDEX`), profiling cost, the
+        choice, and `simulated` (1.0 when the GPUs are simulated, so every tracker run says so)."""
+        out: dict[str, float] = {
+            "phase_index": float(self.PHASE_INDEX[self.phase]),
+            "simulated": float(self.monitor.simulated),
+        }
         if self.power_limit_w is not None:
             out["power_limit_w"] = float(self.power_limit_w)
         if self.optimal_power_limit_w is not None:
@@ -396,9 +409,28 @@ class GlobalPowerLimitOptimizer(Callback):
             self.monitor.end_window(_WINDOW, cancel=True)
         guard().restore()
         self.power_limit_w = None
+        if self._started and isinstance(self._phase, (_Waiting, _Warmup, _Profiling)):
+            self._say_unfinished()
         self._started = False
         if isinstance(self._phase, (_Warmup, _Profiling)):
             self._phase = _Waiting(self.wait_steps)
+
+    def _say_unfinished(self) -> None:
+        measured = sum(1 for s in self.stats.values() if s.steps)
+        carry = (
+            f"it is saved in {self.profile_path}: the next run with the same profile_path carries on"
+            if self.profile_path is not None
+            else "pass `profile_path=...` to carry the profile to the next run (or resume from a checkpoint: "
+            "the profile is in the optimizer's state)"
+        )
+        logger.warning(
+            "GlobalPowerLimitOptimizer: training ended before profiling finished (%d of %d power limits "
+            "measured in %d steps); no power limit was chosen and the GPUs are back as they were. %s.",
+            measured,
+            len(self.grid),
+            self.profiling_steps,
+            carry[0].upper() + carry[1:],
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -672,8 +704,8 @@ class GlobalPowerLimitOptimizer(Callback):
         if save:
             self._save(complete=True)
         self._settle(pl)
-        logger.info(
-            "Optimal power limit: %d W (%s, %d limits profiled%s).",
+        logger.warning(  # WARNING: what the frameworks' default logging shows
+            "GlobalPowerLimitOptimizer chose the power limit %d W (%s, %d limits profiled%s).",
             pl,
             self.optimum_selector,
             len(self.stats),
