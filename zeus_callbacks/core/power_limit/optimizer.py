@@ -704,7 +704,9 @@ class GlobalPowerLimitOptimizer(Callback):
         if save:
             self._save(complete=True)
         self._settle(pl)
-        logger.warning(  # WARNING: what the frameworks' default logging shows
+        # Applied: at WARNING, the level the frameworks' default logging shows (not applied: said above).
+        logger.log(
+            logging.WARNING if isinstance(self._phase, _Done) else logging.INFO,
             "GlobalPowerLimitOptimizer chose the power limit %d W (%s, %d limits profiled%s).",
             pl,
             self.optimum_selector,
