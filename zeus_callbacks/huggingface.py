@@ -167,6 +167,19 @@ class HFZeusMonitor(_LogsFirst):
         _log(state, None, self._reporter.stop())
 
 
+def _saved_state(state: TrainerState, name: str) -> dict[str, Any] | None:
+    """The optimizer state a resumed run's trainer state holds for the callback class `name` (its first
+    instance), or None on a fresh run."""
+    if not state.global_step or not isinstance(state.stateful_callbacks, dict):
+        return None
+    data = state.stateful_callbacks.get(name)
+    if isinstance(data, list):
+        data = data[0] if data else None
+    if not isinstance(data, dict):
+        return None
+    return data.get("attributes", {}).get("optimizer_state")
+
+
 class HFGlobalPowerLimitOptimizer(_LogsFirst, ExportableState):
     """Find the best GPU power limit during training and keep it (Zeus's `HFGlobalPowerLimitOptimizer`).
 
@@ -176,8 +189,9 @@ class HFGlobalPowerLimitOptimizer(_LogsFirst, ExportableState):
     If training raises, `on_train_end` never runs; the process's GPU-state guard then restores the GPUs at
     exit or on SIGINT/SIGTERM. Every log event gets `GlobalPowerLimitOptimizer.metrics()` and the energy of
     the logging interval, prefixed `power_limit_optimizer/`. Checkpoints carry the optimizer's state
-    (`state()`); resuming with `TrainingArguments(restore_callback_states_from_checkpoint=True)` applies
-    the chosen limit without profiling again.
+    (`state()`); `trainer.train(resume_from_checkpoint=...)` resumes it, with or without
+    `restore_callback_states_from_checkpoint`: a chosen limit is applied without profiling again, a
+    partial profile carries on at the next limit, and the profiling counters and `report()` carry on.
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s) (under torch.distributed, this rank's).
@@ -265,9 +279,14 @@ class HFGlobalPowerLimitOptimizer(_LogsFirst, ExportableState):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_train_begin` → `EnergyReporter.start` (energy per logging interval)."""
+        """`on_train_begin` → `EnergyReporter.start` (energy per logging interval); on a resumed run,
+        `GlobalPowerLimitOptimizer.load_state_dict` with the state the checkpoint's trainer state holds,
+        whatever `restore_callback_states_from_checkpoint` says."""
         super().on_train_begin(args, state, control, **kwargs)
         self._training = True
+        saved = _saved_state(state, type(self).__name__)
+        if saved is not None:
+            self.optimizer.load_state_dict(saved)
         self._reporter.start()
 
     @override

@@ -439,6 +439,8 @@ class GlobalPowerLimitOptimizer(Callback):
             "version": 1,
             "optimal_power_limit_w": self.optimal_power_limit_w,
             "stats": [s.to_dict() for s in self.stats.values()],
+            "profiling_steps": self.profiling_steps,
+            "profiling_energy_j": self.profiling_energy_j,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -562,6 +564,8 @@ class GlobalPowerLimitOptimizer(Callback):
         state, self._pending_state = self._pending_state, None
         assert state is not None
         self.stats = {int(s["power_limit_w"]): PowerLimitStats(**s) for s in state["stats"]}
+        self.profiling_steps = int(state.get("profiling_steps", self.profiling_steps))
+        self.profiling_energy_j = float(state.get("profiling_energy_j", self.profiling_energy_j))
         if state.get("optimal_power_limit_w") is not None:
             self._settle(int(state["optimal_power_limit_w"]))
             logger.info(
