@@ -167,3 +167,26 @@ def test_gpu_lost_on_one_rank_deactivates_all_without_hanging(
     assert lost["restored_w"] == "GPULostError" and lost["unrestored"] == ["power_limit"]
     sim_gpus("2*a40")
     assert [g.power_limit_mw() // 1000 for g in get_gpus()] == [MAX_W, MAX_W]
+
+
+def _shared_gpu_worker(rank: int, world: int, port: int, state_dir: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    sim.simulate("2*a40", state_dir=state_dir)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        GlobalPowerLimitOptimizer(ZeusMonitor(gpu_indices=[0]))  # both ranks on GPU 0
+        message = ""
+    except ValueError as e:
+        message = str(e)
+    limit_w = get_gpus()[0].power_limit_mw() // 1000
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"message": message, "limit_w": limit_w}))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_on_one_gpu_refused_before_any_change(tmp_path: Path, sim_state_dir: Path) -> None:
+    args = (2, _free_port(), str(sim_state_dir), str(tmp_path))
+    mp.start_processes(_shared_gpu_worker, args=args, nprocs=2, start_method="spawn")
+    for r in range(2):
+        result = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "rank 0 (gpu_indices=[0]), rank 1 (gpu_indices=[0])" in result["message"]
+        assert "LOCAL_RANK" in result["message"] and result["limit_w"] == MAX_W

@@ -466,6 +466,8 @@ class GlobalPowerLimitOptimizer(Callback):
         load a saved profile: a complete one is applied now."""
         self._ready = True
         self._collective = dist.is_distributed() and all_ranks_take_part()
+        if self._collective:
+            self._refuse_shared_gpus()
         constraints = {g.power_limit_constraints_mw() for g in self._gpus}
         lo, hi = min(c[0] for c in constraints), max(c[1] for c in constraints)
         # Every rank must profile the same grid: refuse mixed GPU models rather than guess.
@@ -482,6 +484,26 @@ class GlobalPowerLimitOptimizer(Callback):
         self.may_set = denied == 0
         if self.profile_path is not None and self.profile_path.exists():
             self._use_profile(load_profile(self.profile_path, self._context(), self.profile_steps))
+
+    def _refuse_shared_gpus(self) -> None:
+        """Two ranks controlling one GPU would profile it twice at once and count its energy twice:
+        refuse before any change, saying what to pass."""
+        mine = [(g.uuid, g.label, i) for g, i in zip(self._gpus, self.monitor.gpu_indices, strict=True)]
+        owners: dict[str, list[tuple[int, str, int]]] = {}
+        for r, gpus in enumerate(dist.all_gather_object(mine)):
+            for uuid, label, index in gpus:
+                owners.setdefault(uuid, []).append((r, label, index))
+        shared = {u: o for u, o in owners.items() if len(o) > 1}
+        if shared:
+            uuid, who = next(iter(shared.items()))
+            ranks = ", ".join(f"rank {r} (gpu_indices=[{i}])" for r, _, i in who)
+            raise ValueError(
+                f"GlobalPowerLimitOptimizer: {ranks} all control {who[0][1]} ({uuid}); each rank must "
+                "measure and control its own GPU. Pass `ZeusMonitor(gpu_indices=[local_rank])` with the "
+                "rank's own CUDA device (torchrun's LOCAL_RANK; transformers' `args.local_process_index` is "
+                "0 on every process of a CPU launch, so use LOCAL_RANK there), or build the optimizer on one "
+                "rank per GPU. Nothing was changed."
+            )
 
     def _use_profile(self, saved: SavedProfile) -> None:
         """Take a saved profile: apply its answer when it holds one for this selector, else keep its
