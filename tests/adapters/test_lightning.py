@@ -300,3 +300,26 @@ def test_ddp_example_ranks_choose_the_same_limit(sim_state_dir: Path) -> None:
     assert sorted(chosen) == ["0", "1"], out.stdout
     assert chosen["0"] == chosen["1"]
     assert out.stdout.count("GPU restored to 300 W") == 2
+
+
+class SpawnTiny(importlib.import_module("lightning.pytorch").LightningModule):
+    """A module `ddp_spawn` can pickle (a top-level class), so that the refusal is the callback's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_ddp_spawn_refused_with_a_clear_message(gpu0: ZeusMonitor, tmp_path: Path) -> None:
+    flavour = Flavour("lightning.pytorch", "zeus_callbacks.lightning")
+    plo = flavour.zeus.LightningGlobalPowerLimitOptimizer(gpu0, **FAST)
+    trainer = flavour.trainer(tmp_path, [plo], max_steps=5, strategy="ddp_spawn")
+    with pytest.raises(TypeError, match=r'ddp_spawn.*strategy=\\?"ddp"'):
+        trainer.fit(SpawnTiny(), _data())
+    assert get_gpus()[0].power_limit_mw() == MAX_W * 1000

@@ -169,8 +169,9 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
     `.../profiling_steps`, `.../profiling_energy_j`) go to the trainer's loggers every
     `log_every_n_steps` optimizer steps and at train end. Under DDP (`strategy="ddp"`, launched by
     Lightning or torchrun) every rank measures its own GPU and all ranks apply the same limit at the same
-    step. `strategy="ddp_spawn"` is not supported: it pickles the callbacks, and a monitor holds NVML
-    handles.
+    step. `strategy="ddp_spawn"` is refused with a message saying what to use instead: it pickles the
+    callbacks into the processes it spawns, and a monitor holds NVML handles and the GPU-state guard
+    belongs to the process that made the changes.
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU, e.g.
@@ -226,6 +227,16 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
     def optimizer(self) -> GlobalPowerLimitOptimizer:
         """The core optimizer: `phase`, `optimal_power_limit_w`, `metrics()`, `report()`."""
         return self._optimizer
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only `strategy="ddp_spawn"` (and other spawning launchers) pickle a trainer's callbacks.
+        raise TypeError(
+            f"`{type(self).__name__}` cannot be sent to processes started with the `spawn` method "
+            '(`Trainer(strategy="ddp_spawn")`): its monitor holds NVML handles, and the GPUs it changes '
+            'are restored by the process that changed them. Use `strategy="ddp"` (Lightning starts the '
+            "processes itself) or launch the script with torchrun; each process then builds its own "
+            "callback with `ZeusMonitor(gpu_indices=[local_rank()])`."
+        )
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
