@@ -330,7 +330,9 @@ def test_state_dict_round_trip_resumes_without_profiling():
     system.run_step(WORK_S)
     again.on_step_end()
     assert again.phase == "done" and again.optimal_power_limit_w == opt.optimal_power_limit_w
-    assert power_limit_w(system) == opt.optimal_power_limit_w and again.profiling_steps == 0
+    assert (
+        power_limit_w(system) == opt.optimal_power_limit_w and again.profiling_steps == opt.profiling_steps
+    )  # carried on
     with pytest.raises(ValueError, match="version"):
         again.load_state_dict({"version": 99})
 
@@ -521,3 +523,30 @@ def test_unfinished_profiling_said_at_train_end_and_choice_announced(caplog, tmp
     assert any(
         f"chose the power limit {again.optimal_power_limit_w} W" in r.getMessage() for r in caplog.records
     )
+
+
+def test_step_finished_after_sigterm_is_not_attributed_to_the_old_limit():
+    """SIGTERM mid-step: the guard restores the GPU, the framework's handler lets the step finish (as
+    Lightning's does); that step ran at the restored limit and must not count for the profiled one."""
+    import os
+    import signal
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))  # the framework's
+    try:
+        system = vsim()
+        opt = GlobalPowerLimitOptimizer(ZeusMonitor(), Time(), warmup_steps=1)
+        while not (opt.phase == "profiling" and opt.power_limit_w < 300):
+            opt.on_step_begin()
+            system.run_step(WORK_S)
+            opt.on_step_end()
+        profiled = opt.power_limit_w
+        opt.on_step_begin()
+        os.kill(os.getpid(), signal.SIGTERM)  # the guard restores 300 W, then the framework's handler runs
+        system.run_step(WORK_S)  # the rest of the step runs at 300 W
+        opt.on_step_end()
+        assert seen == [signal.SIGTERM] and power_limit_w(system) == 300
+        assert opt.phase == "inactive"
+        assert profiled not in opt.stats  # nothing measured at 300 W is kept as the profiled limit's
+    finally:
+        signal.signal(signal.SIGTERM, previous)

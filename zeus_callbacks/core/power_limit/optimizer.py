@@ -634,9 +634,22 @@ class GlobalPowerLimitOptimizer(Callback):
         # One collective per measured step and one per chunk, on every rank, whatever happened to its GPU.
         phase.chunk_own_s += t
         # The chunk closes once every rank's own windows span the refreshes (ranks' steps may differ).
-        top = self._all_reduce([t, float(self._failed), -phase.chunk_own_s, self._own_refresh_s(t)], op="max")
+        moved = float(self._limit_moved())
+        top = self._all_reduce(
+            [t, float(self._failed), -phase.chunk_own_s, self._own_refresh_s(t), moved], op="max"
+        )
         if top[1] > 0:
             self._deactivate("a GPU failed during profiling")
+            return
+        if top[4] > 0:
+            # E.g. SIGTERM: the guard restored the GPUs while the framework finishes its step. That step
+            # (and the chunk it ends) ran at another limit: it is not a measurement of this one.
+            logger.warning(
+                "GlobalPowerLimitOptimizer: the power limit was changed outside the optimizer during "
+                "profiling at %d W (restored on a signal?); that step is not counted and profiling stops.",
+                phase.power_limit_w,
+            )
+            self._deactivate("the power limit was changed outside the optimizer (restored on a signal?)")
             return
         if self.energy_refresh_s is None:
             self.energy_refresh_s = top[3]
@@ -655,6 +668,16 @@ class GlobalPowerLimitOptimizer(Callback):
         phase.chunk_steps, phase.chunk_time_s, phase.chunk_energy_j, phase.chunk_own_s = 0, 0.0, 0.0, 0.0
         phase.samples_done += 1
         self._decide(phase)
+
+    def _limit_moved(self) -> bool:
+        """Whether a GPU's power limit is no longer the one being profiled (restored on a signal, or
+        changed by another process)."""
+        if self.power_limit_w is None or self._failed:
+            return False
+        try:
+            return any(g.power_limit_mw() != self.power_limit_w * 1000 for g in self._gpus)
+        except GPUError:
+            return False
 
     def _own_refresh_s(self, step_s: float) -> float:
         """This rank's energy-counter refresh period, learned (once per GPU: polling up to 1.5 s) at the
