@@ -34,6 +34,7 @@ from zeus_callbacks.core.monitor.reporting import (
     EnergyReporter,
     pipeline_frequency_metrics,
     power_limit_metrics,
+    run_summary,
 )
 from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
@@ -105,6 +106,9 @@ class _LogsFirst(TrainerCallback):
         _run_before_trackers(self)
 
 
+_ENERGY_MONITORS: weakref.WeakSet[HFZeusMonitor] = weakref.WeakSet()
+
+
 class HFZeusMonitor(_LogsFirst):
     """Report the GPUs' energy to the trainer's loggers (`report_to`) and `state.log_history`.
 
@@ -136,6 +140,11 @@ class HFZeusMonitor(_LogsFirst):
             )
         self.monitor = monitor
         self._reporter = EnergyReporter(monitor)
+        _ENERGY_MONITORS.add(self)
+
+    def reports_energy_of(self, monitor: ZeusMonitor) -> bool:
+        """Whether this callback is reporting `monitor`'s energy in a training run now."""
+        return self.monitor is monitor and self._reporter.running
 
     @override
     def on_train_begin(
@@ -154,10 +163,11 @@ class HFZeusMonitor(_LogsFirst):
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """`on_log` → `EnergyReporter.interval`, and `EnergyReporter.stop` on the end-of-training summary
-        (the log that carries `train_runtime`); the figures are added to `logs` and `state.log_history`."""
+        """`on_log` → `EnergyReporter.interval`, or `EnergyReporter.stop` (the run's totals, not the last
+        few ms) on the end-of-training summary (the log that carries `train_runtime`); the figures are
+        added to `logs` and `state.log_history`."""
         final = logs is not None and "train_runtime" in logs
-        _log(state, logs, {**self._reporter.interval(), **(self._reporter.stop() if final else {})})
+        _log(state, logs, self._reporter.stop() if final else self._reporter.interval())
 
     @override
     def on_train_end(
@@ -319,9 +329,19 @@ class HFGlobalPowerLimitOptimizer(_LogsFirst, ExportableState):
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """`on_log` → `GlobalPowerLimitOptimizer.metrics` and `EnergyReporter.interval`, added to `logs` and
-        `state.log_history` under `power_limit_optimizer/`."""
-        _log(state, logs, {**power_limit_metrics(self.optimizer.metrics()), **self._reporter.interval()})
+        """`on_log` → `GlobalPowerLimitOptimizer.metrics` and the interval's energy (unless an
+        `HFZeusMonitor` of the same monitor reports it: each figure once); on the end-of-training summary
+        (the log with `train_runtime`) the run's totals instead (`run_summary`: energy, time, average
+        power, profiling cost, the choice and its saving). Added to `logs` and `state.log_history` under
+        `power_limit_optimizer/`."""
+        metrics = power_limit_metrics(self.optimizer.metrics())
+        if logs is not None and "train_runtime" in logs:
+            _log(state, logs, {**metrics, **run_summary(self.optimizer.report(), self._reporter.stop())})
+            return
+        interval = self._reporter.interval()
+        if any(m.reports_energy_of(self.optimizer.monitor) for m in _ENERGY_MONITORS):
+            interval = {}
+        _log(state, logs, {**metrics, **interval})
 
     @override
     def on_train_end(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from typing import Any
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -13,6 +14,7 @@ __all__ = [
     "POWER_LIMIT_PREFIX",
     "PIPELINE_FREQUENCY_PREFIX",
     "EnergyReporter",
+    "run_summary",
     "power_limit_metrics",
     "pipeline_frequency_metrics",
 ]
@@ -80,6 +82,11 @@ class EnergyReporter:
         """The reporter whose names sit with the optimizer's (`power_limit_optimizer/energy_interval_j`)."""
         return cls(monitor, prefix=f"{POWER_LIMIT_PREFIX}energy_")
 
+    @property
+    def running(self) -> bool:
+        """Whether a run is being reported (between `start` and `stop`)."""
+        return self._running
+
     def start(self) -> None:
         """Open the run and the first interval (at train begin)."""
         if self._running:
@@ -122,3 +129,25 @@ class EnergyReporter:
             f"{p}total_avg_power_w": energy / m.time if m.time > 0 else 0.0,
             f"{p}simulated": float(m.simulated),
         }
+
+
+def run_summary(report: Mapping[str, Any], totals: Mapping[str, float]) -> dict[str, float]:
+    """The end-of-training figures of a power-limit optimizer's run, numbers only, named once
+    (`power_limit_optimizer/run_energy_j`, ...): the run's energy, time and average power (`totals`:
+    `EnergyReporter.stop()`), the profiling cost, the chosen limit and the saving against the maximum
+    limit (from `GlobalPowerLimitOptimizer.report()`), and `simulated`."""
+    p = POWER_LIMIT_PREFIX
+    energy = next((v for k, v in totals.items() if k.endswith("total_j")), 0.0)
+    time_s = next((v for k, v in totals.items() if k.endswith("total_time_s")), 0.0)
+    out = {
+        f"{p}run_energy_j": float(energy),
+        f"{p}run_time_s": float(time_s),
+        f"{p}run_avg_power_w": float(energy / time_s) if time_s > 0 else 0.0,
+        f"{p}profiling_steps": float(report.get("profiling_steps", 0)),
+        f"{p}profiling_energy_j": float(report.get("profiling_energy_j", 0.0)),
+        f"{p}simulated": float(bool(report.get("simulated"))),
+    }
+    for key in ("optimal_power_limit_w", "energy_saved_pct", "time_lost_pct"):
+        if report.get(key) is not None:
+            out[f"{p}{key}"] = float(report[key])
+    return out
