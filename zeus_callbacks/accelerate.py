@@ -157,6 +157,10 @@ class PowerLimitOptimizerHelper:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is not None:  # this rank failed: no collective, no summary
+            self._reporter.cancel()
+            self._optimizer.on_train_end()
+            return
         totals = self._reporter.stop()
         report = self._optimizer.report()
         self._optimizer.on_train_end()

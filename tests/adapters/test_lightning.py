@@ -171,6 +171,11 @@ def test_optimizer_chooses_applies_and_restores(
     limits = _column(rows, "power_limit_optimizer/power_limit_w")
     assert MAX_W in limits and min(limits) < MAX_W
     assert _column(rows, "power_limit_optimizer/profiling_energy_j")[-1] > 0
+    # The end-of-training summary: the run's totals, the same names as HF's and Accelerate's.
+    run_j = _column(rows, "power_limit_optimizer/run_energy_j")
+    assert len(run_j) == 1 and run_j[0] > _column(rows, "power_limit_optimizer/profiling_energy_j")[-1]
+    assert _column(rows, "power_limit_optimizer/simulated")[-1] == 1.0
+    assert len(_column(rows, "power_limit_optimizer/energy_saved_pct")) == 1
 
 
 def test_gradient_accumulation_profiles_optimizer_steps(gpu0: ZeusMonitor, tmp_path: Path, burn_cpu) -> None:

@@ -25,6 +25,7 @@ from zeus_callbacks.core.monitor.reporting import (
     EnergyReporter,
     pipeline_frequency_metrics,
     power_limit_metrics,
+    run_summary,
 )
 from zeus_callbacks.core.monitor.steps import OptimizerSteps
 from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
@@ -222,11 +223,17 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
             search=search,
         )
         self._steps = OptimizerSteps()
+        self._reporter = EnergyReporter.for_power_limit_optimizer(monitor)
 
     @property
     def optimizer(self) -> GlobalPowerLimitOptimizer:
         """The core optimizer: `phase`, `optimal_power_limit_w`, `metrics()`, `report()`."""
         return self._optimizer
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Starts measuring the run's energy (for the end-of-training summary)."""
+        self._reporter.start()
 
     def __getstate__(self) -> dict[str, Any]:
         # Only `strategy="ddp_spawn"` (and other spawning launchers) pickle a trainer's callbacks.
@@ -259,8 +266,11 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Logs the final figures, then drives `on_train_end`, which restores the GPUs' settings."""
-        self._log(trainer)
+        """Logs the final figures with the run's totals (`run_summary`: energy, time, average power,
+        profiling cost, the choice and its saving), then drives `on_train_end`, which restores the GPUs'
+        settings."""
+        summary = run_summary(self._optimizer.report(), self._reporter.stop())
+        _log_metrics(trainer, {**power_limit_metrics(self._optimizer.metrics()), **summary})
         self._optimizer.on_train_end()
 
     @override
@@ -268,6 +278,7 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         """Drives `on_train_end`: the GPUs' settings are restored when training fails too."""
+        self._reporter.cancel()
         self._optimizer.on_train_end()
 
     @override

@@ -113,6 +113,15 @@ class EnergyReporter:
             out[f"{p}gpu{i}_interval_j"] = e
         return out
 
+    def cancel(self) -> None:
+        """Close both windows without figures and without a collective (training failed on this rank)."""
+        if not self._running:
+            return
+        self._running = False
+        for window in (self._interval_window, self._total_window):
+            if window in self.monitor.open_windows:
+                self.monitor.end_window(window, sync_execution=False, cancel=True)
+
     def stop(self) -> dict[str, float]:
         """Close both windows and return the run's totals (at train end)."""
         if not self._running:
