@@ -34,7 +34,7 @@ def _run(script: str, tmp_path: Path, *args: str, spec: str | None = None, refre
 
 
 def test_huggingface_example(tmp_path: Path) -> None:
-    out = _run("huggingface/train_power_limit.py", tmp_path, spec="a40")
+    out = _run("huggingface/train_power_limit.py", tmp_path, spec="a40", refresh_ms="10")  # toy steps
     assert re.search(r"rank 0: chose (\d+) W \(SIMULATED\) after profiling \[300, ", out), out[-2000:]
 
 
