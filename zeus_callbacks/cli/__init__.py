@@ -14,10 +14,7 @@ from collections.abc import Sequence
 # optional dependency never breaks another.
 _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("demo", "watch the power-limit optimizer pick a limit while HF Trainer fine-tunes a tiny LM"),
-    "doctor": (
-        "doctor",
-        "check this node before training (read-only): GPUs, energy counter, power, permissions",
-    ),
+    "doctor": ("doctor", "check this node before training (read-only): GPUs, energy counter, power, permissions"),
     "devices": ("devices", "list the GPUs (real or simulated), their power limits, clocks and permissions"),
     "measure": ("measure", "run a command and report its time and energy per GPU"),
     "restore": ("restore", "restore GPU settings left changed by a process that died hard"),

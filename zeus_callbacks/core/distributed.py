@@ -60,9 +60,7 @@ def local_rank() -> int:
     try:
         return int(value) if value else 0
     except ValueError:
-        raise ValueError(
-            f"LOCAL_RANK={value!r} is not an integer; unset it or set the rank on this node."
-        ) from None
+        raise ValueError(f"LOCAL_RANK={value!r} is not an integer; unset it or set the rank on this node.") from None
 
 
 def _device():
