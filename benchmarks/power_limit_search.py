@@ -51,6 +51,9 @@ KINDS = ("a40", "v100", "a10g", "t4")
 SELECTORS = ("ZeusCost(0.5)", "Energy()", "Time()", "MaxSlowdownConstraint(1.1)")
 WORK_S = 0.1  # work of one step at the maximum limit (only ratios matter)
 NOISE = 0.02
+# Gaussian: 2% per step on time and power. Bursty: that, plus stalls (2% of steps idle 0.5-3x as long)
+# and bursts (from 1% of steps, 5-20 steps 10-50% slower), as data loaders, checkpoints and other jobs do.
+NOISES = ("gaussian", "bursty")
 MAX_STEPS = 20_000
 TOLERANCE = 0.01
 
@@ -71,6 +74,7 @@ class Result:
     selector: str
     seed: int
     who: str  # "ours" | "zeus"
+    noise: str  # "gaussian" | "bursty"
     chosen_w: int
     steps: int
     energy_j: float
@@ -104,13 +108,19 @@ def within_tolerance(trace: sim.Trace, grid: list[int], selector: str, chosen: i
 
 # -- driving the optimizers -----------------------------------------------------------------------------
 def _energy_j(system: sim.SimulatedSystem) -> float:
-    return sum(g.energy_mj() for g in system.gpus) / 1000
+    return sum(g.true_energy_mj() for g in system.gpus) / 1000
+
+
+def _system(kind: str, workload: str, seed: int, noise: str) -> sim.SimulatedSystem:
+    return sim.simulate(
+        f"{kind}:{workload}", virtual_clock=True, noise=NOISE, seed=seed, bursts=noise == "bursty"
+    )
 
 
 def run_ours(
-    kind: str, workload: str, selector: str, seed: int, pl_step: int, search: str
+    kind: str, workload: str, selector: str, seed: int, pl_step: int, search: str, noise: str
 ) -> tuple[int, int, float]:
-    system = sim.simulate(f"{kind}:{workload}", virtual_clock=True, noise=NOISE, seed=seed)
+    system = _system(kind, workload, seed, noise)
     opt = GlobalPowerLimitOptimizer(ZeusMonitor(), our_selector(selector), pl_step=pl_step, search=search)
     steps, energy = 0, 0.0
     for _ in range(MAX_STEPS):
@@ -158,9 +168,11 @@ def _import_zeus():
     return _ZEUS
 
 
-def run_zeus(kind: str, workload: str, selector: str, seed: int, pl_step: int) -> tuple[int, int, float]:
+def run_zeus(
+    kind: str, workload: str, selector: str, seed: int, pl_step: int, noise: str
+) -> tuple[int, int, float]:
     zeus_gpu, zeus_nvidia, zeus_energy, zeus_pl = _import_zeus()
-    system = sim.simulate(f"{kind}:{workload}", virtual_clock=True, noise=NOISE, seed=seed)
+    system = _system(kind, workload, seed, noise)
     # Zeus caches its GPU objects per process; this is a new node. Its monitor reads `time.time`.
     zeus_gpu._gpus = None
     zeus_nvidia.nvml_is_available.cache_clear()
@@ -204,14 +216,15 @@ def run_case(args: tuple[str, str, int, str, bool]) -> list[Result]:
     pl_step = pl_step_for(trace)
     grid = power_limit_grid(trace.min_power_limit_w, trace.max_power_limit_w, pl_step)
     out = []
-    for selector in SELECTORS:
-        for seed in range(seeds):
-            runs = [("ours", run_ours(kind, workload, selector, seed, pl_step, search))]
-            if with_zeus:
-                runs.append(("zeus", run_zeus(kind, workload, selector, seed, pl_step)))
-            for who, (chosen, steps, energy) in runs:
-                ok = within_tolerance(trace, grid, selector, chosen)
-                out.append(Result(kind, workload, selector, seed, who, chosen, steps, energy, ok))
+    for noise in NOISES:
+        for selector in SELECTORS:
+            for seed in range(seeds):
+                runs = [("ours", run_ours(kind, workload, selector, seed, pl_step, search, noise))]
+                if with_zeus:
+                    runs.append(("zeus", run_zeus(kind, workload, selector, seed, pl_step, noise)))
+                for who, (chosen, steps, energy) in runs:
+                    ok = within_tolerance(trace, grid, selector, chosen)
+                    out.append(Result(kind, workload, selector, seed, who, noise, chosen, steps, energy, ok))
     return out
 
 
@@ -241,7 +254,8 @@ def print_report(results: list[Result], with_zeus: bool, command: str, elapsed_s
     if with_zeus:
         header += f"  {'zeus ok':>7}{'steps':>8}{'kJ':>9}{'ratio':>8}"
     print(
-        f"# Power-limit search on SIMULATED GPUs (noise {NOISE:.0%}, virtual clock), ours: search={search!r}"
+        f"# Power-limit search on SIMULATED GPUs (strict energy counter, noise {NOISE:.0%} gaussian and bursty, "
+        f"virtual clock, {WORK_S * 1000:.0f} ms steps), ours: search={search!r}"
     )
     print(f"# command: {command}")
     print("# ok: true cost within 1% of the trace's best on the grid; steps/kJ: mean profiling steps and")
@@ -256,14 +270,19 @@ def print_report(results: list[Result], with_zeus: bool, command: str, elapsed_s
         print()
         print(header)
         print("-" * len(header))
-        for selector in SELECTORS:
-            print(_row(f"{kind} (sim) {selector}", [r for r in rs if r.selector == selector], with_zeus))
+        for noise in NOISES:
+            for selector in SELECTORS:
+                sel = [r for r in rs if r.selector == selector and r.noise == noise]
+                print(_row(f"{kind} {noise} {selector}", sel, with_zeus))
         print(_row(f"{kind} (sim) all", rs, with_zeus))
     print()
     print(header)
     print("-" * len(header))
-    for selector in SELECTORS:
-        print(_row(f"all (sim) {selector}", [r for r in results if r.selector == selector], with_zeus))
+    for noise in NOISES:
+        for selector in SELECTORS:
+            sel = [r for r in results if r.selector == selector and r.noise == noise]
+            print(_row(f"all {noise} {selector}", sel, with_zeus))
+        print(_row(f"all {noise}", [r for r in results if r.noise == noise], with_zeus))
     print(_row("OVERALL (SIMULATED)", results, with_zeus))
     print(f"\n# {len(results)} runs in {elapsed_s:.0f} s")
 
@@ -272,7 +291,9 @@ def print_misses(results: list[Result]) -> None:
     print("\n# misses (SIMULATED): who kind workload selector seed chosen")
     for r in results:
         if not r.ok:
-            print(f"  {r.who:<5}{r.kind:<6}{r.workload:<42}{r.selector:<28}{r.seed:>3}{r.chosen_w:>6}")
+            print(
+                f"  {r.who:<5}{r.noise:<9}{r.kind:<6}{r.workload:<42}{r.selector:<28}{r.seed:>3}{r.chosen_w:>6}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,3 +59,8 @@ def run_example(
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
+
+
+# The toy training steps of the examples and adapter tests last a few ms: on the A40's 100 ms energy counter
+# a sample needs dozens of them; a 10 ms counter (a fast board's) lets the profile fit in a short test.
+TOY_STEPS_COUNTER = {"ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS": "10"}

@@ -6,18 +6,19 @@ from __future__ import annotations
 import re
 
 import pytest
+from helpers import TOY_STEPS_COUNTER
 
 pytestmark = pytest.mark.slow
 
 
 def test_huggingface_example(run_example) -> None:
-    out = run_example("huggingface/train_power_limit.py", spec="a40")
+    out = run_example("huggingface/train_power_limit.py", spec="a40", env=TOY_STEPS_COUNTER)
     assert re.search(r"rank 0: chose (\d+) W \(SIMULATED\) after profiling \[300, ", out), out[-2000:]
 
 
 @pytest.mark.parametrize("script", ["lightning/train_power_limit.py", "accelerate/train_power_limit.py"])
 def test_power_limit_examples(script: str, run_example) -> None:
-    out = run_example(script, spec="a40")
+    out = run_example(script, spec="a40", env=TOY_STEPS_COUNTER)
     found = re.search(r"\(simulated GPU 0\): optimal power limit (\d+) W .*?GPU restored to 300 W", out)
     assert found and 100 <= int(found.group(1)) <= 300, out[-2000:]
 

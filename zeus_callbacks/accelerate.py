@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.heterogeneous.training import RankPlan, uneven_dataloader, unshard_dataloader
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.monitor.reporting import EnergyReporter, power_limit_metrics, run_summary
 from zeus_callbacks.core.monitor.steps import OptimizerSteps
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
@@ -80,9 +81,16 @@ class PowerLimitOptimizerHelper:
     `epoch_end()` → `on_epoch_end`; leaving the `with` block, normally or by an exception →
     `on_train_end`, which restores the GPU's settings. Without an accelerator every `step()` is a step.
 
+    The helper logs to the accelerator's trackers itself (`accelerator.log`, numbers only, the names of
+    `zeus_callbacks.core.monitor.reporting` as for HF and Lightning): the optimizer's figures every
+    `log_every_n_steps` optimizer steps, and on leaving the `with` block the run's totals (`run_summary`:
+    energy, time, average power, profiling cost, the choice and its saving against the maximum limit).
+
     Args:
         accelerator: The run's `Accelerator`, or None for a plain loop.
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
+        log_every_n_steps: Optimizer steps between two logs of the optimizer's figures (0: only the
+            summary).
         **kwargs: `GlobalPowerLimitOptimizer`'s other arguments.
 
     Raises:
@@ -104,11 +112,23 @@ class PowerLimitOptimizerHelper:
     """
 
     def __init__(
-        self, accelerator: Accelerator | None, optimum_selector: OptimumSelector | None = None, **kwargs: Any
+        self,
+        accelerator: Accelerator | None,
+        optimum_selector: OptimumSelector | None = None,
+        *,
+        log_every_n_steps: int = 50,
+        **kwargs: Any,
     ) -> None:
+        if log_every_n_steps < 0:
+            raise ValueError(
+                f"`PowerLimitOptimizerHelper(log_every_n_steps={log_every_n_steps!r})`: must be >= 0."
+            )
         self._accelerator = accelerator
         self._optimizer = prepare_power_limit_optimizer(accelerator, optimum_selector, **kwargs)
         self._steps = OptimizerSteps()
+        self._log_every = log_every_n_steps
+        self._done_steps = 0
+        self._reporter = EnergyReporter.for_power_limit_optimizer(self._optimizer.monitor)
 
     @property
     def optimizer(self) -> GlobalPowerLimitOptimizer:
@@ -124,16 +144,31 @@ class PowerLimitOptimizerHelper:
         synced = self._accelerator is None or self._accelerator.sync_gradients
         if synced and self._steps.end():
             self._optimizer.on_step_end()
+            self._done_steps += 1
+            if self._log_every and self._done_steps % self._log_every == 0:
+                self._log(power_limit_metrics(self._optimizer.metrics()))
 
     def epoch_end(self) -> None:
         """Mark the end of an epoch."""
         self._optimizer.on_epoch_end()
 
     def __enter__(self) -> PowerLimitOptimizerHelper:
+        self._reporter.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is not None:  # this rank failed: no collective, no summary
+            self._reporter.cancel()
+            self._optimizer.on_train_end()
+            return
+        totals = self._reporter.stop()
+        report = self._optimizer.report()
         self._optimizer.on_train_end()
+        self._log({**power_limit_metrics(self._optimizer.metrics()), **run_summary(report, totals)})
+
+    def _log(self, values: dict[str, float]) -> None:
+        if self._accelerator is not None:
+            self._accelerator.log(values, step=self._done_steps)
 
 
 def prepare_accelerate_dataloader(

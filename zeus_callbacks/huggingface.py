@@ -36,6 +36,7 @@ from zeus_callbacks.core.monitor.reporting import (
     EnergyReporter,
     pipeline_frequency_metrics,
     power_limit_metrics,
+    run_summary,
 )
 from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
@@ -154,6 +155,8 @@ class _RestoresOnException(TrainerCallback):
         """Undo this callback's GPU changes; `train()` raised. No collective: the other ranks may not."""
         raise NotImplementedError
 
+_ENERGY_MONITORS: weakref.WeakSet[HFZeusMonitor] = weakref.WeakSet()
+
 
 class HFZeusMonitor(_LogsFirst):
     """Report the GPUs' energy to the trainer's loggers (`report_to`) and `state.log_history`.
@@ -186,6 +189,11 @@ class HFZeusMonitor(_LogsFirst):
             )
         self.monitor = monitor
         self._reporter = EnergyReporter(monitor)
+        _ENERGY_MONITORS.add(self)
+
+    def reports_energy_of(self, monitor: ZeusMonitor) -> bool:
+        """Whether this callback is reporting `monitor`'s energy in a training run now."""
+        return self.monitor is monitor and self._reporter.running
 
     @override
     def on_train_begin(
@@ -204,10 +212,11 @@ class HFZeusMonitor(_LogsFirst):
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """`on_log` → `EnergyReporter.interval`, and `EnergyReporter.stop` on the end-of-training summary
-        (the log that carries `train_runtime`); the figures are added to `logs` and `state.log_history`."""
+        """`on_log` → `EnergyReporter.interval`, or `EnergyReporter.stop` (the run's totals, not the last
+        few ms) on the end-of-training summary (the log that carries `train_runtime`); the figures are
+        added to `logs` and `state.log_history`."""
         final = logs is not None and "train_runtime" in logs
-        _log(state, logs, {**self._reporter.interval(), **(self._reporter.stop() if final else {})})
+        _log(state, logs, self._reporter.stop() if final else self._reporter.interval())
 
     @override
     def on_train_end(
@@ -215,6 +224,19 @@ class HFZeusMonitor(_LogsFirst):
     ) -> None:
         """`on_train_end` → `EnergyReporter.stop` if no summary log did (totals go to `state.log_history`)."""
         _log(state, None, self._reporter.stop())
+
+
+def _saved_state(state: TrainerState, name: str) -> dict[str, Any] | None:
+    """The optimizer state a resumed run's trainer state holds for the callback class `name` (its first
+    instance), or None on a fresh run."""
+    if not state.global_step or not isinstance(state.stateful_callbacks, dict):
+        return None
+    data = state.stateful_callbacks.get(name)
+    if isinstance(data, list):
+        data = data[0] if data else None
+    if not isinstance(data, dict):
+        return None
+    return data.get("attributes", {}).get("optimizer_state")
 
 
 class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableState):
@@ -226,9 +248,10 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
     If `trainer.train()` raises, the GPUs get their settings back before the exception leaves it
     (`GlobalPowerLimitOptimizer.on_train_end`), as with Lightning's `on_exception`. Every log event gets
     `GlobalPowerLimitOptimizer.metrics()` and the energy of the logging interval, prefixed
-    `power_limit_optimizer/`. Checkpoints carry the optimizer's state (`state()`); resuming with
-    `TrainingArguments(restore_callback_states_from_checkpoint=True)` applies the chosen limit without
-    profiling again.
+    `power_limit_optimizer/`. Checkpoints carry the optimizer's state (`state()`); `trainer.train(
+    resume_from_checkpoint=...)` resumes it, with or without `restore_callback_states_from_checkpoint`: a
+    chosen limit is applied without profiling again, a partial profile carries on at the next limit, and
+    the profiling counters and `report()` carry on.
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s) (under torch.distributed, this rank's).
@@ -316,9 +339,14 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_train_begin` → `EnergyReporter.start` (energy per logging interval)."""
+        """`on_train_begin` → `EnergyReporter.start` (energy per logging interval); on a resumed run,
+        `GlobalPowerLimitOptimizer.load_state_dict` with the state the checkpoint's trainer state holds,
+        whatever `restore_callback_states_from_checkpoint` says."""
         super().on_train_begin(args, state, control, **kwargs)
         self._training = True
+        saved = _saved_state(state, type(self).__name__)
+        if saved is not None:
+            self.optimizer.load_state_dict(saved)
         self._reporter.start()
 
     @override
@@ -351,9 +379,19 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """`on_log` → `GlobalPowerLimitOptimizer.metrics` and `EnergyReporter.interval`, added to `logs` and
-        `state.log_history` under `power_limit_optimizer/`."""
-        _log(state, logs, {**power_limit_metrics(self.optimizer.metrics()), **self._reporter.interval()})
+        """`on_log` → `GlobalPowerLimitOptimizer.metrics` and the interval's energy (unless an
+        `HFZeusMonitor` of the same monitor reports it: each figure once); on the end-of-training summary
+        (the log with `train_runtime`) the run's totals instead (`run_summary`: energy, time, average
+        power, profiling cost, the choice and its saving). Added to `logs` and `state.log_history` under
+        `power_limit_optimizer/`."""
+        metrics = power_limit_metrics(self.optimizer.metrics())
+        if logs is not None and "train_runtime" in logs:
+            _log(state, logs, {**metrics, **run_summary(self.optimizer.report(), self._reporter.stop())})
+            return
+        interval = self._reporter.interval()
+        if any(m.reports_energy_of(self.optimizer.monitor) for m in _ENERGY_MONITORS):
+            interval = {}
+        _log(state, logs, {**metrics, **interval})
 
     @override
     def on_train_end(

@@ -10,6 +10,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from accelerate.tracking import GeneralTracker
+from helpers import TOY_STEPS_COUNTER
 from torch.utils.data import DataLoader, TensorDataset
 
 from zeus_callbacks.accelerate import (
@@ -27,7 +29,9 @@ FAST = dict(wait_steps=1, warmup_steps=1, profile_steps=6)
 @pytest.fixture
 def accelerator_factory(sim_gpus) -> Iterator[Callable[..., Accelerator]]:
     """`make(**kw)`: an `Accelerator(cpu=True, **kw)` on a node of two simulated A40s."""
-    sim_gpus("2*a40")
+    # Toy steps of a few ms: a counter refreshed every 10 ms (a fast board's) lets the small profiles
+    # finish in a few dozen steps; the A40's 100 ms would need as many steps as 100 ms takes.
+    sim_gpus("2*a40", energy_refresh_ms=10)
     yield lambda **kw: Accelerator(cpu=True, **kw)
     AcceleratorState._reset_state(reset_partial_state=True)
 
@@ -73,6 +77,47 @@ def test_helper_chooses_applies_and_restores(accelerator_factory, burn_cpu) -> N
     assert guard().entries == []
 
 
+class Tracker(GeneralTracker):
+    """A tracker that keeps what `accelerator.log` hands it."""
+
+    name = "recorder"
+    requires_logging_directory = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[dict, int | None]] = []
+
+    @property
+    def tracker(self):
+        return self
+
+    def store_init_configuration(self, values: dict) -> None:
+        pass
+
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        self.logged.append((dict(values), step))
+
+
+def test_helper_logs_to_the_accelerators_trackers(accelerator_factory, burn_cpu) -> None:
+    tracker = Tracker()
+    accelerator = accelerator_factory(log_with=[tracker])
+    accelerator.init_trackers("zeus")
+    with PowerLimitOptimizerHelper(accelerator, log_every_n_steps=5, **FAST) as plo:
+        _train(accelerator, plo, burn_cpu, batches=150)
+    assert len(tracker.logged) >= 3
+    for values, step in tracker.logged:
+        assert all(isinstance(v, float) for v in values.values()), values
+        assert values["power_limit_optimizer/simulated"] == 1.0 and step is not None
+    summary = tracker.logged[-1][0]
+    assert summary["power_limit_optimizer/optimal_power_limit_w"] == plo.optimizer.optimal_power_limit_w
+    assert (
+        summary["power_limit_optimizer/run_energy_j"]
+        > summary["power_limit_optimizer/profiling_energy_j"]
+        > 0
+    )
+    assert "power_limit_optimizer/energy_saved_pct" in summary
+
+
 def test_gradient_accumulation_profiles_optimizer_steps(accelerator_factory, burn_cpu) -> None:
     accelerator = accelerator_factory(gradient_accumulation_steps=3)
     with PowerLimitOptimizerHelper(accelerator, **FAST) as plo:
@@ -97,7 +142,7 @@ def test_save_state_load_state_resumes_without_profiling(
         accelerator.load_state(tmp_path / "state")
         seen = _train(accelerator, resumed, burn_cpu, batches=10)
     assert resumed.optimizer.optimal_power_limit_w == optimal
-    assert resumed.optimizer.profiling_steps == 0
+    assert resumed.optimizer.profiling_steps == plo.optimizer.profiling_steps  # the counters carry on
     assert [w for *_, w in seen] == [optimal] * 10  # applied from the first step
     assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
 
@@ -123,7 +168,7 @@ def test_prepare_measures_this_process_gpu(accelerator_factory) -> None:
 
 
 def test_plain_loop_without_accelerator(sim_gpus, burn_cpu, monkeypatch) -> None:
-    sim_gpus("2*a40")
+    sim_gpus("2*a40", energy_refresh_ms=10)  # toy steps (see `accelerator_factory`)
     monkeypatch.setenv("LOCAL_RANK", "1")
     with PowerLimitOptimizerHelper(None, **FAST) as plo:
         for _ in range(150):
@@ -146,7 +191,12 @@ def test_two_process_example_chooses_one_limit(run_example) -> None:
         "1",
     ]
     launch += ["--mixed_precision", "no", "--dynamo_backend", "no"]
-    stdout = run_example("accelerate/train_power_limit.py", launcher=launch, spec="2*a40")
+    stdout = run_example(
+        "accelerate/train_power_limit.py",
+        launcher=launch,
+        spec="2*a40",
+        env=TOY_STEPS_COUNTER,
+    )
     pattern = r"process (\d) \(simulated GPU (\d)\): optimal power limit (\d+) W .*? GPU restored to (\d+) W"
     found = {rank: (gpu, limit, restored) for rank, gpu, limit, restored in re.findall(pattern, stdout)}
     assert sorted(found) == ["0", "1"], stdout

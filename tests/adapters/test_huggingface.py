@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import TOY_STEPS_COUNTER
 
 pytest.importorskip("transformers")
 
@@ -40,7 +41,9 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[sim.Simula
     monkeypatch.setenv("ZEUS_CALLBACKS_SIM_STATE_DIR", str(state_dir))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the simulator counts CPU time as GPU work
-    system = sim.simulate("a40", state_dir=str(state_dir))
+    # Toy steps of a few ms: a counter refreshed every 10 ms (a fast board's) lets the small profiles
+    # below finish in a few dozen steps; the A40's 100 ms needs as many steps as 100 ms takes.
+    system = sim.simulate("a40", state_dir=str(state_dir), energy_refresh_ms=10)
     yield system
     torch.set_num_threads(threads)
     sim.disable()
@@ -123,12 +126,30 @@ def test_metrics_reach_trackers_before_and_after_and_log_history(node, tmp_path)
             assert entry["energy/interval_avg_power_w"] > 0
             assert entry["energy/simulated"] == 1.0
             assert entry[f"{OPTIMIZER_PREFIX}power_limit_w"] in (300.0, 200.0, 100.0)
-            assert entry[f"{OPTIMIZER_PREFIX}phase"] in ("warmup", "profiling", "done")
-            assert entry[f"{OPTIMIZER_PREFIX}energy_interval_j"] > 0
+            assert entry[f"{OPTIMIZER_PREFIX}phase_index"] in (1.0, 2.0, 3.0)  # warmup, profiling, done
+            assert all(
+                isinstance(v, (int, float)) for k, v in entry.items() if k.startswith(OPTIMIZER_PREFIX)
+            )
+            assert f"{OPTIMIZER_PREFIX}energy_interval_j" not in entry  # HFZeusMonitor reports it: once
         summary = logs[-1]
         assert "train_runtime" in summary
         assert summary["energy/total_j"] >= sum(e["energy/interval_j"] for e in logs if "loss" in e) * 0.99
-        assert summary[f"{OPTIMIZER_PREFIX}phase"] == "done"
+        assert summary[f"{OPTIMIZER_PREFIX}phase_index"] == 3.0  # done
+        assert "energy/interval_j" not in summary  # the run's totals, not its last few ms
+        # The run's totals beside the choice and its saving against the maximum limit.
+        assert summary[f"{OPTIMIZER_PREFIX}run_energy_j"] == pytest.approx(
+            summary["energy/total_j"], rel=0.05
+        )
+        assert (
+            summary[f"{OPTIMIZER_PREFIX}run_time_s"] > 0 and summary[f"{OPTIMIZER_PREFIX}run_avg_power_w"] > 0
+        )
+        assert (
+            f"{OPTIMIZER_PREFIX}energy_saved_pct" in summary
+            and summary[f"{OPTIMIZER_PREFIX}simulated"] == 1.0
+        )
+        assert (
+            0 < summary[f"{OPTIMIZER_PREFIX}profiling_energy_j"] < summary[f"{OPTIMIZER_PREFIX}run_energy_j"]
+        )
         assert summary[f"{OPTIMIZER_PREFIX}optimal_power_limit_w"] in (300.0, 200.0, 100.0)
 
 
@@ -155,9 +176,29 @@ def test_checkpoint_resume_keeps_the_choice_without_profiling(node, tmp_path):
     assert trainer.state.global_step == 30
     # The user's instance holds the optimizer that ran (transformers swapped in a rebuilt callback).
     assert second.optimizer.optimal_power_limit_w == chosen
-    assert second.optimizer.profiling_steps == 0
+    assert second.optimizer.profiling_steps == first.optimizer.profiling_steps  # the counters carry on
     assert recorder.limits_w == [chosen] * 6
     assert node.gpus[0].power_limit_mw == MAX_W * 1000
+
+
+def test_resume_mid_profiling_by_default(node, tmp_path):
+    """`resume_from_checkpoint` with default arguments carries on profiling at the next limit, with the
+    counters of the first run (transformers restores callback state only with a flag; we do not need it)."""
+    first = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    make_trainer(tmp_path, [first], max_steps=8, save_strategy="steps", save_steps=8).train()
+    done = {pl for pl, s in first.optimizer.stats.items() if s.steps}
+    assert first.optimizer.phase == "waiting" and done and done != {300, 200, 100}  # mid-profiling
+    steps, energy = first.optimizer.profiling_steps, first.optimizer.profiling_energy_j
+
+    second = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    recorder = Recorder(node)
+    trainer = make_trainer(tmp_path, [second, recorder], max_steps=12)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-8"))
+
+    opt = second.optimizer
+    assert recorder.limits_w[0] not in done  # the next limit, not the first one again
+    assert set(opt.stats) >= done and opt.profiling_steps > steps and opt.profiling_energy_j > energy
+    assert {r["power_limit_w"] for r in opt.report()["power_limits"]} >= done
 
 
 _RAISING_RUN = """
@@ -186,6 +227,8 @@ def test_exception_mid_training_restores_the_gpu(tmp_path, sim_state_dir, run_py
     state_dir = sim_state_dir
     env = {
         "ZEUS_CALLBACKS_SIMULATE": "a40",
+        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(state_dir),
+        "ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS": "10",  # toy steps of a few ms (see `node`)
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
     }
     code = textwrap.dedent(_RAISING_RUN).format(tmp=str(tmp_path))
@@ -254,7 +297,7 @@ def test_torchrun_two_ranks_choose_the_same_limit(tmp_path, sim_state_dir, run_e
         *("--steps", "70", "--output-dir", str(tmp_path / "out")),
         launcher=["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
         spec="2*a40",
-        env={"OMP_NUM_THREADS": "1"},
+        env={"OMP_NUM_THREADS": "1", **TOY_STEPS_COUNTER},
         timeout=150,
     )
     chosen = dict(re.findall(r"rank (\d): chose (\d+) W \(SIMULATED\)", stdout))

@@ -11,6 +11,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from helpers import TOY_STEPS_COUNTER
 from torch.utils.data import DataLoader, TensorDataset
 
 from zeus_callbacks import ZeusMonitor
@@ -93,7 +94,9 @@ def flavour(request) -> Flavour:
 
 @pytest.fixture
 def gpu0(sim_gpus) -> ZeusMonitor:
-    sim_gpus("2*a40")
+    # Toy steps of a few ms: a counter refreshed every 10 ms (a fast board's) lets the small profiles
+    # finish in a few dozen steps; the A40's 100 ms would need as many steps as 100 ms takes.
+    sim_gpus("2*a40", energy_refresh_ms=10)
     return ZeusMonitor(gpu_indices=[0])
 
 
@@ -165,6 +168,11 @@ def test_optimizer_chooses_applies_and_restores(
     limits = _column(rows, "power_limit_optimizer/power_limit_w")
     assert MAX_W in limits and min(limits) < MAX_W
     assert _column(rows, "power_limit_optimizer/profiling_energy_j")[-1] > 0
+    # The end-of-training summary: the run's totals, the same names as HF's and Accelerate's.
+    run_j = _column(rows, "power_limit_optimizer/run_energy_j")
+    assert len(run_j) == 1 and run_j[0] > _column(rows, "power_limit_optimizer/profiling_energy_j")[-1]
+    assert _column(rows, "power_limit_optimizer/simulated")[-1] == 1.0
+    assert len(_column(rows, "power_limit_optimizer/energy_saved_pct")) == 1
 
 
 def test_gradient_accumulation_profiles_optimizer_steps(gpu0: ZeusMonitor, tmp_path: Path, burn_cpu) -> None:
@@ -247,7 +255,7 @@ def test_checkpoint_resume_does_not_profile_again(
     )
 
     assert resumed.optimizer.optimal_power_limit_w == optimal
-    assert resumed.optimizer.profiling_steps == 0
+    assert resumed.optimizer.profiling_steps == plo.optimizer.profiling_steps  # the counters carry on
     assert [w for _, w, _ in model.seen] == [optimal] * 10  # applied from the first resumed step
     assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
 
@@ -270,8 +278,38 @@ def test_exception_in_training_step_restores_the_gpu(
 def test_ddp_example_ranks_choose_the_same_limit(run_example) -> None:
     # torchrun starts both ranks at once; Lightning's own launcher would import everything twice in a row.
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    stdout = run_example("lightning/train_power_limit.py", "--devices", "2", launcher=launch, spec="2*a40")
+    stdout = run_example(
+        "lightning/train_power_limit.py",
+        "--devices",
+        "2",
+        launcher=launch,
+        spec="2*a40",
+        env=TOY_STEPS_COUNTER,
+    )
     chosen = dict(re.findall(r"rank (\d+) \(simulated GPU \d+\): optimal power limit (\d+) W", stdout))
     assert sorted(chosen) == ["0", "1"], stdout
     assert chosen["0"] == chosen["1"]
     assert stdout.count("GPU restored to 300 W") == 2
+
+
+class SpawnTiny(importlib.import_module("lightning.pytorch").LightningModule):
+    """A module `ddp_spawn` can pickle (a top-level class), so that the refusal is the callback's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_ddp_spawn_refused_with_a_clear_message(gpu0: ZeusMonitor, tmp_path: Path) -> None:
+    flavour = Flavour("lightning.pytorch", "zeus_callbacks.lightning")
+    plo = flavour.zeus.LightningGlobalPowerLimitOptimizer(gpu0, **FAST)
+    trainer = flavour.trainer(tmp_path, [plo], max_steps=5, strategy="ddp_spawn")
+    with pytest.raises(TypeError, match=r'ddp_spawn.*strategy=\\?"ddp"'):
+        trainer.fit(SpawnTiny(), _data())
+    assert get_gpus()[0].power_limit_mw() == MAX_W * 1000

@@ -25,6 +25,7 @@ from zeus_callbacks.core.monitor.reporting import (
     EnergyReporter,
     pipeline_frequency_metrics,
     power_limit_metrics,
+    run_summary,
 )
 from zeus_callbacks.core.monitor.steps import OptimizerSteps
 from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
@@ -169,8 +170,9 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
     `.../profiling_steps`, `.../profiling_energy_j`) go to the trainer's loggers every
     `log_every_n_steps` optimizer steps and at train end. Under DDP (`strategy="ddp"`, launched by
     Lightning or torchrun) every rank measures its own GPU and all ranks apply the same limit at the same
-    step. `strategy="ddp_spawn"` is not supported: it pickles the callbacks, and a monitor holds NVML
-    handles.
+    step. `strategy="ddp_spawn"` is refused with a message saying what to use instead: it pickles the
+    callbacks into the processes it spawns, and a monitor holds NVML handles and the GPU-state guard
+    belongs to the process that made the changes.
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU, e.g.
@@ -221,11 +223,27 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
             search=search,
         )
         self._steps = OptimizerSteps()
+        self._reporter = EnergyReporter.for_power_limit_optimizer(monitor)
 
     @property
     def optimizer(self) -> GlobalPowerLimitOptimizer:
         """The core optimizer: `phase`, `optimal_power_limit_w`, `metrics()`, `report()`."""
         return self._optimizer
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Starts measuring the run's energy (for the end-of-training summary)."""
+        self._reporter.start()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only `strategy="ddp_spawn"` (and other spawning launchers) pickle a trainer's callbacks.
+        raise TypeError(
+            f"`{type(self).__name__}` cannot be sent to processes started with the `spawn` method "
+            '(`Trainer(strategy="ddp_spawn")`): its monitor holds NVML handles, and the GPUs it changes '
+            'are restored by the process that changed them. Use `strategy="ddp"` (Lightning starts the '
+            "processes itself) or launch the script with torchrun; each process then builds its own "
+            "callback with `ZeusMonitor(gpu_indices=[local_rank()])`."
+        )
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
@@ -248,8 +266,11 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Logs the final figures, then drives `on_train_end`, which restores the GPUs' settings."""
-        self._log(trainer)
+        """Logs the final figures with the run's totals (`run_summary`: energy, time, average power,
+        profiling cost, the choice and its saving), then drives `on_train_end`, which restores the GPUs'
+        settings."""
+        summary = run_summary(self._optimizer.report(), self._reporter.stop())
+        _log_metrics(trainer, {**power_limit_metrics(self._optimizer.metrics()), **summary})
         self._optimizer.on_train_end()
 
     @override
@@ -257,6 +278,7 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         """Drives `on_train_end`: the GPUs' settings are restored when training fails too."""
+        self._reporter.cancel()
         self._optimizer.on_train_end()
 
     @override

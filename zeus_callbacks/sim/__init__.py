@@ -96,16 +96,21 @@ def simulate(
     export_env: bool = True,
     ideal: str = "",
     energy_refresh_ms: float | None = None,
+    bursts: bool = False,
 ) -> SimulatedSystem:
     """Use simulated GPUs in this process (and, with `export_env`, in processes it starts).
 
     `ideal` switches hardware behaviours off (comma-separated `IDEAL_BEHAVIOURS`, see the module's
     docstring); `energy_refresh_ms` sets the energy counter's refresh period of every GPU (default: each
-    model's). Virtual-clock systems keep their state in memory and are never exported.
+    model's); `bursts` adds heavy-tailed step times on a virtual clock: stalls (2% of steps idle for
+    0.5-3x the step) and bursts (from 1% of steps, 5-20 steps 10-50% slower), seeded. Virtual-clock
+    systems keep their state in memory and are never exported.
     """
     if virtual_clock and state_dir is None:
         state_dir = ""
-    system = SimulatedSystem(spec, noise, seed, faults, state_dir, virtual_clock, ideal, energy_refresh_ms)
+    system = SimulatedSystem(
+        spec, noise, seed, faults, state_dir, virtual_clock, ideal, energy_refresh_ms, bursts=bursts
+    )
     devices.reset()  # restores what this process changed on the previous node first
     fake_nvml.attach(system)
     if export_env and not virtual_clock:

@@ -218,8 +218,11 @@ class SimulatedGPU:
         power_usage_averaged: bool = False,
         blocking_sync: bool = False,
         pci_bus_id: str = "",
+        bursts: bool = False,
     ) -> None:
         self.index = index
+        self.bursts = bursts  # stalls and bursts between and within steps (virtual clock), seeded
+        self._burst_left, self._burst_factor = 0, 1.0
         self.spec = spec
         self.trace = trace
         self.uuid = uuid
@@ -538,9 +541,25 @@ class SimulatedGPU:
             self._queued_s += work_s
 
     def busy_time(self, work_s: float) -> tuple[float, float]:
-        """(time, power) of `work_s` seconds of work-at-maximum-limit at the current state, with noise."""
+        """(time, power) of `work_s` seconds of work-at-maximum-limit at the current state, with noise
+        (and, with `bursts`, a step's share of stalls and bursts: the GPU idles for that time)."""
         rel, power = self.operating_point()
-        return work_s * self._noisy(rel), self._noisy(power)
+        busy, power = work_s * self._noisy(rel), self._noisy(power)
+        if not self.bursts or busy <= 0:
+            return busy, power
+        idle = self._stall_s(busy)
+        return busy + idle, (busy * power + idle * self.spec.idle_power_w) / (busy + idle)
+
+    def _stall_s(self, busy_s: float) -> float:
+        """Idle time added to a step: a stall (data loader, checkpoint) in 2% of steps, 0.5-3x the step;
+        a burst (another job, throttling) starting at 1% of steps, 5-20 steps 10-50% slower."""
+        extra = busy_s * self._rng.uniform(0.5, 3.0) if self._rng.random() < 0.02 else 0.0
+        if self._burst_left <= 0 and self._rng.random() < 0.01:
+            self._burst_left, self._burst_factor = self._rng.randint(5, 20), self._rng.uniform(1.1, 1.5)
+        if self._burst_left > 0:
+            self._burst_left -= 1
+            extra += busy_s * (self._burst_factor - 1)
+        return extra
 
     def run_virtual(self, start: float, busy_s: float, power_w: float, span_s: float) -> None:
         """Account one virtual interval: `busy_s` at `power_w`, then idle until `span_s`."""
@@ -707,6 +726,7 @@ class SimulatedSystem:
     virtual_clock: bool = False
     ideal: str = ""  # comma-separated IDEAL_BEHAVIOURS to switch off
     energy_refresh_ms: float | None = None  # None: each model's own period
+    bursts: bool = False  # stalls and bursts in steps (virtual clock), besides the Gaussian noise
     gpus: list[SimulatedGPU] = field(init=False)
     clock: VirtualClock | None = field(init=False)
 
@@ -749,6 +769,7 @@ class SimulatedSystem:
                     and "power_average" not in self.ideal_behaviours,
                     blocking_sync="interruptible_sync" not in self.ideal_behaviours,
                     pci_bus_id=_pci_bus_id(i),
+                    bursts=self.bursts,
                 )
             )
         self._cuda_cache: tuple[tuple[str | None, str | None], list[SimulatedGPU]] | None = None

@@ -16,7 +16,6 @@ import atexit
 import logging
 import os
 import threading
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -436,16 +435,25 @@ class GPUStateGuard:
 def job_gpu_overlap(gpus: Sequence[GPU]) -> str | None:
     """Why this job must not change its GPUs: two ranks use one GPU (None: no rank shares one).
 
-    A collective over torch.distributed: every rank calls it, and every rank gets the same answer.
+    A collective over torch.distributed: every rank calls it, and every rank gets the same answer, which
+    names the ranks and their GPU indices and says what to pass.
     """
-    everyone = dist.all_gather_object([g.uuid for g in gpus])
-    users = Counter(u for uuids in everyone for u in set(uuids))
-    shared = sorted({u for u, n in users.items() if n > 1})
+    mine = [(g.uuid, g.label, g.index) for g in gpus]
+    owners: dict[str, list[tuple[int, str, int]]] = {}
+    for rank, theirs in enumerate(dist.all_gather_object(mine)):
+        for uuid, label, index in dict.fromkeys(theirs):
+            owners.setdefault(uuid, []).append((rank, label, index))
+    shared = {u: o for u, o in owners.items() if len(o) > 1}
     if not shared:
         return None
+    uuid, who = next(iter(shared.items()))
+    ranks = ", ".join(f"rank {r} (gpu_indices=[{i}])" for r, _, i in who)
     return (
-        f"{len(shared)} GPU(s) are used by more than one rank of this job ({', '.join(shared)}); their settings "
-        "are left alone (energy is still measured). Give each rank its own GPU (LOCAL_RANK, CUDA_VISIBLE_DEVICES)."
+        f"{ranks} all use {who[0][1]} ({uuid}){f' and {len(shared) - 1} more GPU(s)' if len(shared) > 1 else ''}: "
+        "GPUs used by more than one rank of this job are left alone (energy is still measured). Each rank "
+        "must measure and control its own GPU: pass `ZeusMonitor(gpu_indices=[local_rank])` with the rank's "
+        "own CUDA device (torchrun's LOCAL_RANK; transformers' `args.local_process_index` is 0 on every process "
+        "of a CPU launch, so use LOCAL_RANK there)."
     )
 
 

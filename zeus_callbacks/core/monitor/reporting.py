@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.errors import GPUError
@@ -15,6 +16,7 @@ __all__ = [
     "POWER_LIMIT_PREFIX",
     "PIPELINE_FREQUENCY_PREFIX",
     "EnergyReporter",
+    "run_summary",
     "power_limit_metrics",
     "pipeline_frequency_metrics",
 ]
@@ -34,11 +36,10 @@ def _prefixed(prefix: str, metrics: Mapping[str, float | str], numbers_only: boo
 
 
 def power_limit_metrics(
-    metrics: Mapping[str, float | str], *, numbers_only: bool = False
+    metrics: Mapping[str, float | str], *, numbers_only: bool = True
 ) -> dict[str, float | str]:
-    """`GlobalPowerLimitOptimizer.metrics()` named for the loggers (`power_limit_optimizer/...`).
-
-    `numbers_only` drops the strings (the phase), for loggers that take numbers only (Lightning's).
+    """`GlobalPowerLimitOptimizer.metrics()` named for the loggers (`power_limit_optimizer/...`): numbers
+    only (trackers take numbers; MLflow warns at every string), the same names for every framework.
     """
     return _prefixed(POWER_LIMIT_PREFIX, metrics, numbers_only)
 
@@ -83,6 +84,11 @@ class EnergyReporter:
         """The reporter whose names sit with the optimizer's (`power_limit_optimizer/energy_interval_j`)."""
         return cls(monitor, prefix=f"{POWER_LIMIT_PREFIX}energy_")
 
+    @property
+    def running(self) -> bool:
+        """Whether a run is being reported (between `start` and `stop`)."""
+        return self._running
+
     def start(self) -> None:
         """Open the run and the first interval (at train begin)."""
         if self._running:
@@ -117,12 +123,18 @@ class EnergyReporter:
         return out
 
     def _gpu_failed(self, error: GPUError) -> None:
-        """Close this reporter's windows after a GPU failed; its figures stop (training goes on)."""
+        """A GPU failed: this reporter's figures stop (training goes on)."""
         logging.getLogger(__name__).warning("Energy reporting stops: %s", error)
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Close both windows without figures and without a collective (training failed on this rank)."""
+        if not self._running:
+            return
+        self._running = False
         for window in (self._interval_window, self._total_window):
             if window in self.monitor.open_windows:
                 self.monitor.end_window(window, sync_execution=False, cancel=True)
-        return None
 
     def stop(self) -> dict[str, float]:
         """Close both windows and return the run's totals (at train end)."""
@@ -145,3 +157,25 @@ class EnergyReporter:
             f"{p}total_avg_power_w": energy / m.time if m.time > 0 else 0.0,
             f"{p}simulated": float(m.simulated),
         }
+
+
+def run_summary(report: Mapping[str, Any], totals: Mapping[str, float]) -> dict[str, float]:
+    """The end-of-training figures of a power-limit optimizer's run, numbers only, named once
+    (`power_limit_optimizer/run_energy_j`, ...): the run's energy, time and average power (`totals`:
+    `EnergyReporter.stop()`), the profiling cost, the chosen limit and the saving against the maximum
+    limit (from `GlobalPowerLimitOptimizer.report()`), and `simulated`."""
+    p = POWER_LIMIT_PREFIX
+    energy = next((v for k, v in totals.items() if k.endswith("total_j")), 0.0)
+    time_s = next((v for k, v in totals.items() if k.endswith("total_time_s")), 0.0)
+    out = {
+        f"{p}run_energy_j": float(energy),
+        f"{p}run_time_s": float(time_s),
+        f"{p}run_avg_power_w": float(energy / time_s) if time_s > 0 else 0.0,
+        f"{p}profiling_steps": float(report.get("profiling_steps", 0)),
+        f"{p}profiling_energy_j": float(report.get("profiling_energy_j", 0.0)),
+        f"{p}simulated": float(bool(report.get("simulated"))),
+    }
+    for key in ("optimal_power_limit_w", "energy_saved_pct", "time_lost_pct"):
+        if report.get(key) is not None:
+            out[f"{p}{key}"] = float(report[key])
+    return out

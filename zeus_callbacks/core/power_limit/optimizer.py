@@ -13,6 +13,7 @@ import numpy as np
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.callback import Callback
 from zeus_callbacks.core.device.errors import GPUError
+from zeus_callbacks.core.device.power import MAX_REFRESH_PERIOD_S, energy_refresh_period_s
 from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.profile_file import (
@@ -27,6 +28,7 @@ from zeus_callbacks.core.power_limit.search import (
     PowerLimitStats,
     adaptive_budget_steps,
     choose_power_limit,
+    chunk_steps,
     measurement_verdict,
     min_measured_steps,
     next_power_limit,
@@ -41,6 +43,9 @@ __all__ = ["GlobalPowerLimitOptimizer"]
 logger = logging.getLogger(__name__)
 
 _WINDOW = "__GlobalPowerLimitOptimizer_step"
+# A sample (chunk of contiguous steps) spans at least this many refreshes of the energy counter, so that
+# the counter's rounding (up to one refresh's energy at either end) is a small part of it.
+CHUNK_REFRESHES = 1
 
 
 # -- phases -----------------------------------------------------------------------------------------
@@ -90,7 +95,11 @@ class _Profiling:
     name: ClassVar[str] = "profiling"
     power_limit_w: int
     stats: PowerLimitStats
-    steps_done: int = 0  # valid samples or not
+    samples_done: int = 0  # chunks closed, valid or not
+    chunk_steps: int = 0  # the chunk being measured: its steps so far,
+    chunk_time_s: float = 0.0  # their time (each step's maxed over ranks),
+    chunk_energy_j: float = 0.0  # and this rank's energy
+    chunk_own_s: float = 0.0  # this rank's own time in the chunk
 
 
 @dataclass
@@ -223,6 +232,9 @@ class GlobalPowerLimitOptimizer(Callback):
         self.profiling_energy_j = 0.0
         self.power_limit_w: int | None = None
         self._failed = False
+        # The slowest rank's energy-counter refresh period (0: steps are long enough, or the counter is
+        # always current); learned at the first measured step.
+        self.energy_refresh_s: float | None = None
         # Under torchrun the process group may not exist yet (transformers creates it later): then the
         # job's size is only known at the first step, and the setup waits for it.
         if dist.is_distributed() or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
@@ -257,9 +269,22 @@ class GlobalPowerLimitOptimizer(Callback):
         """The chosen power limit once profiling is over (also when this process may not apply it)."""
         return self._phase.power_limit_w if isinstance(self._phase, (_Done, _Inactive)) else None
 
-    def metrics(self) -> dict[str, float | str]:
-        """Numbers for the trainer's loggers: current limit, phase, profiling cost, the choice."""
-        out: dict[str, float | str] = {"phase": self.phase}
+    # The phase as a number for trackers, which take numbers only (MLflow warns at every string).
+    PHASE_INDEX: ClassVar[dict[str, int]] = {
+        "waiting": 0,
+        "warmup": 1,
+        "profiling": 2,
+        "done": 3,
+        "inactive": 4,
+    }
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers for the trainer's loggers: current limit, phase (`PHASE_INDEX`), profiling cost, the
+        choice, and `simulated` (1.0 when the GPUs are simulated, so every tracker run says so)."""
+        out: dict[str, float] = {
+            "phase_index": float(self.PHASE_INDEX[self.phase]),
+            "simulated": float(self.monitor.simulated),
+        }
         if self.power_limit_w is not None:
             out["power_limit_w"] = float(self.power_limit_w)
         if self.optimal_power_limit_w is not None:
@@ -384,9 +409,28 @@ class GlobalPowerLimitOptimizer(Callback):
             self.monitor.end_window(_WINDOW, cancel=True)
         guard().restore()
         self.power_limit_w = None
+        if self._started and isinstance(self._phase, (_Waiting, _Warmup, _Profiling)):
+            self._say_unfinished()
         self._started = False
         if isinstance(self._phase, (_Warmup, _Profiling)):
             self._phase = _Waiting(self.wait_steps)
+
+    def _say_unfinished(self) -> None:
+        measured = sum(1 for s in self.stats.values() if s.steps)
+        carry = (
+            f"it is saved in {self.profile_path}: the next run with the same profile_path carries on"
+            if self.profile_path is not None
+            else "pass `profile_path=...` to carry the profile to the next run (or resume from a checkpoint: "
+            "the profile is in the optimizer's state)"
+        )
+        logger.warning(
+            "GlobalPowerLimitOptimizer: training ended before profiling finished (%d of %d power limits "
+            "measured in %d steps); no power limit was chosen and the GPUs are back as they were. %s.",
+            measured,
+            len(self.grid),
+            self.profiling_steps,
+            carry[0].upper() + carry[1:],
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -395,6 +439,8 @@ class GlobalPowerLimitOptimizer(Callback):
             "version": 1,
             "optimal_power_limit_w": self.optimal_power_limit_w,
             "stats": [s.to_dict() for s in self.stats.values()],
+            "profiling_steps": self.profiling_steps,
+            "profiling_energy_j": self.profiling_energy_j,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -533,6 +579,8 @@ class GlobalPowerLimitOptimizer(Callback):
         state, self._pending_state = self._pending_state, None
         assert state is not None
         self.stats = {int(s["power_limit_w"]): PowerLimitStats(**s) for s in state["stats"]}
+        self.profiling_steps = int(state.get("profiling_steps", self.profiling_steps))
+        self.profiling_energy_j = float(state.get("profiling_energy_j", self.profiling_energy_j))
         if state.get("optimal_power_limit_w") is not None:
             self._settle(int(state["optimal_power_limit_w"]))
             logger.info(
@@ -549,7 +597,11 @@ class GlobalPowerLimitOptimizer(Callback):
             return
         earlier = self.stats.get(pl)
         # A revisit (the adaptive search's refinement) adds to the samples of the earlier visits.
-        stats = PowerLimitStats(pl) if earlier is None else replace(earlier, visits=earlier.visits + 1)
+        if earlier is None:
+            stats = PowerLimitStats(pl, refresh_s=self.energy_refresh_s or 0.0)
+        else:
+            chunks = [list(c) for c in earlier.chunks]
+            stats = replace(earlier, visits=earlier.visits + 1, chunks=chunks)
         logger.info("Profiling power limit %d W%s.", pl, "" if earlier is None else " again")
         if self.warmup_steps > 0:
             self._phase = _Warmup(pl, self.warmup_steps, stats)
@@ -558,7 +610,9 @@ class GlobalPowerLimitOptimizer(Callback):
 
     def _record_step(self, phase: _Profiling | None) -> None:
         """Close the step's window and add it to the profiling cost; when measuring, add the job's step
-        (energy summed, time maxed over ranks) to the limit's samples and decide whether to go on."""
+        (time maxed over ranks) to the chunk being measured; once the chunk spans `CHUNK_REFRESHES`
+        refreshes of the energy counter, add it (energy summed over ranks) to the limit's samples and
+        decide whether to go on."""
         self.profiling_steps += 1
         m = None
         if not self._failed:
@@ -570,21 +624,78 @@ class GlobalPowerLimitOptimizer(Callback):
         if phase is None or (self._phase is not phase and not self._collective):
             return
         t, e = (m.time, m.total_energy) if m is not None else (0.0, 0.0)
-        # One pair of collectives per measured step, on every rank, whatever happened to its GPU.
-        total = self._all_reduce([e, float(self._failed), float(t <= 0 or e <= 0)], op="sum")
-        top = self._all_reduce([t], op="max")
-        if total[1] > 0:
+        # One collective per measured step and one per chunk, on every rank, whatever happened to its GPU.
+        phase.chunk_own_s += t
+        # The chunk closes once every rank's own windows span the refreshes (ranks' steps may differ).
+        moved = float(self._limit_moved())
+        top = self._all_reduce(
+            [t, float(self._failed), -phase.chunk_own_s, self._own_refresh_s(t), moved], op="max"
+        )
+        if top[1] > 0:
             self._deactivate("a GPU failed during profiling")
             return
-        if total[2] == 0:  # a counter that did not move (or a step with no work) is not a sample
-            phase.stats.add(top[0], total[0])
-        phase.steps_done += 1
+        if top[4] > 0:
+            # E.g. SIGTERM: the guard restored the GPUs while the framework finishes its step. That step
+            # (and the chunk it ends) ran at another limit: it is not a measurement of this one.
+            logger.warning(
+                "GlobalPowerLimitOptimizer: the power limit was changed outside the optimizer during "
+                "profiling at %d W (restored on a signal?); that step is not counted and profiling stops.",
+                phase.power_limit_w,
+            )
+            self._deactivate("the power limit was changed outside the optimizer (restored on a signal?)")
+            return
+        if self.energy_refresh_s is None:
+            self.energy_refresh_s = top[3]
+            phase.stats.refresh_s = top[3]
+        phase.chunk_steps += 1
+        phase.chunk_time_s += top[0]
+        phase.chunk_energy_j += e
+        if -top[2] < CHUNK_REFRESHES * self.energy_refresh_s and not self._last_fixed_step(phase):
+            return
+        # A counter that did not move is not a sample, unless it moves by refreshes: then 0 J is its
+        # rounding (a refresh fell between steps), which the next chunk's reading makes up for.
+        stuck = phase.chunk_energy_j <= 0 and not self.energy_refresh_s
+        total = self._all_reduce([phase.chunk_energy_j, float(stuck)], op="sum")
+        if total[1] == 0 and phase.chunk_time_s > 0:
+            phase.stats.add(phase.chunk_time_s, total[0], phase.chunk_steps)
+        phase.chunk_steps, phase.chunk_time_s, phase.chunk_energy_j, phase.chunk_own_s = 0, 0.0, 0.0, 0.0
+        phase.samples_done += 1
         self._decide(phase)
+
+    def _limit_moved(self) -> bool:
+        """Whether a GPU's power limit is no longer the one being profiled (restored on a signal, or
+        changed by another process)."""
+        if self.power_limit_w is None or self._failed:
+            return False
+        try:
+            return any(g.power_limit_mw() != self.power_limit_w * 1000 for g in self._gpus)
+        except GPUError:
+            return False
+
+    def _own_refresh_s(self, step_s: float) -> float:
+        """This rank's energy-counter refresh period, learned (once per GPU: polling up to 1.5 s) at the
+        first measured step when that step is short enough for the counter's rounding to matter."""
+        if self.energy_refresh_s is not None:
+            return self.energy_refresh_s
+        if self.monitor.approx_instant_energy or step_s >= 4 * MAX_REFRESH_PERIOD_S:
+            return 0.0
+        try:
+            return max((energy_refresh_period_s(g) or 0.0 for g in self._gpus), default=0.0)
+        except GPUError:
+            return 0.0
+
+    def _by_steps(self) -> bool:
+        """Whether each limit is measured for `profile_steps` steps (the sweeps, or a selector without a
+        score), rather than for as long as the adaptive search needs."""
+        return self.search != "adaptive" or not self.optimum_selector.has_score()
+
+    def _last_fixed_step(self, phase: _Profiling) -> bool:
+        return self._by_steps() and phase.stats.spent_steps + phase.chunk_steps >= self.profile_steps
 
     def _decide(self, phase: _Profiling) -> None:
         s = phase.stats
-        if self.search != "adaptive" or not self.optimum_selector.has_score():
-            verdict = "measured" if s.steps >= self.profile_steps else "more"
+        if self._by_steps():
+            verdict = "measured" if s.spent_steps >= self.profile_steps else "more"
         else:
             verdict = measurement_verdict(
                 s,
@@ -596,15 +707,15 @@ class GlobalPowerLimitOptimizer(Callback):
                 self.profile_steps,
                 self._budget_left_steps(s),
             )
-        if verdict == "more" and phase.steps_done >= 4 * self.profile_steps:
+        if verdict == "more" and phase.samples_done >= 4 * self.profile_steps:
             verdict = "measured"  # the counter barely moves: settle for what was measured
         if verdict == "more":
             return
         if not s.steps:
             logger.warning(
-                "No valid measurement at %d W in %d steps (energy counter not moving); skipping it.",
+                "No valid measurement at %d W in %d samples (energy counter not moving); skipping it.",
                 s.power_limit_w,
-                phase.steps_done,
+                phase.samples_done,
             )
         s.pruned = verdict == "pruned" or not s.steps
         self.stats[s.power_limit_w] = s
@@ -612,8 +723,11 @@ class GlobalPowerLimitOptimizer(Callback):
 
     def _budget_left_steps(self, current: PowerLimitStats) -> int:
         """Steps the adaptive search may still spend (`adaptive_budget_steps`), `current` counted."""
-        budget = adaptive_budget_steps(len(self.grid), self.warmup_steps, self.profile_steps)
-        spent = spent_steps({**self.stats, current.power_limit_w: current}, self.warmup_steps)
+        stats = {**self.stats, current.power_limit_w: current}
+        budget = adaptive_budget_steps(
+            len(self.grid), self.warmup_steps, self.profile_steps, chunk_steps(stats)
+        )
+        spent = spent_steps(stats, self.warmup_steps)
         return budget - (spent - self._spent_before)
 
     def _after_limit(self) -> None:
@@ -632,8 +746,10 @@ class GlobalPowerLimitOptimizer(Callback):
         if save:
             self._save(complete=True)
         self._settle(pl)
-        logger.info(
-            "Optimal power limit: %d W (%s, %d limits profiled%s).",
+        # Applied: at WARNING, the level the frameworks' default logging shows (not applied: said above).
+        logger.log(
+            logging.WARNING if isinstance(self._phase, _Done) else logging.INFO,
+            "GlobalPowerLimitOptimizer chose the power limit %d W (%s, %d limits profiled%s).",
             pl,
             self.optimum_selector,
             len(self.stats),
