@@ -5,6 +5,7 @@ ranks, and a GPU lost on one rank deactivating every rank without a hang."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 from datetime import timedelta
@@ -169,13 +170,23 @@ def _shared_gpu_worker(rank: int, world: int, port: int, state_dir: str, out_dir
     torch.set_num_threads(1)
     sim.simulate("2*a40", state_dir=state_dir)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        GlobalPowerLimitOptimizer(ZeusMonitor(gpu_indices=[0]))  # both ranks on GPU 0
-        message = ""
-    except ValueError as e:
-        message = str(e)
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("zeus_callbacks").addHandler(Keep(logging.WARNING))
+    plo = GlobalPowerLimitOptimizer(
+        ZeusMonitor(gpu_indices=[0]), wait_steps=0, warmup_steps=0
+    )  # both on GPU 0
+    for _ in range(3):  # training goes on: the optimizer stands down, it does not stop the job
+        plo.on_step_begin()
+        plo.on_step_end()
+    message = " ".join(r for r in records if "gpu_indices" in r)
     limit_w = get_gpus()[0].power_limit_mw() // 1000
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"message": message, "limit_w": limit_w}))
+    out = {"message": message, "limit_w": limit_w, "phase": plo.phase}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
@@ -186,3 +197,4 @@ def test_two_ranks_on_one_gpu_refused_before_any_change(tmp_path: Path, sim_stat
         result = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert "rank 0 (gpu_indices=[0]), rank 1 (gpu_indices=[0])" in result["message"]
         assert "LOCAL_RANK" in result["message"] and result["limit_w"] == MAX_W
+        assert result["phase"] == "inactive"
