@@ -113,3 +113,42 @@ def test_cli_pipeline_plan_text_and_errors(tmp_path, capsys):
     assert "3 values for 2 stages" in capsys.readouterr().err
     assert main([*base, "--p-blk", "90", "--target-time", "0.001"]) == 2
     assert "infeasible" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"stage,instruction,frequency,time,energy\n0,forward,1740,0.1,5\x00\n", "not a text file"),
+        (b"", r":1: missing column.*the file is empty"),
+        (b"stage,instruction,frequency,time,energy\n0,forward,1740,0.1,5,7\n", ":2: 6 field"),
+    ],
+)
+def test_not_a_profile(tmp_path, content, match):
+    path = tmp_path / "bad.csv"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        read_profile(path)
+
+
+def test_blank_lines_and_bom_are_read(tmp_path):
+    path = tmp_path / "profile.csv"
+    write_profile(path, _profile(1))
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes().replace(b"\r\n", b"\n").replace(b"\n", b"\n\n", 1))
+    assert read_profile(path) == _profile(1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--microbatches", "abc"], "--microbatches 'abc': pass an integer >= 1"),
+        (["--points", "1"], "--points '1': pass an integer >= 2"),
+        (["--p-blk", "90,nan"], "--p-blk '90,nan' ('nan')"),
+    ],
+)
+def test_cli_bad_numbers_one_line(tmp_path, capsys, extra, words):
+    path = tmp_path / "profile.csv"
+    write_profile(path, _profile(2))
+    argv = ["pipeline-plan", "--profile", str(path), "--p-blk", "90", "--microbatches", "4", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"zeus-callbacks pipeline-plan: {words}"), err

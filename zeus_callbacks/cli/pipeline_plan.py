@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import math
 
+from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_dag, build_schedule
 from zeus_callbacks.core.pipeline_frequency.frontier import Frontier, Plan, frontier, solve
 from zeus_callbacks.core.pipeline_frequency.planning import options_from_rows
@@ -28,39 +29,86 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--p-blk", required=True, metavar="W", help="blocking power (W): one value, or a comma list per stage"
     )
-    parser.add_argument("--stages", type=int, help="pipeline stages (default: as many as the profile has)")
-    parser.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
+    # Numbers are parsed in `run`, so that a bad one is reported in one line that says what to pass.
+    parser.add_argument("--stages", metavar="N", help="pipeline stages (default: as many as the profile has)")
+    parser.add_argument("--microbatches", metavar="M", required=True, help="microbatches per iteration")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument(
-        "--target-time", type=float, metavar="S", help="iteration time bound (default: all at max frequency)"
+        "--target-time", metavar="S", help="iteration time bound (default: all at max frequency)"
     )
-    parser.add_argument("--points", type=int, default=24, help="targets on the frontier (default 24)")
+    parser.add_argument(
+        "--points", metavar="N", default="24", help="targets on the frontier (default 24, >= 2)"
+    )
     parser.add_argument("--json", action="store_true", help="print the frontier and plan as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Solve and print; 2 on bad input."""
+    """Solve and print.
+
+    Raises:
+        InvalidInputError: a bad option or profile (`zeus-callbacks` prints it in one line, exit code 2).
+        ValueError: no plan meets the target (likewise).
+    """
+    stages = None if args.stages is None else _integer("--stages", args.stages, 1)
+    microbatches = _integer("--microbatches", args.microbatches, 1)
+    points = _integer("--points", args.points, 2)
+    target_time = None
+    if args.target_time is not None:
+        target_time = _number("--target-time", args.target_time, args.target_time, "a positive", "seconds")
+    p_blk = [
+        _number("--p-blk", args.p_blk, x, "a non-negative", "watts, or one per stage separated by commas")
+        for x in str(args.p_blk).split(",")
+    ]
     try:
-        rows = read_profile(args.profile, num_stages=args.stages)
-        num_stages = args.stages or 1 + max(r.stage for r in rows)
-        options = options_from_rows(rows)
-        p_blk = [float(x) for x in str(args.p_blk).split(",")]
-        if len(p_blk) == 1:
-            p_blk *= num_stages
-        schedule = build_schedule(args.schedule, num_stages, args.microbatches)
-        dag = build_dag(schedule)
-        front = frontier(dag, options, p_blk, num_points=args.points)
-        chosen = solve(dag, options, p_blk, args.target_time)
-    except (OSError, ValueError) as e:
-        print(f"zeus-callbacks pipeline-plan: {e}", file=sys.stderr)
-        return 2
-    target = front.max_frequency.iteration_time_s if args.target_time is None else args.target_time
+        rows = read_profile(args.profile, num_stages=stages)
+    except OSError as e:
+        raise InvalidInputError(f"--profile {args.profile}: {e.strerror or e}") from None
+    num_stages = stages or 1 + max(r.stage for r in rows)
+    if len(p_blk) == 1:
+        p_blk *= num_stages
+    elif len(p_blk) != num_stages:
+        raise InvalidInputError(
+            f"--p-blk {args.p_blk!r}: {len(p_blk)} values for {num_stages} stages; "
+            "pass one value (W) for every stage, or one per stage separated by commas."
+        )
+    # Errors below are the planner's `ValueError`s (e.g. an infeasible target): the command line reports
+    # them in one line, exit code 2.
+    options = options_from_rows(rows)
+    dag = build_dag(build_schedule(args.schedule, num_stages, microbatches))
+    front = frontier(dag, options, p_blk, num_points=points)
+    chosen = solve(dag, options, p_blk, target_time)
+    target = front.max_frequency.iteration_time_s if target_time is None else target_time
     if args.json:
         print(json.dumps(_to_dict(front, chosen, target, args.schedule), indent=2))
     else:
         print(_text(front, chosen, target, args.schedule))
     return 0
+
+
+def _integer(option: str, text: str, low: int) -> int:
+    """`text` as an integer >= `low`, or the error that names `option`."""
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise InvalidInputError(f"{option} {text!r}: pass an integer >= {low}.")
+    return value
+
+
+def _number(option: str, given: str, text: str, kind: str, unit: str) -> float:
+    """`text` (part of the `given` value) as a finite number, positive (`kind="a positive"`) or >= 0, or
+    the error that names `option`."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        value = math.nan
+    low_ok = value > 0 if kind == "a positive" else value >= 0
+    if not (math.isfinite(value) and low_ok):
+        bad = "" if text == given else f" ({text!r})"
+        raise InvalidInputError(f"{option} {given!r}{bad}: pass {kind} finite number ({unit}).")
+    return value
 
 
 def _point(plan: Plan, ref: Plan) -> dict:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from zeus_callbacks.core.device.errors import InvalidInputError
 
 __all__ = ["PROFILE_COLUMNS", "INSTRUCTIONS", "ProfileRow", "read_profile", "write_profile"]
 
@@ -39,35 +42,69 @@ def read_profile(path: str | Path, num_stages: int | None = None) -> list[Profil
     """The rows of a profile CSV, in file order.
 
     Args:
-        path: The CSV file.
+        path: The CSV file (UTF-8 text).
         num_stages: If given, every stage `0..num_stages-1` must have both instructions profiled, and no
             other stage may appear. Otherwise stages must be `0..max` without gaps.
 
     Raises:
-        ValueError: On a missing column, an unparsable or negative value, an unknown instruction, a
-            duplicated (stage, instruction, frequency), or a stage/instruction with no rows.
+        InvalidInputError: (a `ValueError`) naming the file, and the line where there is one: not a text
+            file, a missing column, a row without 5 fields, an unparsable, negative or non-finite value,
+            an unknown instruction, a duplicated (stage, instruction, frequency), or a stage/instruction
+            with no rows.
+        OSError: The file cannot be opened.
     """
     path = Path(path)
     rows: list[ProfileRow] = []
     seen: set[tuple[int, str, int]] = set()
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        header = [c.strip() for c in reader.fieldnames or []]
-        missing = [c for c in PROFILE_COLUMNS if c not in header]
-        if missing:
-            raise ValueError(
-                f"{path}: missing column(s) {', '.join(missing)}; expected {','.join(PROFILE_COLUMNS)}."
-            )
-        reader.fieldnames = header
-        for line, fields in enumerate(reader, start=2):
-            row = _parse_row(path, line, fields)
-            key = (row.stage, row.instruction, row.frequency_mhz)
-            if key in seen:
-                raise ValueError(f"{path}:{line}: stage {key[0]} {key[1]} at {key[2]} MHz appears twice.")
-            seen.add(key)
-            rows.append(row)
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        try:
+            for line, fields in _csv_lines(path, f):
+                row = _parse_row(path, line, fields)
+                key = (row.stage, row.instruction, row.frequency_mhz)
+                if key in seen:
+                    raise InvalidInputError(
+                        f"{path}:{line}: stage {key[0]} {key[1]} at {key[2]} MHz appears twice."
+                    )
+                seen.add(key)
+                rows.append(row)
+        except UnicodeDecodeError:
+            raise InvalidInputError(f"{path}: not a text file (not UTF-8); {_EXPECTED}") from None
     _check_stages(path, {(r.stage, r.instruction) for r in rows}, num_stages)
     return rows
+
+
+_EXPECTED = f"pass a Perseus profile CSV with the header {','.join(PROFILE_COLUMNS)}."
+
+
+def _text_lines(path: Path, f: Iterable[str]) -> Iterator[str]:
+    for text in f:
+        if "\x00" in text:
+            raise InvalidInputError(f"{path}: not a text file (it holds NUL bytes); {_EXPECTED}")
+        yield text
+
+
+def _csv_lines(path: Path, f: Iterable[str]) -> Iterator[tuple[int, dict[str, str]]]:
+    """(line number, {column: field}) of each data row, after checking the header."""
+    reader = csv.reader(_text_lines(path, f))
+    try:
+        header = [c.strip() for c in next(reader, [])]
+        missing = [c for c in PROFILE_COLUMNS if c not in header]
+        if missing:
+            first = f"the first line is {','.join(header)[:80]!r}" if header else "the file is empty"
+            raise InvalidInputError(
+                f"{path}:1: missing column(s) {', '.join(missing)} ({first}); {_EXPECTED}"
+            )
+        for fields in reader:
+            if not fields:
+                continue  # a blank line
+            if len(fields) != len(header):
+                raise InvalidInputError(
+                    f"{path}:{reader.line_num}: {len(fields)} field(s) where the header has {len(header)} "
+                    f"({','.join(header)})."
+                )
+            yield reader.line_num, dict(zip(header, fields, strict=True))
+    except csv.Error as e:
+        raise InvalidInputError(f"{path}:{reader.line_num}: not valid CSV ({e}).") from None
 
 
 def write_profile(path: str | Path, rows: Iterable[ProfileRow]) -> None:
@@ -92,36 +129,46 @@ def write_profile(path: str | Path, rows: Iterable[ProfileRow]) -> None:
     tmp.replace(path)
 
 
-def _parse_row(path: Path, line: int, row: Mapping[str, str | None]) -> ProfileRow:
+def _field(path: Path, line: int, fields: Mapping[str, str], name: str, kind: type, what: str) -> Any:
+    """Column `name` of a row as `kind`, or the error that names the file, line and column."""
+    text = fields[name].strip()
     try:
-        stage = int(str(row["stage"]).strip())
-        kind = str(row["instruction"]).strip().lower()
-        freq_f = float(str(row["frequency"]).strip())
-        time_s = float(str(row["time"]).strip())
-        energy_j = float(str(row["energy"]).strip())
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}:{line}: cannot parse row {dict(row)}: {e}") from None
+        value = kind(text)
+    except ValueError:
+        raise InvalidInputError(f"{path}:{line}: cannot parse {name} {text!r}: {what}.") from None
+    return value
+
+
+def _parse_row(path: Path, line: int, fields: Mapping[str, str]) -> ProfileRow:
+    stage = _field(path, line, fields, "stage", int, "pass the stage index (an integer >= 0)")
+    kind = fields["instruction"].strip().lower()
+    freq = _field(path, line, fields, "frequency", float, "pass the SM clock in MHz")
+    time_s = _field(path, line, fields, "time", float, "pass seconds per instruction")
+    energy_j = _field(path, line, fields, "energy", float, "pass joules per instruction")
+    where = f"{path}:{line}:"
     if kind not in INSTRUCTIONS:
-        raise ValueError(f"{path}:{line}: instruction {kind!r} is not one of {INSTRUCTIONS}.")
-    if stage < 0 or freq_f <= 0 or freq_f != int(freq_f):
-        raise ValueError(f"{path}:{line}: stage must be >= 0 and frequency a positive integer (MHz).")
+        raise InvalidInputError(f"{where} instruction {kind!r} is not one of {INSTRUCTIONS}.")
+    if stage < 0:
+        raise InvalidInputError(f"{where} stage must be >= 0, got {stage}.")
+    if not (math.isfinite(freq) and freq > 0 and freq == int(freq)):
+        raise InvalidInputError(f"{where} frequency must be a positive integer (MHz), got {freq:g}.")
     if not (math.isfinite(time_s) and time_s > 0):
-        raise ValueError(f"{path}:{line}: time must be positive and finite, got {time_s}.")
+        raise InvalidInputError(f"{where} time must be positive and finite (seconds), got {time_s}.")
     if not (math.isfinite(energy_j) and energy_j >= 0):
-        raise ValueError(f"{path}:{line}: energy must be non-negative and finite, got {energy_j}.")
-    return ProfileRow(stage, kind, int(freq_f), time_s, energy_j)
+        raise InvalidInputError(f"{where} energy must be non-negative and finite (joules), got {energy_j}.")
+    return ProfileRow(stage, kind, int(freq), time_s, energy_j)
 
 
 def _check_stages(path: Path, profiled: set[tuple[int, str]], num_stages: int | None) -> None:
     """Every expected stage has both instructions; no other stage appears."""
     if not profiled:
-        raise ValueError(f"{path}: no profile rows.")
+        raise InvalidInputError(f"{path}: no profile rows.")
     stages = sorted({s for s, _ in profiled})
     expected = range(num_stages if num_stages is not None else stages[-1] + 1)
     extra = [s for s in stages if s not in expected]
     if extra:
-        raise ValueError(f"{path}: stage(s) {extra} out of range for {len(expected)} stages.")
+        raise InvalidInputError(f"{path}: stage(s) {extra} out of range for {len(expected)} stages.")
     for s in expected:
         for kind in INSTRUCTIONS:
             if (s, kind) not in profiled:
-                raise ValueError(f"{path}: stage {s} has no {kind} rows.")
+                raise InvalidInputError(f"{path}: stage {s} has no {kind} rows.")
