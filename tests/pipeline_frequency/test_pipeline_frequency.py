@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import subprocess
 import sys
@@ -165,6 +166,17 @@ def test_constructor_errors(node):
         PipelineFrequencyOptimizer(dp_degree=2)
     with pytest.raises(ValueError, match="exactly this rank's GPU"):
         PipelineFrequencyOptimizer(monitor=ZeusMonitor(gpu_indices=[0]), device_id=1)
+    for kw in ({"target_time_s": math.inf}, {"warmup_steps": True}, {"slack_margin": "0.1"}):
+        with pytest.raises(ValueError, match=r"PipelineFrequencyOptimizer\(\w+=.*\)`: pass "):
+            PipelineFrequencyOptimizer(**kw)
+
+
+def test_min_frequency_within_the_gpu_clocks(node):
+    """Below the lowest supported clock, or an integral float: accepted; the sweep starts at the maximum."""
+    pfo = PipelineFrequencyOptimizer(device_id=0, **{**FAST, "wait_steps": 0}, min_frequency_mhz=10.0)
+    pfo.on_step_begin()
+    assert pfo.phase == "profiling" and pfo.frequency_mhz == 1740
+    pfo.close()
 
 
 # -- the loop on a simulated GPU ------------------------------------------------------------------------
@@ -414,3 +426,12 @@ def test_profiling_starts_from_the_default_power_limit(node):
     assert gpu.power_limit_mw == 300_000  # the default, through the guard
     pfo.close()
     assert gpu.power_limit_mw == 150_000  # put back as it was found
+
+
+def test_bad_profile_path_file_is_named_at_the_first_step(node, tmp_path):
+    path = tmp_path / "profile.csv"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    pfo = PipelineFrequencyOptimizer(device_id=0, **FAST, profile_path=path)
+    with pytest.raises(ValueError, match=r"PipelineFrequencyOptimizer\(profile_path=.*not a text file"):
+        pfo.on_step_begin()
+    pfo.close()

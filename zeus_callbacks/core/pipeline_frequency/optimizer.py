@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
+import numbers
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from zeus_callbacks.core import distributed as dist
-from zeus_callbacks.core.device.errors import GPUError
+from zeus_callbacks.core.device.errors import GPUError, InvalidInputError
 from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.pipeline_frequency.clock_sweep import ClockSweep, clock_sweep, stage_clocks
@@ -36,6 +38,21 @@ logger = logging.getLogger(__name__)
 _ITERATION_WINDOW_S = 2.0
 
 _UNLOCKED = 0  # "clock" of measurements taken at the clock the GPU chose itself (no permission to lock)
+
+
+def _bad(name: str, value: Any, want: str) -> ValueError:
+    """The error of a bad constructor argument: names it with its value, says what to pass (one line)."""
+    return ValueError(f"`PipelineFrequencyOptimizer({name}={value!r})`: {want}.")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_integer(name: str, value: Any, low: int) -> None:
+    """`value` is an integer >= `low` (an integral float such as 3.0 is accepted), else `_bad`."""
+    if not (_is_number(value) and math.isfinite(value) and value == int(value) and value >= low):
+        raise _bad(name, value, f"pass an integer >= {low}")
 
 
 # -- phases -----------------------------------------------------------------------------------------
@@ -161,7 +178,8 @@ class PipelineFrequencyOptimizer:
         process_group: The torch.distributed group of the pipeline's ranks (default: the whole job).
 
     Raises:
-        ValueError: a bad argument; the message names it.
+        ValueError: a bad argument; the message names it and says what to pass. A `min_frequency_mhz`
+            above a rank's GPU clocks is found at the first `on_step_begin` (raised on every rank).
 
     Example::
 
@@ -204,11 +222,8 @@ class PipelineFrequencyOptimizer:
         process_group: Any = None,
         slack_margin: float = 0.1,
     ) -> None:
-        def bad(name: str, value: Any, want: str) -> ValueError:
-            return ValueError(f"`PipelineFrequencyOptimizer({name}={value!r})`: {want}.")
-
         if schedule is not None and schedule not in SCHEDULES:
-            raise bad("schedule", schedule, f"must be one of {SCHEDULES} or None (detected)")
+            raise _bad("schedule", schedule, f"pass one of {SCHEDULES}, or None (detected)")
         for name, value, low in (
             ("wait_steps", wait_steps, 0),
             ("warmup_steps", warmup_steps, 0),
@@ -216,16 +231,23 @@ class PipelineFrequencyOptimizer:
             ("frequency_stride_mhz", frequency_stride_mhz, 1),
             ("patience", patience, 1),
         ):
-            if int(value) != value or value < low:
-                raise bad(name, value, f"must be an integer >= {low}")
-        if target_time_s is not None and not target_time_s > 0:
-            raise bad("target_time_s", target_time_s, "must be a positive number of seconds")
+            _check_integer(name, value, low)
+        if min_frequency_mhz is not None:
+            _check_integer("min_frequency_mhz", min_frequency_mhz, 1)
+        if target_time_s is not None and not (_is_number(target_time_s) and 0 < target_time_s < math.inf):
+            raise _bad(
+                "target_time_s",
+                target_time_s,
+                "pass a positive, finite number of seconds, or None (the all-maximum-clock iteration time)",
+            )
+        if not (_is_number(slack_margin) and 0.0 <= slack_margin < 1.0):
+            raise _bad("slack_margin", slack_margin, "pass a number in [0, 1), e.g. 0.1")
         if rank is not None and dist.is_distributed() and rank != dist.rank():
-            raise bad("rank", rank, f"this process is rank {dist.rank()} of torch.distributed")
+            raise _bad("rank", rank, f"this process is rank {dist.rank()} of torch.distributed")
         if world_size is not None and dist.is_distributed() and world_size != dist.world_size():
-            raise bad("world_size", world_size, f"torch.distributed has {dist.world_size()} ranks")
+            raise _bad("world_size", world_size, f"torch.distributed has {dist.world_size()} ranks")
         if pp_rank is None and (dp_degree > 1 or tp_degree > 1):
-            raise bad(
+            raise _bad(
                 "pp_rank", pp_rank, "is required with data or tensor parallelism (the stage of this rank)"
             )
         if monitor is None:
@@ -233,7 +255,7 @@ class PipelineFrequencyOptimizer:
                 device_id = dist.local_rank()
             monitor = ZeusMonitor(gpu_indices=[device_id])
         elif len(monitor.gpu_indices) != 1 or (device_id is not None and monitor.gpu_indices != [device_id]):
-            raise bad(
+            raise _bad(
                 "monitor",
                 f"ZeusMonitor(gpu_indices={monitor.gpu_indices})",
                 "must measure exactly this rank's GPU"
@@ -252,12 +274,10 @@ class PipelineFrequencyOptimizer:
         self.warmup_steps = int(warmup_steps)
         self.profile_steps = int(profile_steps)
         self.frequency_stride_mhz = int(frequency_stride_mhz)
-        self.min_frequency_mhz = min_frequency_mhz
+        self.min_frequency_mhz = None if min_frequency_mhz is None else int(min_frequency_mhz)
         self.patience = int(patience)
-        self.target_time_s = target_time_s
-        if not 0.0 <= slack_margin < 1.0:
-            raise bad("slack_margin", slack_margin, "must be in [0, 1)")
-        self.slack_margin = slack_margin
+        self.target_time_s = None if target_time_s is None else float(target_time_s)
+        self.slack_margin = float(slack_margin)
         self.profile_path = Path(profile_path) if profile_path is not None else None
         self.stage: int | None = pp_rank
         self.may_set = True
@@ -429,7 +449,12 @@ class PipelineFrequencyOptimizer:
         if self.stage is None:
             self.stage = self._group.rank()
         sweep, may_set = self._own_sweep()
-        infos = self._group.all_gather({"stage": self.stage, "sweep": sweep, "may_set": may_set})
+        infos = self._group.all_gather(
+            {"stage": self.stage, "sweep": sweep, "may_set": may_set, "bad": self._check_clock_range()}
+        )
+        bad = next((i["bad"] for i in infos if i["bad"]), None)
+        if bad is not None:  # raised on every rank, so that none waits for the others at a collective
+            raise ValueError(bad)
         clocks = stage_clocks((i["stage"], i["sweep"]) for i in infos)
         if self.pp_degree is not None and self.pp_degree != len(clocks):
             raise ValueError(
@@ -444,9 +469,7 @@ class PipelineFrequencyOptimizer:
         if overlap is not None:
             logger.warning("PipelineFrequencyOptimizer: %s", overlap)
             self.may_set, self._why_not_set = False, "ranks share a GPU"
-        if self.profile_path is not None and self.profile_path.exists() and self._group.rank() == 0:
-            self._replay = read_profile(self.profile_path)
-        self._replay = self._group.broadcast(self._replay)
+        self._replay = self._read_profile_everywhere()
         if self._replay is not None:
             logger.info("PipelineFrequencyOptimizer: planning from the profile %s.", self.profile_path)
         self._sweep = ClockSweep(self._clocks_to_profile(clocks), self.patience)
@@ -455,6 +478,39 @@ class PipelineFrequencyOptimizer:
         atexit.register(self.close)
         if self.wait_steps == 0:
             self._begin_profiling()
+
+    def _read_profile_everywhere(self) -> list[ProfileRow] | None:
+        """The rows of `profile_path` if it exists (read by the group's first rank, sent to every rank); a
+        bad file raises on every rank, so that none waits for the others at a collective."""
+        read: tuple[list[ProfileRow] | None, str | None] = (None, None)
+        if self.profile_path is not None and self.profile_path.exists() and self._group.rank() == 0:
+            try:
+                read = (read_profile(self.profile_path), None)
+            except (OSError, ValueError) as e:
+                read = (None, f"`PipelineFrequencyOptimizer(profile_path={str(self.profile_path)!r})`: {e}")
+        rows, error = self._group.broadcast(read)
+        if error is not None:
+            raise InvalidInputError(error + " Fix or remove the file (it is written again after profiling).")
+        return rows
+
+    def _check_clock_range(self) -> str | None:
+        """Why `min_frequency_mhz` does not fit this rank's GPU (above its highest SM clock), or None."""
+        if self.min_frequency_mhz is None:
+            return None
+        try:
+            supported = self.gpu.supported_sm_clocks_mhz()
+        except GPUError:
+            return None  # reported by `_own_sweep`
+        if not supported or self.min_frequency_mhz <= max(supported):
+            return None
+        return str(
+            _bad(
+                "min_frequency_mhz",
+                self.min_frequency_mhz,
+                f"above the highest SM clock, {max(supported)} MHz, of {self.gpu.label}; pass a clock in "
+                f"{min(supported)}..{max(supported)} MHz, or None (its lowest)",
+            )
+        )
 
     def _own_sweep(self) -> tuple[list[int], bool]:
         """The clocks this rank's GPU would profile, and whether it may lock them."""
