@@ -23,6 +23,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import CallbackHandler
 from typing_extensions import override
 
+from zeus_callbacks.core.arguments import require_monitor
 from zeus_callbacks.core.heterogeneous.training import (
     RankPlan,
     UnevenDistributedSampler,
@@ -154,6 +155,7 @@ class _RestoresOnException(TrainerCallback):
     def _train_failed(self) -> None:
         """Undo this callback's GPU changes; `train()` raised. No collective: the other ranks may not."""
         raise NotImplementedError
+
 
 _ENERGY_MONITORS: weakref.WeakSet[HFZeusMonitor] = weakref.WeakSet()
 
@@ -306,6 +308,7 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
                 )
             self.optimizer, self._reporter = owner.optimizer, owner._reporter
             return
+        require_monitor(type(self).__name__, monitor)
         self.optimizer = GlobalPowerLimitOptimizer(
             monitor=monitor,
             optimum_selector=optimum_selector,

@@ -64,7 +64,7 @@ def test_sweep_takes_more_steps_than_adaptive(capsys):
         rc, out, _ = run_cli(capsys, "--search", search, "--json", "--seed", "3")
         assert rc == 0
         steps[search] = json.loads(out)["profiling_steps"]
-    assert steps["sweep"] == 9 * 50 and steps["adaptive"] <= steps["sweep"] / 2
+    assert steps["sweep"] == 9 * 50 and steps["adaptive"] <= 0.65 * steps["sweep"]
 
 
 def _nsdi23(path: Path) -> Path:

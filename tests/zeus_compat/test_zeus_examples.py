@@ -22,6 +22,9 @@ def _run(args: list[str], tmp_path: Path, spec: str, **extra: str) -> str:
         ZEUS_CALLBACKS_SIMULATE=spec,
         ZEUS_CALLBACKS_SIM_STATE_DIR=str(tmp_path / "node"),
         ZEUS_CALLBACKS_JOIN_TIMEOUT_S="3",
+        # The examples' toy steps last a few ms: a 10 ms counter (a fast board's) lets their profile fit in
+        # the examples' steps, as in the other example tests (`helpers.TOY_STEPS_COUNTER`).
+        ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS=extra.pop("ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS", "10"),
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     )
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -45,7 +48,9 @@ def _done(out: str) -> list[int]:
 
 
 def test_train_single(tmp_path: Path) -> None:
-    out = _run([sys.executable, str(EXAMPLES / "train_single.py")], tmp_path, "a40")
+    out = _run(
+        [sys.executable, str(EXAMPLES / "train_single.py"), "--steps_per_epoch", "250"], tmp_path, "a40"
+    )
     (chosen,) = _done(out)
     assert 100 <= chosen <= 300
     assert _limits_after(tmp_path, "a40") == [300]

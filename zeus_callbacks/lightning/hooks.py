@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
+from zeus_callbacks.core.arguments import require_monitor
 from zeus_callbacks.core.heterogeneous.training import (
     RankPlan,
     apply_power_limit,
@@ -212,6 +213,7 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
         search: str = "adaptive",
     ) -> None:
         super().__init__()
+        require_monitor(type(self).__name__, monitor)
         self._optimizer = GlobalPowerLimitOptimizer(
             monitor=monitor,
             optimum_selector=optimum_selector,

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.arguments import bad_argument, require_monitor, whole_number
 from zeus_callbacks.core.callback import Callback
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.power import MAX_REFRESH_PERIOD_S, energy_refresh_period_s
@@ -190,23 +191,24 @@ class GlobalPowerLimitOptimizer(Callback):
         profile_path: str | Path | None = None,
         search: str = "adaptive",
     ) -> None:
-        def bad(name: str, value: Any, want: str) -> ValueError:
-            return ValueError(f"`GlobalPowerLimitOptimizer({name}={value!r})`: {want}.")
+        owner = "GlobalPowerLimitOptimizer"
 
-        if wait_steps < 0:
-            raise bad("wait_steps", wait_steps, "must be >= 0")
-        if warmup_steps < 0:
-            raise bad("warmup_steps", warmup_steps, "must be >= 0")
-        if profile_steps < 1:
-            raise bad("profile_steps", profile_steps, "must be >= 1")
-        if pl_step <= 0:
-            raise bad("pl_step", pl_step, "must be a positive number of watts")
+        def bad(name: str, value: Any, want: str) -> ValueError:
+            return bad_argument(owner, name, value, want)
+
+        require_monitor(owner, monitor)
+        wait_steps = whole_number(owner, "wait_steps", wait_steps, 0)
+        warmup_steps = whole_number(owner, "warmup_steps", warmup_steps, 0)
+        profile_steps = whole_number(owner, "profile_steps", profile_steps, 1)
+        pl_step = whole_number(owner, "pl_step", pl_step, 1)
         if search not in SEARCHES:
             raise bad("search", search, f"must be one of {SEARCHES}")
         if optimum_selector is not None and not isinstance(optimum_selector, OptimumSelector):
             raise bad(
                 "optimum_selector", optimum_selector, "must be an OptimumSelector (Time(), Energy(), ...)"
             )
+        if profile_path is not None and not isinstance(profile_path, (str, os.PathLike)):
+            raise bad("profile_path", profile_path, "must be a path (str or pathlib.Path) or None")
         self.monitor = monitor
         self.optimum_selector = optimum_selector or ZeusCost(eta_knob=0.5)
         self.wait_steps = wait_steps

@@ -7,11 +7,13 @@ window of Zeus's `profile_steps` steps at one limit); they do not say what they 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.power_limit.search import PowerLimitStats
 
 __all__ = ["ProfileContext", "SavedProfile", "save_profile", "load_profile"]
@@ -105,6 +107,29 @@ def _zeus_stats(path: Path, data: dict, steps: int) -> dict[int, PowerLimitStats
     return stats
 
 
+def _check_measurement(path: Path, s: PowerLimitStats, range_w: tuple[int, int]) -> None:
+    """One limit's measurement must be usable: a limit in the GPU's range, steps, finite non-negative sums."""
+    lo, hi = range_w
+    problem = None
+    if not lo <= s.power_limit_w <= hi:
+        problem = f"power limit {s.power_limit_w} W is outside the GPU's range {lo}-{hi} W"
+    elif not isinstance(s.steps, int) or s.steps < 0 or (s.steps == 0 and (s.time_s or s.energy_j)):
+        problem = f"{s.power_limit_w} W: steps={s.steps!r} is not a count of measured steps"
+    elif s.steps == 0 and not s.pruned:
+        problem = f"{s.power_limit_w} W: steps=0 with no measurement"
+    else:
+        for name in ("time_s", "energy_j", "time_sq", "energy_sq"):
+            value = getattr(s, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                problem = f"{s.power_limit_w} W: {name}={value!r} is not a finite, non-negative number"
+                break
+    if problem is not None:
+        raise InvalidInputError(
+            f"The power-limit profile {str(path)!r} is corrupted: {problem}. Delete it to profile again, or pass "
+            "another profile_path."
+        )
+
+
 def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -> SavedProfile:
     """Read a saved profile (ours, or Zeus's: then `profile_steps` is the number of steps each of its
     windows becomes).
@@ -149,6 +174,8 @@ def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -
             f"The power-limit profile {str(path)!r} was measured on {saved.describe()}, but this job runs on "
             f"{context.describe()}. Pass another profile_path, or delete the file to profile again."
         )
+    for stats_at in stats.values():
+        _check_measurement(path, stats_at, context.power_limit_range_w)
     # Files written before the selector was recorded: valid for no selector in particular.
     return SavedProfile(
         stats, bool(data.get("complete")), data.get("selector"), str(data.get("search", "adaptive"))
