@@ -229,7 +229,9 @@ def test_exception_mid_training_restores_the_gpu(tmp_path, sim_state_dir, run_py
         "ZEUS_CALLBACKS_SIMULATE": "a40",
         "ZEUS_CALLBACKS_SIM_STATE_DIR": str(state_dir),
         "ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS": "10",  # toy steps of a few ms (see `node`)
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+        ),
     }
     code = textwrap.dedent(_RAISING_RUN).format(tmp=str(tmp_path))
     child = run_python(code, env=env, timeout=120, cwd=tmp_path)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import TOY_STEPS_COUNTER
 
 from zeus_callbacks import cli
 from zeus_callbacks.core.device.state_guard import journal_dir
@@ -30,6 +31,7 @@ def _train(framework: str, fault: str, tmp_path: Path, sim_state_dir: Path) -> t
         "ZEUS_CALLBACKS_SIMULATE": f"{world}*a40",
         "ZEUS_CALLBACKS_SIM_STATE_DIR": str(sim_state_dir),
         "OUT_DIR": str(tmp_path / "out"),
+        **TOY_STEPS_COUNTER,  # a few ms per step: the optimizer changes the GPU within the first steps
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
     }
     at = "@1" if world == 2 else ""  # under torchrun the fault hits one rank of two
@@ -43,7 +45,9 @@ def _train(framework: str, fault: str, tmp_path: Path, sim_state_dir: Path) -> t
             "not_supported=clocks" if framework == "pipeline" else "not_supported=power"
         ) + at
     else:
-        env["ZEUS_CALLBACKS_SIM_FAULTS"] = "lost_after=30" + at
+        # NVML calls before the GPU is lost: past the optimizer's first change (HF makes more calls first).
+        calls = 170 if framework == "hf" else 120
+        env["ZEUS_CALLBACKS_SIM_FAULTS"] = f"lost_after={calls}" + at
         # A simulated GPU is lost to one process only; the restore watchdog would still reach it.
         env["ZEUS_CALLBACKS_WATCHDOG"] = "0"
     if framework == "torchrun":
@@ -103,11 +107,21 @@ def test_training_completes(
 @pytest.mark.parametrize("lost_after", [1, 6])  # lost at discovery, lost while the command runs
 def test_measure_runs_the_command_and_reports_the_other_gpus(lost_after: int, sim_gpus) -> None:
     sim_gpus("2*a40", faults=f"lost_after={lost_after}@1")
-    cmd = [sys.executable, "-m", "zeus_callbacks.cli", "measure", "--json", "--", "sh", "-c", "exit 3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zeus_callbacks.cli",
+        "measure",
+        "--json",
+        "--",
+        "sh",
+        "-c",
+        "sleep 0.5; exit 3",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert proc.returncode == 3, proc.stderr  # the command's exit code is kept
     assert "Traceback" not in proc.stderr, proc.stderr
-    assert "GPU 1" in proc.stderr and "lost" in proc.stderr
+    assert ("GPU 1" in proc.stderr or "CUDA device 1" in proc.stderr) and "lost" in proc.stderr
     if lost_after == 6:
         res = json.loads(proc.stdout.splitlines()[-1])
         assert res["returncode"] == 3

@@ -284,6 +284,7 @@ m = ZeusMonitor(gpu_indices=[0])
 m.begin_window("w")
 print("ready", flush=True)
 sys.stdin.readline()  # until the test says so
+import time; time.sleep(0.3)  # the window spans a few refreshes of the 100 ms energy counter
 print("energy", m.end_window("w").total_energy, flush=True)
 """
 

@@ -299,7 +299,7 @@ def test_no_permission_measures_and_warns_once(sim_gpus, caplog):
     with caplog.at_level(logging.WARNING):
         pfo = PipelineFrequencyOptimizer(device_id=0, **FAST)
         run_steps(pfo, 6, _kinds("1f1b", 2))
-    warnings = [r for r in caplog.records if "may not lock GPU clocks" in r.message]
+    warnings = [r for r in caplog.records if "no permission to lock SM clocks" in r.message]
     assert len(warnings) == 1
     report = pfo.report()
     assert pfo.phase == "inactive" and "no per-clock profile" in report["reason"]
