@@ -624,7 +624,8 @@ class PipelineFrequencyOptimizer:
         assert result is not None and self.stage is not None
         self._plan = dict(result)
         if "error" in result:
-            self._deactivate(result["error"])
+            # Without permission the reason was already said once, at the first step.
+            self._deactivate(result["error"], already_said=not self.may_set and self._replay is None)
             return
         if not self.may_set:
             self._phase = _Inactive(
@@ -699,9 +700,11 @@ class PipelineFrequencyOptimizer:
         self._phase = _Fallback(reason)
         self._request(self._sweep.max_clock(self.stage))
 
-    def _deactivate(self, reason: str) -> None:
-        logger.warning(
-            "PipelineFrequencyOptimizer: %s. Restoring the GPU's clocks and training on.", reason.rstrip(".")
+    def _deactivate(self, reason: str, already_said: bool = False) -> None:
+        logger.log(
+            logging.INFO if already_said else logging.WARNING,
+            "PipelineFrequencyOptimizer: %s. Restoring the GPU's clocks and training on.",
+            reason.rstrip("."),
         )
         self._phase = _Inactive(reason)
         if self._controller is not None:
