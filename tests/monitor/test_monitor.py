@@ -105,18 +105,25 @@ def test_csv_log_in_zeus_format(sim_gpus, tmp_path, burn_cpu):
 
 
 def _window_at(monitor: ZeusMonitor, power_limit_w: int, burn_cpu, sim_sleeps: list[float]):
-    """(time, energy of GPU 0, measurement) of 1 s of work (10 refreshes of the A40's energy counter), without the wall time that other processes
-    took from this one on a shared CPU or that a late wake-up added (and the idle energy drawn meanwhile)."""
+    """(time, energy of GPU 0, measurement) of 1 s of work, without the wall time that other processes took
+    from this one on a shared CPU or that a late wake-up added (and the idle energy drawn meanwhile).
+
+    The energy counter moves only every 100 ms, so a reading lags by up to that: the window starts and ends
+    with 0.15 s of idle GPU, so that the lag shifts it within idle time and every joule of the work counts."""
     for g in monitor.gpus:
         g.set_power_limit_mw(power_limit_w * 1000)
+    monitor.sync()
+    time.sleep(0.15)
     monitor.begin_window("w")
     cpu0 = time.process_time()
     sim_sleeps.clear()
     burn_cpu(1.0)
+    monitor.sync()
+    time.sleep(0.15)
     m = monitor.end_window("w")
     cpu = time.process_time() - cpu0
-    # On an idle host the window lasts this process's CPU time plus the GPU's catch-up; the rest is lost
-    # to the host's load and is not the simulated GPU's doing.
+    # On an idle host the window lasts this process's CPU time plus the GPU's catch-up (plus the idle tail);
+    # the rest is not the simulated GPU's work: count it as idle.
     lost = max(0.0, m.time - cpu - sum(sim_sleeps))
     idle_w = monitor.gpus[0].handle.spec.idle_power_w
     return m.time - lost, m.gpu_energy[0] - idle_w * lost, m
