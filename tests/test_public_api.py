@@ -54,7 +54,7 @@ def test_every_starred_name_resolves() -> None:
 
 
 def test_version_comes_from_one_module() -> None:
-    from zeus_callbacks._version import __version__
+    from zeus_callbacks.version import __version__
 
     assert zeus_callbacks.__version__ == __version__
 

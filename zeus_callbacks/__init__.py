@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zeus_callbacks._lazy import lazy_exports
-from zeus_callbacks._version import __version__ as __version__
 from zeus_callbacks.core.callback import Callback, CallbackSet
 from zeus_callbacks.core.device.backend import register_backend
 from zeus_callbacks.core.device.errors import (
@@ -42,6 +40,8 @@ from zeus_callbacks.core.power_limit.selectors import (
     ZeusCost,
 )
 from zeus_callbacks.core.power_limit.states import Done, Inactive, Profiling, Ready, Warmup
+from zeus_callbacks.lazy import lazy_exports
+from zeus_callbacks.version import __version__ as __version__
 
 _HETEROGENEOUS_TRAINING = "zeus_callbacks.core.heterogeneous.training"
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from zeus_callbacks.cli._options import GPU_KINDS, add_objective_arguments, objective_from_args
+from zeus_callbacks.cli.options import GPU_KINDS, add_objective_arguments, objective_from_args
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 
 STEPS_AFTER_CHOICE = 10  # steps trained at the chosen limit before the demo stops

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from zeus_callbacks.cli._options import add_objective_arguments, objective_from_args
+from zeus_callbacks.cli.options import add_objective_arguments, objective_from_args
 from zeus_callbacks.core.heterogeneous.planner import (
     COST_MODELS,
     ZEUS2_METHODS,

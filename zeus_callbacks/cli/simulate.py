@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from zeus_callbacks.cli._options import GPU_KINDS, add_objective_arguments, objective_from_args
+from zeus_callbacks.cli.options import GPU_KINDS, add_objective_arguments, objective_from_args
 
 _WORK_S = 0.1  # one step's work at the maximum limit; only ratios matter on a virtual clock
 _MAX_STEPS = 100_000

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zeus_callbacks._lazy import lazy_exports
+from zeus_callbacks.lazy import lazy_exports
 
 __all__ = [
     "LightningZeusMonitor",

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from zeus_callbacks._version import __version__
 from zeus_callbacks.core.device.errors import InvalidInputError
+from zeus_callbacks.version import __version__
 
 __all__ = [
     "DEFAULT_IDLE_POWER_FRACTION",
