@@ -43,7 +43,7 @@ def main() -> None:
     trainer = Trainer(
         model=model,
         args=training_args,
-        train_dataset=RandomTokens(4 * 300),
+        train_dataset=RandomTokens(4 * 1200),
         callbacks=[optimizer],  # Add the `HFGlobalPowerLimitOptimizer` callback
     )
     trainer.train()

@@ -163,11 +163,10 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ:
         torch.distributed.init_process_group("gloo")
     {"plain": plain, "pipeline": pipeline, "hf": hf, "lightning": lightning}[sys.argv[1]]()
-    print(
-        "RESULT "
-        + json.dumps({"rank": int(os.environ.get("RANK", "0")), "seen": sorted(seen), "steps": steps_run}),
-        flush=True,
-    )
+    result = {"rank": int(os.environ.get("RANK", "0")), "seen": sorted(seen), "steps": steps_run}
+    # One write per line: the ranks under torchrun share stdout, and print() may split a line in two writes.
+    sys.stdout.flush()
+    os.write(1, f"RESULT {json.dumps(result)}\n".encode())
     if "WORLD_SIZE" in os.environ:
         torch.distributed.destroy_process_group()
 

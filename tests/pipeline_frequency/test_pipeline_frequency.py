@@ -340,7 +340,7 @@ _CHILD = textwrap.dedent(
     from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
     pfo = PipelineFrequencyOptimizer(device_id=0, target_time_s=10.0, **FAST)
     kinds = _kinds("1f1b", 2)
-    run_steps(pfo, 40, kinds, until="applying")
+    run_steps(pfo, 40, kinds, until="applying", work_s=0.01)  # long enough to rank clocks
     run_steps(pfo, 1, kinds)
     pfo._controller.wait(5)
     print("locked", pfo.frequency_mhz, flush=True)

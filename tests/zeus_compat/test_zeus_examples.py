@@ -49,7 +49,7 @@ def _done(out: str) -> list[int]:
 
 def test_train_single(tmp_path: Path) -> None:
     out = _run(
-        [sys.executable, str(EXAMPLES / "train_single.py"), "--steps_per_epoch", "250"], tmp_path, "a40"
+        [sys.executable, str(EXAMPLES / "train_single.py"), "--steps_per_epoch", "1500"], tmp_path, "a40"
     )
     (chosen,) = _done(out)
     assert 100 <= chosen <= 300
