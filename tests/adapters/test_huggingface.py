@@ -115,7 +115,7 @@ def test_metrics_reach_trackers_before_and_after_and_log_history(node, tmp_path)
     before, after = Recorder(), Recorder()
     # `before` sits where transformers puts the `report_to` trackers: ahead of the user's callbacks.
     callbacks = [before, HFZeusMonitor(monitor), HFGlobalPowerLimitOptimizer(monitor, **PLO_KW), after]
-    trainer = make_trainer(tmp_path, callbacks, max_steps=20)
+    trainer = make_trainer(tmp_path, callbacks, max_steps=60, logging_steps=15)  # profiling ends well before
     trainer.train()
 
     train_logs = [h for h in trainer.state.log_history if "loss" in h]
