@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from zeus_callbacks.core.device.errors import MIGNotSupportedError, NVMLUnavailableError
-from zeus_callbacks.core.device.gpus import GPU, get_gpus
+from zeus_callbacks.core.device.gpus import GPU, GPUs, get_gpus
 from zeus_callbacks.core.device.node_info import safe_call
 
 NO_GPU_MESSAGE = (
@@ -96,15 +96,21 @@ def _table(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Print the GPUs; 1 when there is no GPU and no simulation (or a MIG device is selected)."""
+def discover(repair: bool = True) -> GPUs | None:
+    """The GPUs, or None after saying on stderr why there are none (no NVML and no simulation, or MIG)."""
     try:
-        gpus = get_gpus()
+        return get_gpus(repair=repair)
     except NVMLUnavailableError:
         print(NO_GPU_MESSAGE, file=sys.stderr)
-        return 1
     except MIGNotSupportedError as e:
         print(e, file=sys.stderr)
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the GPUs; 1 when there is no GPU and no simulation (or a MIG device is selected)."""
+    gpus = discover()
+    if gpus is None:
         return 1
     rows = [describe(g) for g in gpus]
     if args.json:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from zeus_callbacks.cli.devices import NO_GPU_MESSAGE
+from zeus_callbacks.cli.devices import discover
 from zeus_callbacks.core.device import node_info
-from zeus_callbacks.core.device.errors import MIGNotSupportedError, NVMLUnavailableError
-from zeus_callbacks.core.device.gpus import GPU, get_gpus
+from zeus_callbacks.core.device.gpus import GPU, GPUs, get_gpus
 from zeus_callbacks.core.device.power import energy_refresh_period_s, instant_power_mw
 from zeus_callbacks.core.device.state_guard import journal_dir, leftover_entries
 
@@ -87,9 +85,9 @@ def _gpu_findings(g: dict[str, Any]) -> tuple[list[str], list[str]]:
     return problems, warnings
 
 
-def check() -> dict[str, Any]:
+def check(gpus: GPUs | None = None) -> dict[str, Any]:
     """The whole report as plain data; raises `NVMLUnavailableError` without NVML or simulation."""
-    gpus = get_gpus(repair=False)
+    gpus = get_gpus(repair=False) if gpus is None else gpus
     driver, nvml_version = node_info.driver_versions(gpus)
     perm = node_info.permission(gpus)
     journal = node_info.check_journal_dir(journal_dir())
@@ -176,14 +174,10 @@ def _print_report(r: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report; 1 when something would stop the optimizers (or there is no NVML)."""
-    try:
-        report = check()
-    except NVMLUnavailableError:
-        print(NO_GPU_MESSAGE, file=sys.stderr)
+    gpus = discover(repair=False)  # read-only: leftovers are reported, not repaired
+    if gpus is None:
         return 1
-    except MIGNotSupportedError as e:
-        print(e, file=sys.stderr)
-        return 1
+    report = check(gpus)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
