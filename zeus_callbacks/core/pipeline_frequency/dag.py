@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -74,7 +75,9 @@ def build_schedule(kind: str, num_stages: int, num_microbatches: int) -> list[li
 class PipelineDAG:
     """The dependency graph of one iteration, instructions numbered in a topological order.
 
-    Build it with `build_dag`. Node `i` is `instructions[i]`; every edge `(u, v)` has `u < v`.
+    Build it with `build_dag`. Node `i` is `instructions[i]`; every edge `(u, v)` has `u < v`. An edge may
+    carry a delay (`edge_delay_s`, aligned with `edges`; empty: none): `v` starts at least that long after
+    `u` ends (communication between stages, the host's time between a stage's instructions).
     """
 
     schedule: tuple[tuple[Instruction, ...], ...]
@@ -83,6 +86,7 @@ class PipelineDAG:
     _index: dict[Instruction, int] = field(repr=False, compare=False)
     _preds: tuple[tuple[int, ...], ...] = field(repr=False, compare=False)
     _succs: tuple[tuple[int, ...], ...] = field(repr=False, compare=False)
+    edge_delay_s: tuple[float, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -104,17 +108,49 @@ class PipelineDAG:
         """Nodes that wait for `node`."""
         return self._succs[node]
 
+    def edge_delays(self) -> list[float]:
+        """Delay (s) of every edge, aligned with `edges` (zeros when none were given)."""
+        return list(self.edge_delay_s) if self.edge_delay_s else [0.0] * len(self.edges)
+
+    def with_edge_delays(self, delay_s: Callable[[Instruction, Instruction], float]) -> PipelineDAG:
+        """The same DAG whose edge `(u, v)` has the delay `delay_s(instructions[u], instructions[v])` (s).
+
+        Raises:
+            ValueError: a delay is negative or not finite.
+        """
+        delays = tuple(float(delay_s(self.instructions[u], self.instructions[v])) for u, v in self.edges)
+        bad = [d for d in delays if not 0.0 <= d < float("inf")]
+        if bad:
+            raise ValueError(f"Edge delays must be finite and >= 0 s, got {bad[0]!r}.")
+        return dataclasses.replace(self, edge_delay_s=delays)
+
+    def predecessor_delays(self) -> list[tuple[float, ...]]:
+        """For every node, the delays of its incoming edges, aligned with `predecessors(node)`."""
+        return self._aligned_delays(incoming=True)
+
+    def successor_delays(self) -> list[tuple[float, ...]]:
+        """For every node, the delays of its outgoing edges, aligned with `successors(node)`."""
+        return self._aligned_delays(incoming=False)
+
+    def _aligned_delays(self, incoming: bool) -> list[tuple[float, ...]]:
+        delay = dict(zip(self.edges, self.edge_delays(), strict=True))
+        if incoming:
+            return [tuple(delay[u, v] for u in preds) for v, preds in enumerate(self._preds)]
+        return [tuple(delay[u, v] for v in succs) for u, succs in enumerate(self._succs)]
+
     def stages(self) -> np.ndarray:
         """Stage of every node, as an integer array."""
         return np.fromiter((i.stage for i in self.instructions), dtype=np.int64, count=len(self))
 
     def earliest_start(self, durations_s: Sequence[float] | np.ndarray) -> list[float]:
-        """Earliest start time of every node when node `i` takes `durations_s[i]` seconds."""
+        """Earliest start time of every node when node `i` takes `durations_s[i]` seconds (edge delays
+        included)."""
         d = [float(x) for x in durations_s]
         start = [0.0] * len(d)
+        delays = self.predecessor_delays()
         for v, preds in enumerate(self._preds):
             if preds:
-                start[v] = max(start[u] + d[u] for u in preds)
+                start[v] = max(start[u] + d[u] + x for u, x in zip(preds, delays[v], strict=True))
         return start
 
     def iteration_time(self, durations_s: Sequence[float] | np.ndarray) -> float:
@@ -124,11 +160,15 @@ class PipelineDAG:
         return max(s + x for s, x in zip(start, d, strict=True))
 
 
-def build_dag(schedule: Sequence[Sequence[Instruction]]) -> PipelineDAG:
+def build_dag(
+    schedule: Sequence[Sequence[Instruction]],
+    edge_delay_s: Callable[[Instruction, Instruction], float] | None = None,
+) -> PipelineDAG:
     """The dependency DAG of a per-stage schedule such as `build_schedule` returns.
 
     Edges: consecutive instructions of a stage; `forward(s, m) -> forward(s + 1, m)`;
-    `backward(s + 1, m) -> backward(s, m)`; `forward(last, m) -> backward(last, m)`.
+    `backward(s + 1, m) -> backward(s, m)`; `forward(last, m) -> backward(last, m)`. With `edge_delay_s`,
+    each edge `(u, v)` gets that delay (`PipelineDAG.with_edge_delays`); otherwise none.
 
     Raises:
         ValueError: If the schedule repeats an instruction, misplaces one, or deadlocks (has a cycle).
@@ -145,7 +185,7 @@ def build_dag(schedule: Sequence[Sequence[Instruction]]) -> PipelineDAG:
         preds[v].append(u)
         out[u].append(v)
     instructions = tuple(flat[old] for old in topo)
-    return PipelineDAG(
+    dag = PipelineDAG(
         schedule=tuple(tuple(order) for order in schedule),
         instructions=instructions,
         edges=tuple(edges),
@@ -153,6 +193,7 @@ def build_dag(schedule: Sequence[Sequence[Instruction]]) -> PipelineDAG:
         _preds=tuple(tuple(p) for p in preds),
         _succs=tuple(tuple(s) for s in out),
     )
+    return dag if edge_delay_s is None else dag.with_edge_delays(edge_delay_s)
 
 
 def _positions(schedule: Sequence[Sequence[Instruction]]) -> dict[Instruction, int]:

@@ -303,6 +303,8 @@ class _Problem:
         ]
         self.preds = [dag.predecessors(v) for v in range(len(dag))]
         self.succs = [dag.successors(v) for v in range(len(dag))]
+        self.pred_delays = dag.predecessor_delays()
+        self.succ_delays = dag.successor_delays()
         self.sinks = [v for v in range(len(dag)) if not self.succs[v]]
         self.fastest_time_s = dag.iteration_time([t[0] for t in self.times])
         self.slowest_time_s = dag.iteration_time([t[-1] for t in self.times])
@@ -475,14 +477,14 @@ class _Problem:
 
         Node numbers are topological, so popping the smallest first settles each node once.
         """
-        es, d, preds, succs = self.es, self.d, self.preds, self.succs
+        es, d, preds, succs, delays = self.es, self.d, self.preds, self.succs, self.pred_delays
         todo = list(set(start))
         queued = set(todo)
         heapq.heapify(todo)
         changed = set()
         while todo:
             v = heapq.heappop(todo)
-            new = max([es[u] + d[u] for u in preds[v]], default=0.0)
+            new = max([es[u] + d[u] + x for u, x in zip(preds[v], delays[v])], default=0.0)  # noqa: B905
             if new != es[v]:
                 es[v] = new
                 changed.add(v)
@@ -494,14 +496,14 @@ class _Problem:
 
     def _backward(self, start: Iterable[int]) -> set[int]:
         """Recompute latest starts from `start` upstream; returns the nodes that moved."""
-        ls, d, preds, succs = self.ls, self.d, self.preds, self.succs
+        ls, d, preds, succs, delays = self.ls, self.d, self.preds, self.succs, self.succ_delays
         todo = [-v for v in set(start)]
         queued = {-v for v in todo}
         heapq.heapify(todo)
         changed = set()
         while todo:
             v = -heapq.heappop(todo)
-            new = min([ls[w] for w in succs[v]], default=self.deadline) - d[v]
+            new = min([ls[w] - x for w, x in zip(succs[v], delays[v])], default=self.deadline) - d[v]  # noqa: B905
             if new != ls[v]:
                 ls[v] = new
                 changed.add(v)

@@ -1,0 +1,95 @@
+"""Edge delays in the pipeline DAG: the longest path, the solver and the exact reference include them."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from zeus_callbacks.core.pipeline_frequency.dag import Instruction, build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.frontier import evaluate, frontier, max_frequency_plan, solve
+
+from test_frontier import _options
+
+
+def _delay(cross_s: float, host_s: float):
+    return lambda u, v: host_s if u.stage == v.stage else cross_s
+
+
+def test_longest_path_with_edge_delays_hand_computed():
+    # 1F1B, 2 stages x 2 microbatches: stage 0 runs F0 F1 B0 B1, stage 1 runs F0 B0 F1 B1.
+    # Forward 1 s, backward 2 s; 0.5 s between stages, 0.1 s between a stage's own instructions.
+    dag = build_dag(build_schedule("1f1b", 2, 2), edge_delay_s=_delay(0.5, 0.1))
+    durations = [1.0 if i.kind == "forward" else 2.0 for i in dag.instructions]
+    start = dict(zip(dag.instructions, dag.earliest_start(durations), strict=True))
+    F = lambda s, m: Instruction(s, "forward", m)  # noqa: E731
+    B = lambda s, m: Instruction(s, "backward", m)  # noqa: E731
+    expected = {
+        F(0, 0): 0.0,
+        F(0, 1): 1.1,  # after F(0,0) and the host's 0.1 s
+        F(1, 0): 1.5,  # F(0,0) ends at 1, plus 0.5 s to the next stage
+        B(1, 0): 2.6,
+        F(1, 1): 4.7,  # its stage is busy until 4.6 (B(1,0)); F(0,1)'s data arrived at 2.6
+        B(1, 1): 5.8,
+        B(0, 0): 5.1,  # B(1,0) ends at 4.6, plus 0.5 s
+        B(0, 1): 8.3,  # B(1,1) ends at 7.8, plus 0.5 s
+    }
+    assert start == pytest.approx(expected)
+    assert dag.iteration_time(durations) == pytest.approx(10.3)
+    assert build_dag(build_schedule("1f1b", 2, 2)).iteration_time(durations) == pytest.approx(9.0)
+    assert dag.edge_delays() == [0.1 if a.stage == b.stage else 0.5 for a, b in _edge_pairs(dag)]
+
+
+def _edge_pairs(dag):
+    return [(dag.instructions[u], dag.instructions[v]) for u, v in dag.edges]
+
+
+def test_edge_delays_default_to_zero_and_must_be_valid():
+    dag = build_dag(build_schedule("gpipe", 2, 3))
+    assert dag.edge_delays() == [0.0] * len(dag.edges)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        dag.with_edge_delays(lambda u, v: -1.0)
+
+
+def _brute_force(dag, options, p_blk: float, target: float) -> float:
+    """Least energy over every assignment whose iteration time, edge delays included, meets `target`."""
+    n = len(dag)
+    choices = [options[i.stage, i.kind] for i in dag.instructions]
+    idx = np.array(list(itertools.product(*[range(len(c)) for c in choices])), dtype=np.int8)
+    width = max(len(c) for c in choices)
+    times = np.array([[o.time_s for o in c] + [0.0] * (width - len(c)) for c in choices])
+    energies = np.array([[o.energy_j for o in c] + [0.0] * (width - len(c)) for c in choices])
+    d = times[np.arange(n), idx]
+    start = np.zeros_like(d)
+    delays = dag.predecessor_delays()
+    for v in range(n):
+        for u, x in zip(dag.predecessors(v), delays[v], strict=True):
+            np.maximum(start[:, v], start[:, u] + d[:, u] + x, out=start[:, v])
+    t_iter = (start + d).max(axis=1)
+    energy = energies[np.arange(n), idx].sum(axis=1) + p_blk * (dag.num_stages * t_iter - d.sum(axis=1))
+    return float(energy[t_iter <= target * (1 + 1e-9)].min())
+
+
+@pytest.mark.parametrize("kind,seed", [("1f1b", 3), ("gpipe", 4)])
+def test_solver_frontier_and_exact_plan_with_edge_delays(kind, seed):
+    options = _options(seed, 2, 3)
+    # Delays of the order of an instruction: a plan that ignored them would miss the deadline.
+    dag = build_dag(build_schedule(kind, 2, 3), edge_delay_s=_delay(0.4, 0.05))
+    ref = max_frequency_plan(dag, options, 80.0)
+    zero = max_frequency_plan(build_dag(build_schedule(kind, 2, 3)), options, 80.0)
+    assert ref.iteration_time_s > zero.iteration_time_s + 0.4
+    plan = solve(dag, options, 80.0)
+    assert plan.iteration_time_s <= ref.iteration_time_s * (1 + 1e-9)
+    again = evaluate(dag, options, 80.0, plan.frequencies_mhz)
+    assert again.iteration_time_s == pytest.approx(plan.iteration_time_s)
+    best = _brute_force(dag, options, 80.0, ref.iteration_time_s)
+    assert plan.energy_j <= best * (1 + 1e-3)
+    chosen = frontier(dag, options, 80.0).choose()
+    assert chosen.iteration_time_s <= ref.iteration_time_s * (1 + 1e-9)
+    assert chosen.energy_j == pytest.approx(plan.energy_j, rel=1e-9)
+    pytest.importorskip("scipy")
+    from zeus_callbacks.core.pipeline_frequency.exact import exact_plan
+
+    exact = exact_plan(dag, options, 80.0, ref.iteration_time_s)
+    assert exact is not None and exact.energy_j == pytest.approx(best, rel=1e-6)
