@@ -6,11 +6,10 @@ import itertools
 
 import numpy as np
 import pytest
+from test_frontier import _options
 
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction, build_dag, build_schedule
 from zeus_callbacks.core.pipeline_frequency.frontier import evaluate, frontier, max_frequency_plan, solve
-
-from test_frontier import _options
 
 
 def _delay(cross_s: float, host_s: float):
