@@ -6,7 +6,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow
-from zeus_callbacks.core.pipeline_frequency.recorder import StageSample
+from zeus_callbacks.core.pipeline_frequency.recorder import StageSample, StepTimeline
 
 __all__ = ["ClockSweep", "clock_sweep", "passed_valley", "merge_replicas", "stage_clocks"]
 
@@ -109,6 +109,8 @@ class ClockSweep:
         # stage -> kind -> [(clock MHz, time s, energy J)] in sweep order
         self._points: dict[int, dict[str, list[tuple[int, float, float]]]] = {}
         self._blocked: dict[int, list[float]] = {}  # stage -> [time s, energy J] over the sweep
+        # Per profiled step, stage -> when its instructions ran (for the DAG's edge delays).
+        self.timelines: list[dict[int, StepTimeline]] = []
 
     @property
     def finished(self) -> bool:
@@ -129,14 +131,23 @@ class ClockSweep:
             return self.max_clock(stage)
         return self.clocks[stage][self._position[stage]]
 
-    def add(self, samples: Iterable[StageSample], sequences: Mapping[int, tuple[str, ...]]) -> None:
-        """Add one clock's samples of every rank (replicas merged) and the order of instructions each
-        stage ran; move each sampled stage to its next clock or mark it done.
+    def add(
+        self,
+        samples: Iterable[StageSample],
+        sequences: Mapping[int, tuple[str, ...]],
+        timelines: Mapping[int, Sequence[StepTimeline]] | None = None,
+    ) -> None:
+        """Add one clock's samples of every rank (replicas merged), the order of instructions each stage
+        ran, and each stage's timelines of the profiled steps (one replica's); move each sampled stage to
+        its next clock or mark it done.
 
         Raises:
             ValueError: replicas of a stage ran different instruction sequences.
         """
         self.sequences.update(sequences)
+        if timelines:
+            steps = min(len(t) for t in timelines.values())
+            self.timelines += [{s: t[i] for s, t in timelines.items()} for i in range(steps)]
         for stage, s in merge_replicas(samples).items():
             kinds = self._points.setdefault(stage, {})
             for kind, (t, e, _) in s.kinds.items():

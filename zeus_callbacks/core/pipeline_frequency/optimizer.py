@@ -169,10 +169,10 @@ class PipelineFrequencyOptimizer:
         min_frequency_mhz: Lowest clock to profile (default: the lowest supported).
         patience: Clocks without an effective-energy gain before a stage stops its sweep.
         target_time_s: Iteration-time target (e.g. a straggler's time); default: the all-max-clock time.
-        slack_margin: Planning margin: a lowered clock is planned as if it took this fraction longer than
-            profiled, so only instructions with slack to spare are slowed (the DAG has no communication
-            time, and a peer waiting on a slowed instruction also waits for its send). Predictions use the
-            profiled times.
+        slack_margin: Extra planning margin: a lowered clock is planned as if it took this fraction longer
+            than profiled. Not needed by default: the time between instructions (communication between
+            stages, the host's time within one) is measured while profiling and is part of the plan's DAG.
+            Predictions use the profiled times.
         profile_path: CSV `stage,instruction,frequency,time,energy`: if it exists, plan from it instead of
             sweeping; otherwise written (by the first rank) once profiling is done.
         process_group: The torch.distributed group of the pipeline's ranks (default: the whole job).
@@ -220,7 +220,7 @@ class PipelineFrequencyOptimizer:
         target_time_s: float | None = None,
         profile_path: str | Path | None = None,
         process_group: Any = None,
-        slack_margin: float = 0.1,
+        slack_margin: float = 0.0,
     ) -> None:
         if schedule is not None and schedule not in SCHEDULES:
             raise _bad("schedule", schedule, f"pass one of {SCHEDULES}, or None (detected)")
@@ -241,7 +241,7 @@ class PipelineFrequencyOptimizer:
                 "pass a positive, finite number of seconds, or None (the all-maximum-clock iteration time)",
             )
         if not (_is_number(slack_margin) and 0.0 <= slack_margin < 1.0):
-            raise _bad("slack_margin", slack_margin, "pass a number in [0, 1), e.g. 0.1")
+            raise _bad("slack_margin", slack_margin, "pass a number in [0, 1), e.g. 0 (the default)")
         if rank is not None and dist.is_distributed() and rank != dist.rank():
             raise _bad("rank", rank, f"this process is rank {dist.rank()} of torch.distributed")
         if world_size is not None and dist.is_distributed() and world_size != dist.world_size():
@@ -591,16 +591,26 @@ class PipelineFrequencyOptimizer:
             else phase.measurements.sample(self.stage, phase.frequency_mhz, sequence)
         )
         gathered = self._group.all_gather(
-            {"sample": sample, "stage": self.stage, "sequence": sequence, "failed": self._failed}
+            {
+                "sample": sample,
+                "stage": self.stage,
+                "sequence": sequence,
+                "failed": self._failed,
+                "timelines": phase.measurements.timelines,
+            }
         )
         failures = [g["failed"] for g in gathered if g["failed"]]
         if failures:
             self._deactivate(f"a GPU failed during profiling ({failures[0]})")
             return
         try:
+            timelines: dict[int, Any] = {}
+            for g in gathered:  # one replica of each stage: the first rank that runs it
+                timelines.setdefault(g["stage"], g["timelines"])
             self._sweep.add(
                 (g["sample"] for g in gathered if g["sample"] is not None),
                 {g["stage"]: g["sequence"] for g in gathered},
+                timelines,
             )
         except ValueError as e:
             self._deactivate(str(e))
@@ -662,6 +672,7 @@ class PipelineFrequencyOptimizer:
                 self.schedule,
                 self.target_time_s,
                 self.slack_margin,
+                self._sweep.timelines,
             )
         except ValueError as e:
             return {"error": f"no plan: {e}"}

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.edge_delays import EdgeDelays, measure_edge_delays
 from zeus_callbacks.core.pipeline_frequency.frontier import (
     FrequencyOption,
     evaluate,
@@ -13,6 +14,7 @@ from zeus_callbacks.core.pipeline_frequency.frontier import (
     solve,
 )
 from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow
+from zeus_callbacks.core.pipeline_frequency.recorder import StepTimeline
 
 __all__ = ["match_schedule", "options_from_rows", "with_margin", "plan_pipeline"]
 
@@ -86,24 +88,30 @@ def plan_pipeline(
     schedule: str | None = None,
     target_time_s: float | None = None,
     slack_margin: float = 0.0,
+    timelines: Sequence[Mapping[int, StepTimeline]] = (),
+    edge_delays: EdgeDelays | None = None,
 ) -> dict[str, Any]:
     """Every stage's clock of each instruction, planned on the schedule the stages ran; plain data.
 
     The plan takes the least energy within `target_time_s` (default: the iteration time with every
-    instruction at its highest clock), planning with `slack_margin` (`with_margin`); its time and energy
-    are predicted from the profile as measured.
+    instruction at its highest clock), on the DAG with the time between instructions measured from
+    `timelines` (`measure_edge_delays`), or `edge_delays` when given. Its step time and energy are
+    predicted from the profile as measured, the step's overhead outside the DAG included.
 
     Args:
         sequences: Stage -> kinds of its instructions in one iteration, in execution order.
         rows: The profile of every stage and instruction type.
         blocking_power_w: Stage -> its power while blocked (W); 0 when missing.
         schedule: The schedule the user named (`match_schedule`), else None.
-        target_time_s: Iteration-time target (s).
-        slack_margin: Planning margin on lowered clocks.
+        target_time_s: Iteration-time target (s), the step's overhead included.
+        slack_margin: Extra planning margin on lowered clocks (`with_margin`).
+        timelines: Per profiled step, stage -> when its instructions ran.
+        edge_delays: Delays measured before (e.g. read from a profile); overrides `timelines`.
 
     Returns:
         `schedule`, `num_stages`, `num_microbatches`, `stage_plans` (stage -> [(kind, MHz)] in execution
-        order), `plan_frequencies_mhz` (stage -> [MHz]) and `predicted` (times, energies, changes).
+        order), `plan_frequencies_mhz` (stage -> [MHz]), `edge_delays` (`EdgeDelays.to_rows`) and
+        `predicted` (times, energies, changes).
 
     Raises:
         ValueError: no known schedule ran the sequences, or the profile misses an instruction type.
@@ -111,30 +119,39 @@ def plan_pipeline(
     schedule_kind, num_microbatches = match_schedule(sequences, schedule)
     order = build_schedule(schedule_kind, len(sequences), num_microbatches)
     dag = build_dag(order)
+    delays = edge_delays if edge_delays is not None else measure_edge_delays(dag, timelines)
+    dag = delays.apply(dag)
     options = options_from_rows(rows)
     missing = sorted({(i.stage, i.kind) for i in dag.instructions} - set(options))
     if missing:
         raise ValueError(f"the profile has no measurements of {missing}")
     p_blk = [blocking_power_w.get(s, 0.0) for s in range(dag.num_stages)]
+    overhead_s = delays.step_overhead_s
+    target = None if target_time_s is None else max(0.0, target_time_s - overhead_s)
     reference = max_frequency_plan(dag, options, p_blk)
-    planned = solve(dag, with_margin(options, slack_margin, p_blk), p_blk, target_time_s).frequencies_mhz
+    planned = solve(dag, with_margin(options, slack_margin, p_blk), p_blk, target).frequencies_mhz
     plan = evaluate(dag, options, p_blk, planned)
     kinds = [[i.kind for i in instructions] for instructions in order]
     stage_plans = {
         s: list(zip(kinds[s], freqs, strict=True)) for s, freqs in enumerate(plan.stage_frequencies())
     }
+    # The step's time outside the DAG is spent blocked on every stage.
+    t_ref, t_plan = reference.iteration_time_s + overhead_s, plan.iteration_time_s + overhead_s
+    e_ref, e_plan = (p.energy_j + sum(p_blk) * overhead_s for p in (reference, plan))
     return {
         "schedule": schedule_kind,
         "num_stages": dag.num_stages,
         "num_microbatches": num_microbatches,
         "stage_plans": stage_plans,
         "plan_frequencies_mhz": {s: [f for _, f in p] for s, p in stage_plans.items()},
+        "edge_delays": delays.to_rows(),
         "predicted": {
-            "max_clock_iteration_time_s": reference.iteration_time_s,
-            "max_clock_energy_j": reference.energy_j,
-            "iteration_time_s": plan.iteration_time_s,
-            "energy_j": plan.energy_j,
-            "energy_saved_pct": 100 * (1 - plan.energy_j / reference.energy_j),
-            "time_change_pct": 100 * (plan.iteration_time_s / reference.iteration_time_s - 1),
+            "max_clock_iteration_time_s": t_ref,
+            "max_clock_energy_j": e_ref,
+            "iteration_time_s": t_plan,
+            "energy_j": e_plan,
+            "energy_saved_pct": 100 * (1 - e_plan / e_ref),
+            "time_change_pct": 100 * (t_plan / t_ref - 1),
+            "step_overhead_s": overhead_s,
         },
     }

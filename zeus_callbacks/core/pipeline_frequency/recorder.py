@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +20,7 @@ __all__ = [
     "InstructionRecorder",
     "ClockMeasurements",
     "StageSample",
+    "StepTimeline",
     "instruction_kind",
     "undisturbed_estimate",
 ]
@@ -54,6 +57,9 @@ _NAMES: dict[str, tuple[str, str | None]] = {
 _STEP = "__PipelineFrequencyOptimizer_step"
 _INSTRUCTION = "__PipelineFrequencyOptimizer_instruction"
 _BLOCKED = "__PipelineFrequencyOptimizer_blocked"
+
+# Ranks on the same host share `time.monotonic()`; ranks on different hosts do not (see `edge_delays`).
+_HOST = socket.gethostname()
 
 
 def instruction_kind(name: str) -> tuple[str, str | None]:
@@ -98,12 +104,26 @@ def undisturbed_estimate(values: Sequence[float], quantile: float = 0.1) -> floa
 @dataclass
 class InstructionRecord:
     """One instruction of a step: its kind, its time and counter energy (both halves of a split backward),
-    and instantaneous power x time (`power_time_j`, when the recorder reads power)."""
+    instantaneous power x time (`power_time_j`, when the recorder reads power), and when it started
+    (`start_s`, this host's monotonic clock)."""
 
     kind: str
     time_s: float = 0.0
     energy_j: float = 0.0
     power_time_j: float = 0.0
+    start_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """When one rank's step and each of its instructions started (`time.monotonic()` of its host) and how
+    long each took: what `edge_delays` compares across stages to measure the time between instructions."""
+
+    host: str
+    step_start_s: float
+    step_time_s: float
+    starts_s: tuple[float, ...]
+    times_s: tuple[float, ...]
 
 
 @dataclass
@@ -146,9 +166,11 @@ class ClockMeasurements:
     step_time_s: float = 0.0
     step_energy_j: float = 0.0
     refresh_s: float | None = None
+    timelines: list[StepTimeline] = field(default_factory=list)  # one per step added
 
     def add_step(self, recorder: InstructionRecorder) -> None:
         """Add the instructions and blocked time of the step `recorder` just recorded."""
+        self.timelines.append(recorder.timeline())
         for r in recorder.records:
             times, energies, estimates = self.kinds.setdefault(r.kind, ([], [], []))
             times.append(r.time_s)
@@ -225,6 +247,7 @@ class InstructionRecorder:
         self.blocked_power_time_j = 0.0
         self.step_time_s = 0.0
         self.step_energy_j = 0.0
+        self.step_start_s = 0.0
         # While profiling: read instantaneous power at the end of each instruction and gap (see
         # `ClockMeasurements`), on GPUs whose energy counter refreshes too slowly for short windows.
         self.read_power = False
@@ -245,6 +268,7 @@ class InstructionRecorder:
         self._cancel(_BLOCKED)
         self._cancel(_STEP)
         self._guarded(lambda: self.monitor.begin_window(_STEP))
+        self.step_start_s = time.monotonic()
         self.in_step = True
 
     def begin_instruction(self, kind: str, part: str | None) -> int | None:
@@ -266,6 +290,8 @@ class InstructionRecorder:
             self.records.append(InstructionRecord(kind))
             index = len(self.records) - 1
         self._guarded(lambda: self.monitor.begin_window(_INSTRUCTION))
+        if index is not None:
+            self.records[index].start_s = time.monotonic()
         self._in_instruction = True
         return index
 
@@ -307,6 +333,16 @@ class InstructionRecorder:
         if m is not None:
             self.step_time_s, self.step_energy_j = m.time, m.total_energy
         return m
+
+    def timeline(self) -> StepTimeline:
+        """When the last recorded step and its instructions started, and how long each took."""
+        return StepTimeline(
+            _HOST,
+            self.step_start_s,
+            self.step_time_s,
+            tuple(r.start_s for r in self.records),
+            tuple(r.time_s for r in self.records),
+        )
 
     def _power_w(self) -> float:
         """Instantaneous power (W) while profiling on a GPU with a slow counter; else 0 (not read)."""

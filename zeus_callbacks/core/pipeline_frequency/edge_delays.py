@@ -1,0 +1,171 @@
+"""The time between pipeline instructions, measured in the job: the DAG's edge delays and the step's overhead.
+
+An instruction `v` starts once each predecessor `u` in the DAG has ended and, after it, `delay(u, v)` has
+passed: between stages, the point-to-point communication (send, transfer, receive, and the schedule's own
+host time around them); within a stage, the host's time between two of its instructions. So every
+measured instance gives `start[v] - end[u] >= delay(u, v)`, with equality where `v` waited for `u` (the
+stage was blocked on that input, or was free). A low quantile of these gaps over the profiled steps
+(`undisturbed_estimate`) therefore measures the delay of each kind of edge; edges that never bind
+measure their tightest instance, which keeps the model no faster than the job ever was.
+
+Kinds of edges: `(from stage, from kind, to stage, to kind)`, e.g. stage 0's forward to stage 1's forward
+(the activations sent over that link) or stage 1's backward to its own forward (host time in between).
+
+Instruction starts are compared across ranks on `time.monotonic()`, which ranks on one host share. Across
+hosts the clocks differ by an unknown offset that adds to one direction of a link and subtracts from the
+other, so such a link's delay is the mean of its two directions' estimates (activations and their
+gradients have the same size), which cancels the offset.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from zeus_callbacks.core.pipeline_frequency.dag import Instruction, PipelineDAG
+from zeus_callbacks.core.pipeline_frequency.recorder import StepTimeline, undisturbed_estimate
+
+__all__ = ["EdgeKind", "EdgeDelays", "edge_kind", "measure_edge_delays"]
+
+logger = logging.getLogger(__name__)
+
+STEP = "step"  # the "kind" of the step's overhead in `EdgeDelays.to_rows`
+
+EdgeKind = tuple[int, str, int, str]
+"""`(from stage, from kind, to stage, to kind)` of a DAG edge; kinds `"forward"`/`"backward"`."""
+
+
+@dataclass(frozen=True)
+class EdgeDelays:
+    """Measured delay (s) of each kind of DAG edge, and the step's time outside the DAG.
+
+    `step_overhead_s` is the time of a step on the first stage (which runs the iteration's first and last
+    instructions) before its first instruction and after its last: predicted step time = the DAG's
+    longest path + `step_overhead_s`.
+    """
+
+    delays_s: Mapping[EdgeKind, float] = field(default_factory=dict)
+    step_overhead_s: float = 0.0
+
+    def delay_s(self, u: Instruction, v: Instruction) -> float:
+        """The delay of edge `u -> v` (0 for a kind of edge that was not measured)."""
+        return self.delays_s.get((u.stage, u.kind, v.stage, v.kind), 0.0)
+
+    def apply(self, dag: PipelineDAG) -> PipelineDAG:
+        """`dag` with these delays on its edges."""
+        return dag.with_edge_delays(self.delay_s) if self.delays_s else dag
+
+    def to_rows(self) -> list[tuple[int, str, int, str, float]]:
+        """Plain rows `(from stage, from kind, to stage, to kind, delay s)`, sorted; the step's overhead is
+        the row `(0, "step", 0, "step", overhead s)`."""
+        rows = [(*kind, float(d)) for kind, d in sorted(self.delays_s.items())]
+        return [*rows, (0, STEP, 0, STEP, float(self.step_overhead_s))]
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Sequence[Any]]) -> EdgeDelays:
+        """The inverse of `to_rows` (no rows: no delays)."""
+        delays, overhead = {}, 0.0
+        for a, ka, b, kb, d in rows:
+            if ka == STEP:
+                overhead = float(d)
+            else:
+                delays[int(a), str(ka), int(b), str(kb)] = float(d)
+        return cls(delays, overhead)
+
+
+def edge_kind(u: Instruction, v: Instruction) -> EdgeKind:
+    """The kind of the DAG edge `u -> v`."""
+    return (u.stage, u.kind, v.stage, v.kind)
+
+
+def measure_edge_delays(
+    dag: PipelineDAG, steps: Sequence[Mapping[int, StepTimeline]], quantile: float = 0.1
+) -> EdgeDelays:
+    """The delay of every kind of edge of `dag` from the instructions of the profiled steps.
+
+    Each instance of an instruction started after the input it waited for: of its incoming edges, the one
+    whose gap is closest to that kind's floor (the `quantile` of its gaps, `undisturbed_estimate`) is
+    *tight*. A kind's delay is the median of its tight gaps (the typical time of a wait that decided when an
+    instruction started), or its floor when it never was tight. The step overhead is the median over
+    steps.
+
+    Args:
+        dag: The iteration's DAG (its schedule is the order each stage ran).
+        steps: Per profiled step, stage -> that stage's `StepTimeline`. Steps whose timelines do not match
+            the schedule (another number of instructions) are skipped.
+        quantile: The low quantile of a kind's gaps taken as its floor.
+
+    Returns:
+        The delays; empty when no step matched.
+    """
+    instances: list[dict[tuple[int, int], float]] = []  # per step: edge -> gap (s)
+    overheads: list[float] = []
+    hosts: dict[int, str] = {}
+    lengths = [len(order) for order in dag.schedule]
+    for step in steps:
+        if sorted(step) != list(range(dag.num_stages)) or any(
+            len(step[s].starts_s) != n for s, n in enumerate(lengths)
+        ):
+            continue
+        start: dict[Instruction, float] = {}
+        end: dict[Instruction, float] = {}
+        for s, order in enumerate(dag.schedule):
+            hosts[s] = step[s].host
+            for inst, t0, dt in zip(order, step[s].starts_s, step[s].times_s, strict=True):
+                start[inst], end[inst] = t0, t0 + dt
+        instances.append(
+            {(u, v): start[dag.instructions[v]] - end[dag.instructions[u]] for u, v in dag.edges}
+        )
+        first = step[0]
+        if first.step_time_s > 0 and first.starts_s:
+            span = first.starts_s[-1] + first.times_s[-1] - first.starts_s[0]
+            overheads.append(max(0.0, first.step_time_s - span))
+    if not instances:
+        return EdgeDelays()
+    kinds = {(u, v): edge_kind(dag.instructions[u], dag.instructions[v]) for u, v in dag.edges}
+    gaps: dict[EdgeKind, list[float]] = {}
+    for gap in instances:
+        for edge, g in gap.items():
+            gaps.setdefault(kinds[edge], []).append(g)
+    floor = {kind: undisturbed_estimate(values, quantile) for kind, values in gaps.items()}
+    _cancel_clock_offsets(floor, gaps, hosts, quantile)
+    tight: dict[EdgeKind, list[float]] = {}
+    for gap in instances:
+        for v in range(len(dag)):
+            incoming = [(u, v) for u in dag.predecessors(v)]
+            if incoming:
+                edge = min(incoming, key=lambda e: gap[e] - floor[kinds[e]])
+                tight.setdefault(kinds[edge], []).append(gap[edge] - floor[kinds[edge]])
+    # Medians of the tight gaps above the floor, so that the clocks' offset cancelled in the floor stays so.
+    delays = {
+        kind: max(0.0, f + (undisturbed_estimate(tight[kind], 0.5) if kind in tight else 0.0))
+        for kind, f in floor.items()
+    }
+    overhead = undisturbed_estimate(overheads, 0.5) if overheads else 0.0
+    logger.debug("Edge delays (s): %s; step overhead %.3g s.", delays, overhead)
+    return EdgeDelays(delays, overhead)
+
+
+def _cancel_clock_offsets(
+    delays: dict[EdgeKind, float], gaps: Mapping[EdgeKind, list[float]], hosts: Mapping[int, str], q: float
+) -> None:
+    """Between stages on different hosts, both directions of a link get the mean of the two directions'
+    estimates, in which the offset between the hosts' clocks cancels."""
+    links = {
+        (min(k[0], k[2]), max(k[0], k[2]))
+        for k in gaps
+        if k[0] != k[2] and hosts.get(k[0]) != hosts.get(k[2])
+    }
+    for a, b in sorted(links):
+        forth = [k for k in gaps if (k[0], k[2]) == (a, b)]
+        back = [k for k in gaps if (k[0], k[2]) == (b, a)]
+        if forth and back:
+            both = (_mean_estimate(gaps, forth, q) + _mean_estimate(gaps, back, q)) / 2
+            for k in forth + back:
+                delays[k] = max(0.0, both)
+
+
+def _mean_estimate(gaps: Mapping[EdgeKind, list[float]], kinds: Sequence[EdgeKind], q: float) -> float:
+    return sum(undisturbed_estimate(gaps[k], q) for k in kinds) / len(kinds)
