@@ -1,4 +1,5 @@
-"""Edge delays in the pipeline DAG: the longest path, the solver and the exact reference include them."""
+"""Edge delays in the pipeline DAG: the longest path, the solver and the exact reference include them; they
+are measured from the instructions' start times and travel beside the profile."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ import numpy as np
 import pytest
 from test_frontier import _options
 
+from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction, build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.edge_delays import EdgeDelays, measure_edge_delays
 from zeus_callbacks.core.pipeline_frequency.frontier import evaluate, frontier, max_frequency_plan, solve
+from zeus_callbacks.core.pipeline_frequency.profile_file import (
+    edge_delays_path,
+    read_edge_delays,
+    write_edge_delays,
+)
+from zeus_callbacks.core.pipeline_frequency.recorder import StepTimeline
 
 
 def _delay(cross_s: float, host_s: float):
@@ -92,3 +101,83 @@ def test_solver_frontier_and_exact_plan_with_edge_delays(kind, seed):
 
     exact = exact_plan(dag, options, 80.0, ref.iteration_time_s)
     assert exact is not None and exact.energy_j == pytest.approx(best, rel=1e-6)
+
+
+def _timelines(dag, durations, offsets_s=None, hosts=None, steps=3, jitter=None):
+    """Per step, stage -> `StepTimeline` of a pipeline that runs exactly as `dag` says (its edge delays
+    included), each stage's clock shifted by `offsets_s[stage]`; `jitter(step, node)` adds to a duration."""
+    offsets_s = offsets_s or [0.0] * dag.num_stages
+    hosts = hosts or ["node"] * dag.num_stages
+    out = []
+    for k in range(steps):
+        d = [t + (jitter(k, v) if jitter else 0.0) for v, t in enumerate(durations)]
+        start = dict(zip(dag.instructions, dag.earliest_start(d), strict=True))
+        length = dict(zip(dag.instructions, d, strict=True))
+        step = {}
+        for s, order in enumerate(dag.schedule):
+            base = 100.0 * k + offsets_s[s]
+            starts = tuple(base + start[i] for i in order)
+            end = starts[-1] + length[order[-1]]
+            step[s] = StepTimeline(
+                hosts[s],
+                starts[0] - 0.01,
+                end + 0.02 - starts[0] + 0.01,
+                starts,
+                tuple(length[i] for i in order),
+            )
+        out.append(step)
+    return out
+
+
+def test_measured_edge_delays_recover_the_pipeline_that_ran():
+    truth = _delay(0.03, 0.002)
+    dag = build_dag(build_schedule("1f1b", 3, 4))
+    durations = [0.1 if i.kind == "forward" else 0.2 for i in dag.instructions]
+    ran = dag.with_edge_delays(truth)
+    measured = measure_edge_delays(dag, _timelines(ran, durations))
+    for (u, v), d in zip(dag.edges, ran.edge_delays(), strict=True):
+        a, b = dag.instructions[u], dag.instructions[v]
+        if a.stage != b.stage:  # every link carries data that some instruction waits for
+            assert measured.delay_s(a, b) == pytest.approx(d)
+        else:  # a stage's own gaps: its host time, or longer where it never ran back to back
+            assert measured.delay_s(a, b) >= d - 1e-12
+    assert measured.step_overhead_s == pytest.approx(0.03)
+    predicted = measured.apply(dag).iteration_time(durations) + measured.step_overhead_s
+    assert predicted == pytest.approx(ran.iteration_time(durations) + 0.03)
+    # The profile file's rows carry it unchanged.
+    assert EdgeDelays.from_rows(measured.to_rows()) == measured
+
+
+def test_clock_offsets_between_hosts_cancel():
+    dag = build_dag(build_schedule("1f1b", 2, 4))
+    durations = [0.1 if i.kind == "forward" else 0.2 for i in dag.instructions]
+    ran = dag.with_edge_delays(_delay(0.03, 0.0))
+    # Stage 1 on another host whose clock is 5 s ahead: one direction reads 5.03 s, the other -4.97 s.
+    steps = _timelines(ran, durations, offsets_s=[0.0, 5.0], hosts=["a", "b"])
+    measured = measure_edge_delays(dag, steps)
+    F = lambda s, m: Instruction(s, "forward", m)  # noqa: E731
+    B = lambda s, m: Instruction(s, "backward", m)  # noqa: E731
+    assert measured.delay_s(F(0, 0), F(1, 0)) == pytest.approx(0.03)
+    assert measured.delay_s(B(1, 0), B(0, 0)) == pytest.approx(0.03)
+
+
+def test_steps_that_do_not_match_the_schedule_are_skipped():
+    dag = build_dag(build_schedule("1f1b", 2, 2))
+    other = build_dag(build_schedule("1f1b", 2, 3))
+    steps = _timelines(other, [0.1] * len(other))
+    assert measure_edge_delays(dag, steps) == EdgeDelays()
+    assert measure_edge_delays(dag, []).apply(dag) is dag
+
+
+def test_edge_delays_file_beside_the_profile(tmp_path):
+    profile = tmp_path / "profile.csv"
+    assert edge_delays_path(profile) == tmp_path / "profile.edges.csv"
+    assert read_edge_delays(edge_delays_path(profile)) == []  # an old profile: no delays
+    delays = EdgeDelays({(0, "forward", 1, "forward"): 0.001, (1, "backward", 1, "forward"): 2e-4}, 0.003)
+    write_edge_delays(edge_delays_path(profile), delays.to_rows())
+    assert EdgeDelays.from_rows(read_edge_delays(edge_delays_path(profile))) == delays
+    edge_delays_path(profile).write_text(
+        "from_stage,from_instruction,to_stage,to_instruction,delay\n0,f,1,b,x\n"
+    )
+    with pytest.raises(InvalidInputError, match=r"profile.edges.csv:2"):
+        read_edge_delays(edge_delays_path(profile))

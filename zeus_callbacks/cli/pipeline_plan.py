@@ -8,9 +8,14 @@ import math
 
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.edge_delays import EdgeDelays
 from zeus_callbacks.core.pipeline_frequency.frontier import Frontier, Plan, frontier, solve
 from zeus_callbacks.core.pipeline_frequency.planning import options_from_rows
-from zeus_callbacks.core.pipeline_frequency.profile_file import read_profile
+from zeus_callbacks.core.pipeline_frequency.profile_file import (
+    edge_delays_path,
+    read_edge_delays,
+    read_profile,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     try:
         rows = read_profile(args.profile, num_stages=stages)
+        delays = EdgeDelays.from_rows(read_edge_delays(edge_delays_path(args.profile)))
     except OSError as e:
         raise InvalidInputError(f"--profile {args.profile}: {e.strerror or e}") from None
     num_stages = stages or 1 + max(r.stage for r in rows)
@@ -75,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     # Errors below are the planner's `ValueError`s (e.g. an infeasible target): the command line reports
     # them in one line, exit code 2.
     options = options_from_rows(rows)
-    dag = build_dag(build_schedule(args.schedule, num_stages, microbatches))
+    # The time measured between instructions, when the profile has it (`profile.edges.csv`).
+    dag = delays.apply(build_dag(build_schedule(args.schedule, num_stages, microbatches)))
     front = frontier(dag, options, p_blk, num_points=points)
     chosen = solve(dag, options, p_blk, target_time)
     target = front.max_frequency.iteration_time_s if target_time is None else target_time

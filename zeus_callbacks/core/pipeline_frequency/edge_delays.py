@@ -41,9 +41,9 @@ EdgeKind = tuple[int, str, int, str]
 class EdgeDelays:
     """Measured delay (s) of each kind of DAG edge, and the step's time outside the DAG.
 
-    `step_overhead_s` is the time of a step on the first stage (which runs the iteration's first and last
-    instructions) before its first instruction and after its last: predicted step time = the DAG's
-    longest path + `step_overhead_s`.
+    `step_overhead_s` is the time of a step (its slowest rank's, as the pipeline's) beyond the span of the
+    first stage's instructions (the first stage runs the iteration's first and last): predicted step time =
+    the DAG's longest path + `step_overhead_s`.
     """
 
     delays_s: Mapping[EdgeKind, float] = field(default_factory=dict)
@@ -118,10 +118,13 @@ def measure_edge_delays(
         instances.append(
             {(u, v): start[dag.instructions[v]] - end[dag.instructions[u]] for u, v in dag.edges}
         )
+        # The pipeline's step takes as long as its slowest rank's; the DAG spans the first stage's
+        # instructions (it runs the iteration's first and last).
+        slowest = max(t.step_time_s for t in step.values())
         first = step[0]
-        if first.step_time_s > 0 and first.starts_s:
+        if slowest > 0 and first.starts_s:
             span = first.starts_s[-1] + first.times_s[-1] - first.starts_s[0]
-            overheads.append(max(0.0, first.step_time_s - span))
+            overheads.append(max(0.0, slowest - span))
     if not instances:
         return EdgeDelays()
     kinds = {(u, v): edge_kind(dag.instructions[u], dag.instructions[v]) for u, v in dag.edges}
@@ -130,7 +133,8 @@ def measure_edge_delays(
         for edge, g in gap.items():
             gaps.setdefault(kinds[edge], []).append(g)
     floor = {kind: undisturbed_estimate(values, quantile) for kind, values in gaps.items()}
-    _cancel_clock_offsets(floor, gaps, hosts, quantile)
+    base = dict(floor)
+    _cancel_clock_offsets(base, gaps, hosts, quantile)
     tight: dict[EdgeKind, list[float]] = {}
     for gap in instances:
         for v in range(len(dag)):
@@ -138,10 +142,10 @@ def measure_edge_delays(
             if incoming:
                 edge = min(incoming, key=lambda e: gap[e] - floor[kinds[e]])
                 tight.setdefault(kinds[edge], []).append(gap[edge] - floor[kinds[edge]])
-    # Medians of the tight gaps above the floor, so that the clocks' offset cancelled in the floor stays so.
+    # Tight gaps are taken above the floor, so that an offset between clocks (cancelled in `base`) drops out.
     delays = {
-        kind: max(0.0, f + (undisturbed_estimate(tight[kind], 0.5) if kind in tight else 0.0))
-        for kind, f in floor.items()
+        kind: max(0.0, b + (undisturbed_estimate(tight[kind], 0.5) if kind in tight else 0.0))
+        for kind, b in base.items()
     }
     overhead = undisturbed_estimate(overheads, 0.5) if overheads else 0.0
     logger.debug("Edge delays (s): %s; step overhead %.3g s.", delays, overhead)

@@ -23,7 +23,13 @@ from zeus_callbacks.core.pipeline_frequency.clock_sweep import ClockSweep, clock
 from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
 from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES
 from zeus_callbacks.core.pipeline_frequency.planning import plan_pipeline
-from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow, read_profile, write_profile
+from zeus_callbacks.core.pipeline_frequency.profile_file import (
+    ProfileRow,
+    edge_delays_path,
+    read_profile,
+    write_edge_delays,
+    write_profile,
+)
 from zeus_callbacks.core.pipeline_frequency.recorder import (
     ClockMeasurements,
     InstructionRecorder,
@@ -97,6 +103,11 @@ class _Applying:
     name: ClassVar[str] = "applying"
     kinds: list[str]
     frequencies_mhz: list[int]
+    max_clock_mhz: int | None = None  # while set, every instruction runs at it (`hold_max_clocks`)
+
+    def clock(self, index: int) -> int:
+        """The clock of the `index`-th instruction of a step."""
+        return self.max_clock_mhz if self.max_clock_mhz is not None else self.frequencies_mhz[index]
 
 
 @dataclass
@@ -318,6 +329,14 @@ class PipelineFrequencyOptimizer:
         """This stage's planned clock of each instruction, in execution order (None before planning)."""
         return list(self._phase.frequencies_mhz) if isinstance(self._phase, _Applying) else None
 
+    def hold_max_clocks(self, hold: bool = True) -> None:
+        """While applying a plan, run every instruction at the stage's maximum clock instead (`hold=True`), or
+        go back to the plan (`hold=False`): a baseline measured in the same job, with the same
+        measurements, to compare the plan against. Call it on every rank between steps; it does nothing
+        in other phases."""
+        if isinstance(self._phase, _Applying) and self._sweep is not None and self.stage is not None:
+            self._phase.max_clock_mhz = self._sweep.max_clock(self.stage) if hold else None
+
     def metrics(self) -> dict[str, float | str]:
         """Numbers for the trainer's loggers: phase, this rank's last iteration, the plan's prediction."""
         out: dict[str, float | str] = {"phase": self.phase, "profiling_steps": float(self.profiling_steps)}
@@ -402,7 +421,7 @@ class PipelineFrequencyOptimizer:
         phase = self._phase
         if isinstance(phase, _Applying) and part != "input":
             # Set the next instruction's clock while this stage communicates.
-            self._request(phase.frequencies_mhz[len(self._recorder.records) % len(phase.kinds)])
+            self._request(phase.clock(len(self._recorder.records) % len(phase.kinds)))
 
     def on_step_end(self) -> None:
         """Mark the end of a training step."""
@@ -629,7 +648,7 @@ class PipelineFrequencyOptimizer:
         result: dict[str, Any] | None = None
         if self._group.rank() == 0:
             result = self._solve()
-            self._save_profile()
+            self._save_profile(result)
         result = self._group.broadcast(result)
         assert result is not None and self.stage is not None
         self._plan = dict(result)
@@ -677,11 +696,13 @@ class PipelineFrequencyOptimizer:
         except ValueError as e:
             return {"error": f"no plan: {e}"}
 
-    def _save_profile(self) -> None:
+    def _save_profile(self, plan: dict[str, Any]) -> None:
         if self.profile_path is None or self._replay is not None or not self.may_set:
             return
         try:
             write_profile(self.profile_path, self.profile_rows())
+            if "edge_delays" in plan:
+                write_edge_delays(edge_delays_path(self.profile_path), plan["edge_delays"])
         except OSError as e:
             logger.warning("PipelineFrequencyOptimizer: cannot write %s: %s", self.profile_path, e)
 
@@ -689,7 +710,7 @@ class PipelineFrequencyOptimizer:
     def _check_instruction(self, phase: _Applying, index: int, kind: str) -> None:
         """The `index`-th instruction of the step begins: at its planned clock, or off the plan."""
         if index < len(phase.kinds) and phase.kinds[index] == kind:
-            self._request(phase.frequencies_mhz[index])
+            self._request(phase.clock(index))
             return
         expected = f"a {phase.kinds[index]}" if index < len(phase.kinds) else f"only {len(phase.kinds)}"
         self._fall_back(f"instruction {index} of the step is a {kind}, but the plan expects {expected}")

@@ -4,6 +4,11 @@ One row per (stage, instruction, SM frequency), as Zeus/Perseus write it: `instr
 `backward`, `frequency` in MHz, `time` in seconds and `energy` in joules for one instruction (one microbatch
 on one stage). `PipelineFrequencyOptimizer(profile_path=...)` writes and reads it; so does
 `zeus-callbacks pipeline-plan`.
+
+The time measured between instructions (the DAG's edge delays, `edge_delays`) travels beside it, so that the
+profile itself stays what Perseus reads: `profile.csv` -> `profile.edges.csv`, one row per kind of edge,
+`from_stage,from_instruction,to_stage,to_instruction,delay` (seconds), and the row `0,step,0,step,<s>` for
+the step's time outside the DAG. A profile without that file has no delays (all 0).
 """
 
 from __future__ import annotations
@@ -17,10 +22,22 @@ from typing import Any
 
 from zeus_callbacks.core.device.errors import InvalidInputError
 
-__all__ = ["PROFILE_COLUMNS", "INSTRUCTIONS", "ProfileRow", "read_profile", "write_profile"]
+__all__ = [
+    "PROFILE_COLUMNS",
+    "EDGE_COLUMNS",
+    "INSTRUCTIONS",
+    "ProfileRow",
+    "read_profile",
+    "write_profile",
+    "edge_delays_path",
+    "read_edge_delays",
+    "write_edge_delays",
+]
 
 PROFILE_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 INSTRUCTIONS = ("forward", "backward")
+EDGE_COLUMNS = ("from_stage", "from_instruction", "to_stage", "to_instruction", "delay")
+EdgeRow = tuple[int, str, int, str, float]
 
 
 @dataclass(frozen=True)
@@ -127,6 +144,59 @@ def write_profile(path: str | Path, rows: Iterable[ProfileRow]) -> None:
                 [r.stage, r.instruction, r.frequency_mhz, repr(float(r.time_s)), repr(float(r.energy_j))]
             )
     tmp.replace(path)
+
+
+def edge_delays_path(profile_path: str | Path) -> Path:
+    """Where the edge delays of the profile `profile_path` are kept: `name.csv` -> `name.edges.csv`."""
+    path = Path(profile_path)
+    return path.with_name(f"{path.stem}.edges{path.suffix or '.csv'}")
+
+
+def write_edge_delays(path: str | Path, rows: Iterable[EdgeRow]) -> None:
+    """Write edge-delay rows `(from stage, from instruction, to stage, to instruction, delay s)` (at once)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(EDGE_COLUMNS)
+        for a, ka, b, kb, d in rows:
+            writer.writerow([a, ka, b, kb, repr(float(d))])
+    tmp.replace(path)
+
+
+def read_edge_delays(path: str | Path) -> list[EdgeRow]:
+    """The rows of an edge-delay file; none when it does not exist (a profile without delays).
+
+    Raises:
+        InvalidInputError: (a `ValueError`) naming the file and line: a missing column, an unparsable,
+            negative or non-finite value, an unknown instruction.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows: list[EdgeRow] = []
+    kinds = (*INSTRUCTIONS, "step")
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        header = [c.strip() for c in next(reader, [])]
+        if tuple(header[: len(EDGE_COLUMNS)]) != EDGE_COLUMNS:
+            raise InvalidInputError(f"{path}:1: expected the header {','.join(EDGE_COLUMNS)}.")
+        for fields in reader:
+            if not fields:
+                continue
+            where = f"{path}:{reader.line_num}:"
+            try:
+                a, ka, b, kb, d = fields[:5]
+                row = (int(a), ka.strip().lower(), int(b), kb.strip().lower(), float(d))
+            except ValueError:
+                raise InvalidInputError(f"{where} expected {','.join(EDGE_COLUMNS)}, got {fields}.") from None
+            if row[1] not in kinds or row[3] not in kinds:
+                raise InvalidInputError(f"{where} instructions must be one of {kinds}.")
+            if row[0] < 0 or row[2] < 0 or not (math.isfinite(row[4]) and row[4] >= 0):
+                raise InvalidInputError(f"{where} stages must be >= 0 and the delay finite and >= 0 s.")
+            rows.append(row)
+    return rows
 
 
 def _field(path: Path, line: int, fields: Mapping[str, str], name: str, kind: type, what: str) -> Any:
