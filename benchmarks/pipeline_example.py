@@ -114,9 +114,9 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _spread(values: list[float]) -> str:
+def _spread(values: list[float], digits: int) -> str:
     p10, p50, p90 = np.percentile(values, [10, 50, 90])
-    return f"{p50:8.4f} [{p10:.4f}, {p90:.4f}]"
+    return f"{p50:.{digits}f} [{p10:.{digits}f}, {p90:.{digits}f}]"
 
 
 def print_summary(gathered: list, report: dict, args: argparse.Namespace) -> None:
@@ -140,13 +140,17 @@ def print_summary(gathered: list, report: dict, args: argparse.Namespace) -> Non
         block_time = [max(r[b][1] for r in ranks) / args.block_steps for b in range(args.blocks)]
         block_energy = [sum(r[b][2] for r in ranks) / args.block_steps for b in range(args.blocks)]
         per_arm[arm] = (times, block_time, block_energy)
-    print(f"{'arm':<18}{'iteration time (s): median [p10, p90]':>40}{'energy/iteration (J): median [p10, p90]':>44}")
+    print(
+        f"{'arm':<18}{'iteration time (s): median [p10, p90]':>40}{'energy/iteration (J): median [p10, p90]':>44}"
+    )
     for arm, label in zip(ARMS, ("all max clocks", "planned clocks"), strict=True):
         times, _, energy = per_arm[arm]
-        print(f"{label:<18}{_spread(times):>40}{_spread(energy):>44}")
+        print(f"{label:<18}{_spread(times, 4):>40}{_spread(energy, 1):>44}")
     t0, t1 = (statistics.median(per_arm[a][0]) for a in ARMS)
     e0, e1 = (statistics.median(per_arm[a][2]) for a in ARMS)
-    print(f"ratio of medians: energy {100 * (1 - e1 / e0):+.1f}% saved, iteration time {100 * (t1 / t0 - 1):+.2f}%")
+    print(
+        f"ratio of medians: energy {100 * (1 - e1 / e0):+.1f}% saved, iteration time {100 * (t1 / t0 - 1):+.2f}%"
+    )
     paired_e = [100 * (1 - p / m) for m, p in zip(per_arm["max"][2], per_arm["plan"][2], strict=True)]
     paired_t = [100 * (p / m - 1) for m, p in zip(per_arm["max"][1], per_arm["plan"][1], strict=True)]
     print(

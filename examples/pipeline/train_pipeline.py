@@ -33,16 +33,16 @@ NUM_STAGES = 4
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", default="8,6,6,6", help="Linear layers per stage (unequal on purpose)")
-    p.add_argument("--width", type=int, default=64, help="hidden size")
+    p.add_argument("--width", type=int, default=16, help="hidden size")
     p.add_argument(
         "--kernel-ms",
         type=float,
-        default=1.0,
+        default=4.0,
         help="simulated GPU time of one layer's forward per microbatch at the maximum clock (backward: twice); "
         "0 makes the host's CPU time the GPU's work instead (try --width 768 then)",
     )
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--microbatch-size", type=int, default=32)
+    p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--before-steps", type=int, default=10, help="steps measured at the maximum clocks")
     p.add_argument("--after-steps", type=int, default=10, help="steps measured with the plan applied")
     p.add_argument("--stride-mhz", type=int, default=45, help="gap between profiled SM clocks")

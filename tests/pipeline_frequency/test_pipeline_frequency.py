@@ -225,6 +225,16 @@ def test_straggler_target_slows_instructions(node):
     assert set(freqs) <= profiled and min(freqs) < max(profiled)
     run_steps(pfo, 1, kinds)
     assert gpu.locked_sm_clocks_mhz is not None and gpu.locked_sm_clocks_mhz[0] in freqs
+    # A baseline in the same job: every instruction at the maximum clock, then the plan again.
+    pfo.hold_max_clocks()
+    run_steps(pfo, 1, kinds)
+    pfo._controller.wait(5)
+    assert gpu.locked_sm_clocks_mhz == (max(profiled),) * 2 and pfo.phase == "applying"
+    assert pfo.plan_frequencies_mhz == freqs
+    pfo.hold_max_clocks(False)
+    run_steps(pfo, 1, kinds)
+    pfo._controller.wait(5)
+    assert gpu.locked_sm_clocks_mhz[0] in {freqs[0], freqs[-1]}
     pfo.close()
     assert gpu.locked_sm_clocks_mhz is None
 

@@ -139,7 +139,9 @@ class PipelineFrequencyOptimizer:
     2. `profiling`: every stage locks its GPU's SM clock to each clock of a sweep from the highest down
        (supported clocks `frequency_stride_mhz` apart), drops `warmup_steps` steps, then measures the time
        and energy of each forward and backward over `profile_steps` steps (synchronising the GPU at every
-       instruction boundary), and the power while blocked between instructions. A stage stops once its
+       instruction boundary), the power while blocked between instructions, and when each instruction
+       started (the time between instructions, communication included, becomes the DAG's edge delays:
+       `edge_delays`). A stage stops once its
        last `patience` clocks saved no effective energy; the sweep ends when every stage stopped.
        Replicas of a stage (same `pp_rank`) are merged: time is the slowest replica's, energy the sum.
        Then planning: the measurements are gathered on the group's first rank, which finds the schedule
@@ -148,6 +150,7 @@ class PipelineFrequencyOptimizer:
        gets its stage's clocks.
     3. `applying`: each instruction runs at its planned clock, set by a background thread during the
        communication before it (requests for the clock already in force are skipped).
+       `hold_max_clocks()` runs the maximum clocks instead for a while, to measure the plan against them.
     4. `fallback`: the order of instructions differs from the plan (e.g. a new number of microbatches),
        or a clock change failed: the stage warns and goes back to its maximum clock.
     5. `inactive`: no plan (a GPU failed, no known schedule ran, no permission to lock clocks): the
@@ -185,7 +188,8 @@ class PipelineFrequencyOptimizer:
             stages, the host's time within one) is measured while profiling and is part of the plan's DAG.
             Predictions use the profiled times.
         profile_path: CSV `stage,instruction,frequency,time,energy`: if it exists, plan from it instead of
-            sweeping; otherwise written (by the first rank) once profiling is done.
+            sweeping; otherwise written (by the first rank) once profiling is done, with the measured edge
+            delays beside it (`profile.edges.csv`). Replaying, the delays are measured again in the job.
         process_group: The torch.distributed group of the pipeline's ranks (default: the whole job).
 
     Raises:
