@@ -29,7 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument(
-        "--profile", required=True, metavar="CSV", help="instruction profile (Zeus/Perseus format)"
+        "--profile",
+        required=True,
+        metavar="CSV",
+        help="instruction profile (Zeus/Perseus format); the time between instructions is read from "
+        "NAME.edges.csv beside it when present (written by PipelineFrequencyOptimizer)",
     )
     parser.add_argument(
         "--p-blk", required=True, metavar="W", help="blocking power (W): one value, or a comma list per stage"
