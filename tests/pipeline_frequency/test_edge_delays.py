@@ -4,6 +4,7 @@ are measured from the instructions' start times and travel beside the profile.""
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -181,3 +182,29 @@ def test_edge_delays_file_beside_the_profile(tmp_path):
     )
     with pytest.raises(InvalidInputError, match=r"profile.edges.csv:2"):
         read_edge_delays(edge_delays_path(profile))
+
+
+def test_cli_pipeline_plan_reads_the_edge_delays_beside_the_profile(tmp_path, capsys):
+    from test_perseus_profile import _profile
+
+    from zeus_callbacks.cli import main
+    from zeus_callbacks.core.pipeline_frequency.profile_file import write_profile
+
+    path = tmp_path / "profile.csv"
+    write_profile(path, _profile(2))
+    argv = ["pipeline-plan", "--profile", str(path), "--p-blk", "80", "--microbatches", "4", "--json"]
+
+    def planned() -> dict:
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)
+
+    without = planned()
+    links = {(0, "forward", 1, "forward"): 0.005, (1, "backward", 0, "backward"): 0.005}
+    write_edge_delays(edge_delays_path(path), EdgeDelays(links).to_rows())
+    with_delays = planned()
+    # The critical path crosses the link in both directions at least once: 10 ms or more.
+    slower = with_delays["max_frequency"]["iteration_time_s"] - without["max_frequency"]["iteration_time_s"]
+    assert slower >= 0.01 - 1e-9
+    assert with_delays["plan"]["iteration_time_s"] <= with_delays["max_frequency"]["iteration_time_s"] * (
+        1 + 1e-9
+    )
