@@ -484,6 +484,11 @@ class SimulatedGPU:
                 st.set("last_power_w", energy_j / (end - start))
                 st.set("last_power_at", end)
 
+    def settle(self) -> None:
+        """Settle the counter before another process changes the state (what `_account_idle` does for a change
+        made here)."""
+        self._account_idle()
+
     def _account_idle(self) -> None:
         """Settle the counter before a state change so that past energy uses the old operating point."""
         if self.virtual:
