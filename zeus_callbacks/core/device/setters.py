@@ -164,7 +164,12 @@ def describe_choice() -> dict[str, Any]:
     else:
         why = f"neither {zeusd.SOCK_ENV} nor {zeusd.HOST_PORT_ENV} is set"
     endpoint = getattr(chosen, "endpoint", None)
-    return {"route": chosen.name, "why": why, "endpoint": None if endpoint is None else str(endpoint), "error": None}
+    return {
+        "route": chosen.name,
+        "why": why,
+        "endpoint": None if endpoint is None else str(endpoint),
+        "error": None,
+    }
 
 
 def forget() -> None:

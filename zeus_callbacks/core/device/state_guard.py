@@ -78,7 +78,9 @@ def _entry(gpu: GPU, knob: str, original: Any) -> JournalEntry:
     """An entry for a change this process makes now, through its route."""
     r = setters.route()
     endpoint = getattr(r, "endpoint", None)
-    return JournalEntry(gpu.uuid, gpu.name, knob, original, r.name, None if endpoint is None else str(endpoint))
+    return JournalEntry(
+        gpu.uuid, gpu.name, knob, original, r.name, None if endpoint is None else str(endpoint)
+    )
 
 
 def journal_dir() -> Path | None:

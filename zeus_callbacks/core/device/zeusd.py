@@ -279,7 +279,9 @@ class ZeusdClient:
         if "gpuislost" in lowered or "gpulost" in lowered:
             return GPULostError(f"{head}: the GPU is lost; check `nvidia-smi` and the kernel log.")
         if status == 400:
-            return GPUError(f"{head}; zeusd took the request as invalid: check that it serves this node's GPUs.")
+            return GPUError(
+                f"{head}; zeusd took the request as invalid: check that it serves this node's GPUs."
+            )
         return GPUError(f"{head}; zeusd failed: see its log (e.g. `journalctl -u zeusd`).")
 
     # -- discovery ----------------------------------------------------------------------------------
@@ -293,7 +295,9 @@ class ZeusdClient:
             gpus = tuple(
                 ZeusdGPU(int(g["id"]), str(g.get("name", "")), g.get("pci_address")) for g in body["gpus"]
             )
-            found = Discovery(gpus, frozenset(body.get("enabled_api_groups", ())), bool(body.get("auth_required")))
+            found = Discovery(
+                gpus, frozenset(body.get("enabled_api_groups", ())), bool(body.get("auth_required"))
+            )
         except (TypeError, KeyError, ValueError):
             raise GPUError(
                 f"{what}: {self._where()} answered /discover with {str(body)[:200]!r}, not zeusd's discovery "
@@ -341,7 +345,9 @@ class ZeusdClient:
         else:
             match = [g for g in found.gpus if g.id == gpu.nvml_index and g.name == gpu.name]
         if len(match) != 1:
-            listed = ", ".join(f"{g.id}: {g.name} {g.pci_address or ''}".strip() for g in found.gpus) or "none"
+            listed = (
+                ", ".join(f"{g.id}: {g.name} {g.pci_address or ''}".strip() for g in found.gpus) or "none"
+            )
             raise GPUError(
                 f"{what}: {self._where()} does not serve {gpu.label} (NVML index {gpu.nvml_index}); it serves "
                 f"[{listed}]. Point {SOCK_ENV} / {HOST_PORT_ENV} at the zeusd of this node."
@@ -368,7 +374,9 @@ class ZeusdClient:
 
     def lock_sm_clocks(self, gpu: GPU, min_mhz: int, max_mhz: int, what: str = "Locking SM clocks") -> None:
         """`POST /gpu/set_gpu_locked_clocks` (MHz)."""
-        self._post(gpu, what, "/gpu/set_gpu_locked_clocks", min_clock_mhz=int(min_mhz), max_clock_mhz=int(max_mhz))
+        self._post(
+            gpu, what, "/gpu/set_gpu_locked_clocks", min_clock_mhz=int(min_mhz), max_clock_mhz=int(max_mhz)
+        )
 
     def reset_sm_clocks(self, gpu: GPU, what: str = "Resetting SM clocks") -> None:
         """`POST /gpu/reset_gpu_locked_clocks`."""
@@ -432,7 +440,9 @@ def status(endpoint: ZeusdEndpoint, token: str | None, gpus: list[GPU]) -> dict[
     except GPUError as e:
         out["problem"] = str(e)
         return out
-    out.update(reachable=True, gpu_control=_CONTROL in found.enabled_api_groups, auth_required=found.auth_required)
+    out.update(
+        reachable=True, gpu_control=_CONTROL in found.enabled_api_groups, auth_required=found.auth_required
+    )
     problems: list[str] = []
     if found.auth_required and client.has_token:
         with contextlib.suppress(OSError):
@@ -442,7 +452,9 @@ def status(endpoint: ZeusdEndpoint, token: str | None, gpus: list[GPU]) -> dict[
                 if _CONTROL not in out["scopes"]:
                     problems.append(f"the token's scopes {out['scopes']} lack gpu-control")
             else:
-                problems.append(f"the token was refused (HTTP {code}: {_message(body)}); set a valid {TOKEN_ENV}")
+                problems.append(
+                    f"the token was refused (HTTP {code}: {_message(body)}); set a valid {TOKEN_ENV}"
+                )
     for gpu in gpus:
         try:
             out["gpu_ids"][gpu.index] = client.gpu_id(gpu)
