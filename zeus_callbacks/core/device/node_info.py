@@ -86,7 +86,10 @@ def permission(gpus: GPUs) -> Permission:
     elif may:
         reason = "this process holds CAP_SYS_ADMIN" if not gpus.simulated else "the simulated GPUs allow it"
     elif gpus.simulated:
-        reason = "the simulated GPUs refuse it (ZEUS_CALLBACKS_SIM_FAULTS)"
+        reason = (
+            "the simulated GPUs refuse it (ZEUS_CALLBACKS_SIM_FAULTS); as on real GPUs, grant CAP_SYS_ADMIN or "
+            "use Zeus's daemon zeusd (set ZEUSD_SOCK_PATH or ZEUSD_HOST_PORT)"
+        )
     elif os.geteuid() == 0:
         reason = "root without CAP_SYS_ADMIN" + (
             f" (a {container} container drops it: add `--cap-add SYS_ADMIN` or the pod's securityContext "

@@ -262,10 +262,12 @@ class ZeusdClient:
             )
             return GPUNoPermissionError(f"{head}; {fix}. Measuring still works.")
         if status == 403:
-            return GPUNoPermissionError(
-                f"{head}; the token needs the gpu-control scope, and zeusd must run as root to change GPUs. "
-                "Measuring still works."
+            fix = (
+                f"set {TOKEN_ENV} to a token with the gpu-control scope"
+                if "scope" in detail.lower()
+                else "zeusd itself may not change the GPU: run it as root (with CAP_SYS_ADMIN)"
             )
+            return GPUNoPermissionError(f"{head}; {fix}. Measuring still works.")
         if status == 404:
             fix = (
                 "start zeusd with GPU control enabled (`zeusd serve --enable gpu-control,...`)"
