@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,7 +120,7 @@ def test_route_follows_the_environment_as_zeus_does(monkeypatch):
 )
 def test_unusable_settings_say_which_variable(monkeypatch, env, says):
     _client(monkeypatch, **env)
-    with pytest.raises(InvalidInputError, match=says.replace("(", r"\(")):
+    with pytest.raises(InvalidInputError, match=re.escape(says)):
         setters.route()
 
 
@@ -202,6 +203,11 @@ def test_restore_falls_back_to_nvml_where_this_process_may(sim_gpus, start_zeusd
             "HTTP 403 (Token for user 'bob'",
         ),
         (("--enable", "gpu-read"), None, "does not enable GPU control"),
+        (
+            ("--faults", "no_cap_sys_admin"),
+            None,
+            "HTTP 403 (GPU 0: NVML error: NoPermission); zeusd itself may not",
+        ),
     ],
 )
 def test_a_refusal_says_what_failed_and_what_to_do(sim_gpus, start_zeusd, monkeypatch, options, token, says):
@@ -209,7 +215,7 @@ def test_a_refusal_says_what_failed_and_what_to_do(sim_gpus, start_zeusd, monkey
     daemon = start_zeusd("unix", *options)
     _client(monkeypatch, daemon, **({zeusd.TOKEN_ENV: token} if token else {}))
     gpu = get_gpus()[0]
-    with pytest.raises(GPUNoPermissionError, match=says.replace("(", r"\(")) as err:
+    with pytest.raises(GPUNoPermissionError, match=re.escape(says)) as err:
         gpu.set_power_limit_mw(150_000)
     message = str(err.value)
     assert "\n" not in message and "Measuring still works." in message
