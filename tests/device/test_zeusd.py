@@ -25,7 +25,7 @@ from zeusd_double import issue_token
 from zeus_callbacks.core.device import setters, zeusd
 from zeus_callbacks.core.device.errors import GPUError, GPUNoPermissionError, InvalidInputError
 from zeus_callbacks.core.device.gpus import get_gpus
-from zeus_callbacks.core.device.journal import read_journal
+from zeus_callbacks.core.device.journal import read_journal, write_atomic
 from zeus_callbacks.core.device.state_guard import guard, journal_dir
 
 HERE = Path(__file__).parent
@@ -182,6 +182,22 @@ def test_restore_falls_back_to_nvml_where_this_process_may(sim_gpus, start_zeusd
     daemon.proc.terminate()  # the daemon is gone by the end
     daemon.proc.wait(timeout=10)
     assert guard().restore()
+    assert system.gpus[0].power_limit_mw == 300_000
+
+
+def test_a_journal_from_before_routes_is_still_repaired(sim_gpus):
+    """Entries without a route were NVML changes: they are read and undone as such."""
+    system = sim_gpus("a40")
+    gpus = get_gpus(repair=False)
+    system.gpus[0].set_power_limit_mw(150_000)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    directory = journal_dir()
+    directory.mkdir(parents=True, mode=0o700, exist_ok=True)
+    entry = {"uuid": gpus[0].uuid, "name": gpus[0].name, "knob": "power_limit", "original": 300_000}
+    write_atomic(directory / f"{dead.pid}-0.json", {"pid": dead.pid, "start": "0", "entries": [entry]})
+    [restored] = guard().repair_dead_runs(gpus)
+    assert (restored.route, restored.zeusd) == ("nvml", None)
     assert system.gpus[0].power_limit_mw == 300_000
 
 
