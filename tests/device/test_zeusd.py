@@ -413,6 +413,8 @@ def test_restore_puts_back_through_zeusd_what_a_killed_run_left(sim_gpus, start_
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["restored"][0]["knob"] == "power_limit"
+    [restored] = json.loads(proc.stdout)["restored"]
+    assert (restored["knob"], restored["route"]) == ("power_limit", "zeusd")
+    assert restored["zeusd"] == f"unix:{daemon.env[zeusd.SOCK_ENV]}"
     assert system.gpus[0].power_limit_mw == 300_000
     assert daemon.writes()[-1].endswith('"power_limit_mw": "300000"}')

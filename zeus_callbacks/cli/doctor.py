@@ -126,7 +126,7 @@ def check(gpus: GPUs | None = None) -> dict[str, Any]:
     perm = node_info.permission(gpus)
     journal = node_info.check_journal_dir(journal_dir())
     leftovers = [
-        {"pid": pid, "uuid": e.uuid, "name": e.name, "knob": e.knob, "original": e.original}
+        {"pid": pid, "uuid": e.uuid, "name": e.name, "knob": e.knob, "original": e.original, "route": e.route}
         for pid, e in leftover_entries()
     ]
     setter = setter_report(gpus)
