@@ -3,9 +3,9 @@
 The first change of a setting (power limit, SM clocks, persistence) on a GPU takes the GPU's owner lock
 (`owner_lock`: one process at a time may change a GPU), records the value in force and the route the
 change takes (`setters`: NVML, or Zeus's daemon zeusd) in a small journal file (`journal`: a directory
-only this user or root may write, files replaced atomically), then changes it. Restores go back through
-the recorded route first. The process restores the recorded values at normal exit, on an uncaught exception, and on
-SIGINT/SIGTERM (then hands the signal to the handler that was installed before); a forked child never
+only this user or root may write, files replaced atomically), then changes it; a restore goes through the
+recorded route first. The process restores the recorded values at normal exit, on an uncaught exception, and
+on SIGINT/SIGTERM (then hands the signal to the handler that was installed before); a forked child never
 restores its parent's GPU. A process killed hard (SIGKILL, OOM) leaves its journal behind: the next
 process that discovers the GPUs, or `zeus-callbacks restore`, puts those values back, one repairer at a
 time under the directory's lock.
