@@ -15,7 +15,7 @@ Only the standard library is used (`http.client`, with a connection class for Un
 from __future__ import annotations
 
 import contextlib
-import http.client
+import functools
 import json
 import logging
 import os
@@ -34,6 +34,8 @@ from zeus_callbacks.core.device.errors import (
 )
 
 if TYPE_CHECKING:
+    import http.client
+
     from zeus_callbacks.core.device.gpus import GPU
 
 __all__ = [
@@ -108,8 +110,10 @@ class ZeusdEndpoint:
 
     def connection(self, timeout_s: float = TIMEOUT_S) -> http.client.HTTPConnection:
         """A new HTTP connection to the daemon (not yet connected)."""
+        import http.client  # here: importing the package must not pay for it (its email parsers)
+
         if self.socket_path is not None:
-            return _UnixHTTPConnection(self.socket_path, timeout_s)
+            return _unix_connection_class()(self.socket_path, timeout_s)
         assert self.host_port is not None
         return http.client.HTTPConnection(self.host_port, timeout=timeout_s)
 
@@ -119,22 +123,28 @@ def _valid_host_port(text: str) -> bool:
     return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    """HTTP over a Unix domain socket (zeusd's default transport)."""
+@functools.cache
+def _unix_connection_class() -> type[http.client.HTTPConnection]:
+    import http.client
 
-    def __init__(self, path: str, timeout_s: float) -> None:
-        super().__init__("localhost", timeout=timeout_s)
-        self._path = path
+    class UnixHTTPConnection(http.client.HTTPConnection):
+        """HTTP over a Unix domain socket (zeusd's default transport)."""
 
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
+        def __init__(self, path: str, timeout_s: float) -> None:
+            super().__init__("localhost", timeout=timeout_s)
+            self._path = path
+
+        def connect(self) -> None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self._path)
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+
+    return UnixHTTPConnection
 
 
 @dataclass(frozen=True)
@@ -210,6 +220,8 @@ class ZeusdClient:
         Raises:
             OSError: the daemon cannot be reached (refused, no socket, timeout, ...).
         """
+        import http.client
+
         query = urllib.parse.urlencode(params or {})
         headers = {"Content-Length": "0"} if method == "POST" else {}
         if self._token:
@@ -252,6 +264,8 @@ class ZeusdClient:
         raise self._http_error(what, gpu, status, body)
 
     def _http_error(self, what: str, gpu: str, status: int, body: Any) -> GPUError:
+        import http.client
+
         detail = _message(body) or http.client.responses.get(status, "")
         head = f"{what} on {gpu} through {self._where()}: HTTP {status} ({detail})"
         if status == 401:
