@@ -175,14 +175,25 @@ def test_replicas_of_a_stage_are_merged(ranks):
     assert _locked_clocks(state) == [None] * WORLD
 
 
-def test_instrument_rejects_a_multi_stage_schedule():
+def test_instrument_checks_a_multi_stage_schedule():
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
     from zeus_callbacks.core.pipeline_frequency.pipelining import instrument
 
     class Looped:  # stands in for PipelineScheduleMulti (several stages on this rank)
         _stages = [object(), object()]
 
-    with pytest.raises(TypeError, match="one pipeline stage per rank"):
+    with pytest.raises(TypeError, match="`stage` is not run by this schedule"):
         instrument(object(), Looped(), None)  # type: ignore[arg-type]
+
+    class Chunk:  # just enough of a stage for torch to build the schedule's order
+        def __init__(self, index: int) -> None:
+            self.stage_index, self.num_stages, self.group_size, self.group_rank = index, 4, 2, 0
+            self.submod = None
+
+    zero_bubble = ScheduleInterleavedZeroBubble([Chunk(0), Chunk(2)], 4)
+    with pytest.raises(ValueError, match="ScheduleInterleavedZeroBubble runs .* weight-gradient halves"):
+        instrument(None, zero_bubble, None)  # type: ignore[arg-type]
 
 
 def test_adapters_refuse_a_job_without_pipeline_stage(sim_gpus):

@@ -268,9 +268,8 @@ def _positions(schedule: Sequence[Sequence[Instruction]]) -> dict[Instruction, i
             if len(interleaved) > 1:
                 raise ValueError(f"{inst}: the schedule mixes instructions with and without virtual stages.")
             if rank_of.setdefault(inst.model_stage, stage) != stage:
-                raise ValueError(
-                    f"{inst}: virtual stage {inst.model_stage} is also on stage {rank_of[inst.model_stage]}."
-                )
+                first, second = sorted((rank_of[inst.model_stage], stage))
+                raise ValueError(f"{inst}: virtual stage {inst.model_stage} is on stages {first} and {second}.")
             position[inst] = len(position)
     return position
 

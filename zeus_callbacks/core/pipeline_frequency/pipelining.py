@@ -115,7 +115,8 @@ def instrument(stage: Any, schedule: Any, optimizer: PipelineFrequencyOptimizer)
                 f"`instrument(stage, schedule={type(schedule).__name__}(...), ...)`: `stage` is not run by "
                 "this schedule; pass its stages, one of them, or None."
             )
-        optimizer.use_schedule(schedule_order(schedule), name=type(schedule).__name__)
+        order = schedule_order(schedule)  # refuses a schedule the planner cannot model, before any change
+        optimizer.use_schedule(order, name=type(schedule).__name__)
     else:
         if schedule is not None and getattr(schedule, "_stage", stage) is not stage:
             raise TypeError(
