@@ -269,7 +269,9 @@ def _positions(schedule: Sequence[Sequence[Instruction]]) -> dict[Instruction, i
                 raise ValueError(f"{inst}: the schedule mixes instructions with and without virtual stages.")
             if rank_of.setdefault(inst.model_stage, stage) != stage:
                 first, second = sorted((rank_of[inst.model_stage], stage))
-                raise ValueError(f"{inst}: virtual stage {inst.model_stage} is on stages {first} and {second}.")
+                raise ValueError(
+                    f"{inst}: virtual stage {inst.model_stage} is on stages {first} and {second}."
+                )
             position[inst] = len(position)
     return position
 
