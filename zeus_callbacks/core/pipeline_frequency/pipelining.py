@@ -71,7 +71,9 @@ def schedule_order(schedule: Any) -> list[list[Instruction]]:
     return order
 
 
-def instrument(stage: Any, schedule: Any, optimizer: PipelineFrequencyOptimizer) -> Callable[[], None]:
+def instrument(
+    stage: Any, schedule: Any, optimizer: PipelineFrequencyOptimizer, *, mark_steps: bool = True
+) -> Callable[[], None]:
     """Drive `optimizer` from a pipeline stage and its schedule; returns a function that undoes it.
 
     `schedule.step(...)` becomes one training step (`on_step_begin` before, `on_step_end` after), and each
@@ -90,6 +92,8 @@ def instrument(stage: Any, schedule: Any, optimizer: PipelineFrequencyOptimizer)
             `ScheduleLoopedBFS`), or None when something else (a trainer callback) marks the steps: then
             only instructions are reported.
         optimizer: The optimizer to drive.
+        mark_steps: False when something else (a trainer callback) marks the steps of a multi-stage
+            `schedule`: its order is still handed over, its `step` is left alone.
 
     Raises:
         TypeError: `schedule` does not run `stage`.
@@ -124,7 +128,7 @@ def instrument(stage: Any, schedule: Any, optimizer: PipelineFrequencyOptimizer)
                 "run `stage`; pass the stage it was built with."
             )
         stages = [stage]
-    state = {"training": schedule is None}
+    state = {"training": schedule is None or not mark_steps}
     originals: list[tuple[Any, str]] = []
 
     def wrap(obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -163,7 +167,7 @@ def instrument(stage: Any, schedule: Any, optimizer: PipelineFrequencyOptimizer)
 
         return run
 
-    if schedule is not None:
+    if schedule is not None and mark_steps:
         wrap(schedule, "step", step)
     for owner in stages:
         virtual_stage = owner.stage_index if multi else None
@@ -181,15 +185,16 @@ def instrument(stage: Any, schedule: Any, optimizer: PipelineFrequencyOptimizer)
 
 
 def find_stage(obj: Any) -> Any | None:
-    """The pipeline stage `obj` is, holds, or whose schedule it holds (as an attribute), else None."""
+    """The pipeline stage `obj` is, holds, or whose schedule it holds (as an attribute), else None; for a
+    multi-stage schedule (several stages per rank), the schedule itself."""
     try:
-        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
         from torch.distributed.pipelining.stage import _PipelineStageBase
     except ImportError:  # pragma: no cover - torch without distributed
         return None
 
     def of(value: Any) -> Any | None:
-        if isinstance(value, _PipelineStageBase):
+        if isinstance(value, _PipelineStageBase | PipelineScheduleMulti):
             return value
         if isinstance(value, PipelineScheduleSingle):
             return value._stage
