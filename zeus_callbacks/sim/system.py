@@ -244,7 +244,9 @@ class SimulatedGPU:
         self._phase_s = phase * energy_refresh_s
         # Reads that no injected fault can touch skip the fault checks (the monitor's hot path).
         self.plain_reads = (
-            faults.lost_after_calls is None and faults.lost_after_changes is None and not faults.no_energy_counter
+            faults.lost_after_calls is None
+            and faults.lost_after_changes is None
+            and not faults.no_energy_counter
         )
         default_w = trace.max_power_limit_w if faults.default_limit_w is None else faults.default_limit_w
         self.default_power_limit_mw = int(default_w * 1000)
