@@ -417,7 +417,8 @@ class HFPipelineFrequencyOptimizer(_RestoresOnException, _LogsFirst):
 
     Drives `zeus_callbacks.PipelineFrequencyOptimizer` (see it for the method and the arguments):
     `on_train_begin` finds this rank's pipeline stage (`stage`, else an attribute of the model that is a
-    `PipelineStage` or a single-stage schedule) and reports its `forward_one_chunk`/`backward_one_chunk`
+    `PipelineStage` or a schedule; with a multi-stage schedule such as `ScheduleInterleaved1F1B`, all its
+    stages and its order) and reports its `forward_one_chunk`/`backward_one_chunk`
     calls as instructions (`StageAttachment.attach`); `on_step_begin`/`on_step_end` → the optimizer's hooks
     of the same names (one training step = one pipeline iteration); `on_train_end` →
     `StageAttachment.detach` (clocks reset), also when `trainer.train()` raises, before the exception leaves
@@ -425,7 +426,8 @@ class HFPipelineFrequencyOptimizer(_RestoresOnException, _LogsFirst):
     `pipeline_frequency_optimizer/`.
 
     Args:
-        stage: This rank's `PipelineStage`, or None to find it on the model at `on_train_begin`.
+        stage: This rank's `PipelineStage` (or its schedule), or None to find it on the model at
+            `on_train_begin`.
         *args: Positional arguments of `PipelineFrequencyOptimizer` (Zeus's: rank, dp_rank, pp_rank, ...).
         **kwargs: Keyword arguments of `PipelineFrequencyOptimizer` (monitor, schedule, profile_path, ...).
 

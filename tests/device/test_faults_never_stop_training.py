@@ -45,9 +45,9 @@ def _train(framework: str, fault: str, tmp_path: Path, sim_state_dir: Path) -> t
             "not_supported=clocks" if framework == "pipeline" else "not_supported=power"
         ) + at
     else:
-        # NVML calls before the GPU is lost: past the optimizer's first change (HF makes more calls first).
-        calls = 170 if framework == "hf" else 120
-        env["ZEUS_CALLBACKS_SIM_FAULTS"] = f"lost_after={calls}" + at
+        # Lost mid-run, once the optimizer has changed the GPU twice (a count of NVML calls would break
+        # whenever the package makes a call more or less).
+        env["ZEUS_CALLBACKS_SIM_FAULTS"] = "lost_after_changes=2" + at
         # A simulated GPU is lost to one process only; the restore watchdog would still reach it.
         env["ZEUS_CALLBACKS_WATCHDOG"] = "0"
     if framework == "torchrun":

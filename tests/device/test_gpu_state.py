@@ -72,7 +72,14 @@ def test_journal_is_written_before_the_change(sim_gpus, monkeypatch):
     [journal] = seen[0]
     assert journal["pid"] == os.getpid()
     assert journal["entries"] == [
-        {"uuid": gpu.uuid, "name": "NVIDIA A40", "knob": "power_limit", "original": 300_000}
+        {
+            "uuid": gpu.uuid,
+            "name": "NVIDIA A40",
+            "knob": "power_limit",
+            "original": 300_000,
+            "route": "nvml",  # how the change was made, so how it is undone (zeusd: and its endpoint)
+            "zeusd": None,
+        }
     ]
     assert seen[1] == seen[0]
     gpu.lock_sm_clocks(210, 1200)

@@ -115,6 +115,26 @@ def test_cli_pipeline_plan_text_and_errors(tmp_path, capsys):
     assert "infeasible" in capsys.readouterr().err
 
 
+def test_cli_pipeline_plan_interleaved(tmp_path, capsys):
+    path = tmp_path / "profile.csv"
+    write_profile(path, _profile(2))
+    base = ["pipeline-plan", "--profile", str(path), "--p-blk", "90", "--microbatches", "4"]
+    assert main([*base, "--schedule", "interleaved-1f1b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schedule"] == "interleaved-1f1b" and out["chunks_per_stage"] == 2
+    stages = out["plan"]["stages"]
+    assert [len(s) for s in stages] == [16, 16]  # 2 chunks x 4 microbatches x (forward, backward)
+    assert {e["virtual_stage"] for e in stages[1]} == {1, 3}
+    assert out["plan"]["iteration_time_s"] <= out["max_frequency"]["iteration_time_s"] * (1 + 1e-9)
+    assert main([*base, "--schedule", "looped-bfs", "--chunks", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "looped-bfs pipeline, 2 stages x 3 chunks" in text and "F0@5:" in text
+    assert main([*base, "--chunks", "2"]) == 2
+    assert "1f1b runs one model chunk per stage" in capsys.readouterr().err
+    assert main([*base, "--schedule", "interleaved-1f1b", "--microbatches", "5"]) == 2
+    assert "multiple of 2" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("content", "match"),
     [

@@ -14,13 +14,20 @@ from pathlib import Path
 import pytest
 from helpers import burn_cpu
 
+from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.pipeline_frequency.clock_sweep import clock_sweep, merge_replicas, passed_valley
 from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
-from zeus_callbacks.core.pipeline_frequency.dag import build_schedule
+from zeus_callbacks.core.pipeline_frequency.dag import Instruction, build_schedule
 from zeus_callbacks.core.pipeline_frequency.frontier import max_frequency_plan, solve
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
-from zeus_callbacks.core.pipeline_frequency.planning import match_schedule, options_from_rows, with_margin
+from zeus_callbacks.core.pipeline_frequency.planning import (
+    match_schedule,
+    options_from_rows,
+    plan_pipeline,
+    resolve_schedule,
+    with_margin,
+)
 from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow, read_profile, write_profile
 from zeus_callbacks.core.pipeline_frequency.recorder import (
     StageSample,
@@ -39,18 +46,20 @@ def _kinds(schedule: str, microbatches: int) -> list[str]:
 def run_steps(
     pfo: PipelineFrequencyOptimizer,
     steps: int,
-    kinds: list[str],
+    kinds: list[str] | list[Instruction],
     until: str | None = None,
     work_s: float = 0.002,
 ) -> int:
     """A fake single-stage schedule: each forward burns `work_s` of CPU (simulated GPU work), a backward twice,
-    and between instructions the stage waits for its peers without computing (a sleep, as a blocking recv)."""
+    and between instructions the stage waits for its peers without computing (a sleep, as a blocking recv).
+    Instructions (rather than kinds) are reported with their virtual stage."""
     for n in range(steps):
         pfo.on_step_begin()
-        for kind in kinds:
-            pfo.on_instruction_begin(kind)
+        for item in kinds:
+            kind, virtual = (item.kind, item.virtual_stage) if isinstance(item, Instruction) else (item, None)
+            pfo.on_instruction_begin(kind, virtual_stage=virtual)
             burn_cpu(work_s if kind == "forward" else 2 * work_s)
-            pfo.on_instruction_end(kind)
+            pfo.on_instruction_end(kind, virtual_stage=virtual)
             time.sleep(work_s / 2)
         pfo.on_step_end()
         if until is not None and pfo.phase == until:
@@ -111,6 +120,43 @@ def test_match_schedule_detects_1f1b_and_gpipe():
     seqs = {s: [i.kind for i in order] for s, order in enumerate(build_schedule("gpipe", 4, 8))}
     with pytest.raises(ValueError, match="not a 1f1b schedule"):
         match_schedule(seqs, preferred="1f1b")
+
+
+def test_match_schedule_detects_multi_stage_schedules_from_virtual_stages():
+    for kind in ("interleaved-1f1b", "looped-bfs"):
+        order = build_schedule(kind, 4, 8, 2)
+        seqs = {s: [i.trace_key for i in o] for s, o in enumerate(order)}
+        assert seqs[0][0] == ("forward", 0)
+        assert match_schedule(seqs) == (kind, 8)
+        assert resolve_schedule(seqs) == (kind, order)
+    kinds_only = {s: [i.kind for i in o] for s, o in enumerate(build_schedule("interleaved-1f1b", 4, 8, 2))}
+    with pytest.raises(ValueError, match="not a 1f1b or gpipe schedule of 4 stages and 16 microbatches"):
+        match_schedule(kinds_only)  # without virtual stages, an interleaved run is not recognised...
+    order = build_schedule("interleaved-1f1b", 4, 8, 2)
+    assert resolve_schedule(kinds_only, "torch", order) == ("torch", order)  # ...but checked against an order
+    seqs = {s: [i.trace_key for i in o] for s, o in enumerate(build_schedule("looped-bfs", 4, 8, 2))}
+    with pytest.raises(ValueError, match=r"\{0: 'F0F0.*is not the order of ScheduleInterleaved1F1B"):
+        resolve_schedule(seqs, "ScheduleInterleaved1F1B", order)
+
+
+def test_plan_interleaved_schedule_per_rank_profile():
+    """Interleaved 1F1B, 4 ranks x 2 chunks: one profile per rank and kind, a plan per instruction."""
+    order = build_schedule("interleaved-1f1b", 4, 8, 2)
+    seqs = {s: tuple(i.trace_key for i in o) for s, o in enumerate(order)}
+    rows = [
+        ProfileRow(stage, kind, f, work * 1740 / f, work * 200 * (f / 1740) ** 2 * 1740 / f)
+        for stage, size in enumerate((6, 4, 4, 4))
+        for kind, work in (("forward", 0.01 * size), ("backward", 0.02 * size))
+        for f in (1740, 1440, 1140)
+    ]
+    out = plan_pipeline(seqs, rows, dict.fromkeys(range(4), 60.0), "ScheduleInterleaved1F1B", order=order)
+    assert out["schedule"] == "ScheduleInterleaved1F1B" and out["num_virtual_stages"] == 8
+    assert out["num_stages"] == 4 and out["num_microbatches"] == 8
+    assert [k for k, _ in out["stage_plans"][1]] == list(seqs[1])  # keyed as the ranks record them
+    pred = out["predicted"]
+    assert pred["iteration_time_s"] <= pred["max_clock_iteration_time_s"] * (1 + 1e-9)
+    assert pred["energy_saved_pct"] > 0
+    assert min(out["plan_frequencies_mhz"][1]) < 1740  # the light ranks wait for rank 0: slowed down
 
 
 def test_undisturbed_estimate_is_a_low_quantile():
@@ -254,6 +300,33 @@ def test_fallback_to_max_clock_on_sequence_mismatch(node, caplog, new_kinds, whe
     assert any("maximum clock" in r.message for r in caplog.records)
     max_clock = gpu.spec.max_sm_clock_mhz
     assert pfo.frequency_mhz == max_clock and gpu.locked_sm_clocks_mhz == (max_clock, max_clock)
+    pfo.on_train_end()
+    assert gpu.locked_sm_clocks_mhz is None
+
+
+def test_interleaved_order_planned_applied_and_checked(node, caplog):
+    """One rank with 2 model chunks (virtual stages 0 and 1) running torch's interleaved order."""
+    gpu = node.gpus[0]
+    order = build_schedule("interleaved-1f1b", 1, 4, 2)
+    pfo = PipelineFrequencyOptimizer(device_id=0, target_time_s=10.0, **FAST)
+    with pytest.raises(InvalidInputError, match="use_schedule.*listed under stage 1"):
+        pfo.use_schedule([order[0], order[0]])
+    pfo.use_schedule(order, name="ScheduleInterleaved1F1B")
+    run_steps(pfo, 40, order[0], until="applying")
+    report = pfo.report()
+    assert pfo.phase == "applying", report.get("reason")
+    assert report["schedule"] == "ScheduleInterleaved1F1B" and report["num_virtual_stages"] == 2
+    assert len(pfo.plan_frequencies_mhz) == 16
+    with pytest.raises(InvalidInputError, match="plan is made"):
+        pfo.use_schedule(order)
+    swapped = [Instruction(0, i.kind, i.microbatch, 1 - i.virtual_stage) for i in order[0]]
+    with caplog.at_level(logging.WARNING):
+        run_steps(pfo, 1, swapped)  # the same kinds, but the chunks' order changed
+    assert pfo.phase == "fallback"
+    assert (
+        "is a forward of virtual stage 1, but the plan expects a forward of virtual stage 0"
+        in pfo.report()["reason"]
+    )
     pfo.on_train_end()
     assert gpu.locked_sm_clocks_mhz is None
 

@@ -175,14 +175,25 @@ def test_replicas_of_a_stage_are_merged(ranks):
     assert _locked_clocks(state) == [None] * WORLD
 
 
-def test_instrument_rejects_a_multi_stage_schedule():
+def test_instrument_checks_a_multi_stage_schedule():
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
     from zeus_callbacks.core.pipeline_frequency.pipelining import instrument
 
     class Looped:  # stands in for PipelineScheduleMulti (several stages on this rank)
         _stages = [object(), object()]
 
-    with pytest.raises(TypeError, match="one pipeline stage per rank"):
+    with pytest.raises(TypeError, match="`stage` is not run by this schedule"):
         instrument(object(), Looped(), None)  # type: ignore[arg-type]
+
+    class Chunk:  # just enough of a stage for torch to build the schedule's order
+        def __init__(self, index: int) -> None:
+            self.stage_index, self.num_stages, self.group_size, self.group_rank = index, 4, 2, 0
+            self.submod = None
+
+    zero_bubble = ScheduleInterleavedZeroBubble([Chunk(0), Chunk(2)], 4)
+    with pytest.raises(ValueError, match="ScheduleInterleavedZeroBubble runs .* weight-gradient halves"):
+        instrument(None, zero_bubble, None)  # type: ignore[arg-type]
 
 
 def test_adapters_refuse_a_job_without_pipeline_stage(sim_gpus):
@@ -204,3 +215,45 @@ def test_adapters_refuse_a_job_without_pipeline_stage(sim_gpus):
     with pytest.raises(ValueError, match="no pipeline stage.*LightningGlobalPowerLimitOptimizer"):
         pl.on_train_start(None, model)
     pl.optimizer.close()
+
+
+def test_attachment_instruments_a_multi_stage_schedule(sim_gpus):
+    """The adapters' path: a model holding an interleaved schedule; the trainer marks the steps."""
+    sim_gpus("a40")
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
+    from zeus_callbacks.core.pipeline_frequency.dag import build_schedule
+    from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
+
+    class Chunk:  # one rank holding both chunks of a 2-stage model
+        def __init__(self, index: int) -> None:
+            self.stage_index, self.num_stages, self.group_size, self.group_rank = index, 2, 1, 0
+            self.is_first, self.is_last = index == 0, index == 1
+            self.submod, self.has_backward = None, True
+
+        def forward_one_chunk(self, mb, *args, **kwargs):
+            pass
+
+        def backward_one_chunk(self, mb, *args, **kwargs):
+            pass
+
+    class Model:
+        def __init__(self) -> None:
+            self.schedule = ScheduleInterleaved1F1B([Chunk(0), Chunk(1)], 2)
+
+    model = Model()
+    chunks = model.schedule._stages
+    pfo = PipelineFrequencyOptimizer(device_id=0)
+    attachment = StageAttachment(pfo, adapter="HFPipelineFrequencyOptimizer", alternative="-")
+    attachment.attach(model)
+    order = build_schedule("interleaved-1f1b", 1, 2, 2)
+    assert pfo._order == tuple(tuple(o) for o in order) and pfo.schedule == "ScheduleInterleaved1F1B"
+    pfo.on_step_begin()
+    for inst in order[0]:
+        method = "forward_one_chunk" if inst.kind == "forward" else "backward_one_chunk"
+        getattr(chunks[inst.virtual_stage], method)(inst.microbatch)
+    pfo.on_step_end()
+    assert pfo._recorder.sequence == tuple(i.trace_key for i in order[0])
+    attachment.detach()
+    assert all("forward_one_chunk" not in c.__dict__ for c in chunks)

@@ -373,6 +373,21 @@ def test_parse_faults():
         parse_faults("melt")
 
 
+def test_lost_after_changes_counts_setting_changes_not_calls(sim_gpus):
+    sim_gpus("a40", faults="lost_after_changes=2")
+    nvml.nvmlInit()
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    for _ in range(50):  # reads never lose the GPU
+        nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    nvml.nvmlDeviceSetPowerManagementLimit(handle, 250_000)
+    nvml.nvmlDeviceSetGpuLockedClocks(handle, 1200, 1200)
+    with pytest.raises(nvml.NVMLError) as lost:
+        nvml.nvmlDeviceGetPowerManagementLimit(handle)
+    assert lost.value.value == nvml.NVML_ERROR_GPU_IS_LOST
+    with pytest.raises(ValueError, match="lost_after_changes=0"):
+        parse_faults("lost_after_changes=0")
+
+
 def test_enqueued_kernels_run_at_the_locked_clock_without_host_cpu(sim_gpus, sim_sleeps):
     import time
 

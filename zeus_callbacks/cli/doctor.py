@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from zeus_callbacks.cli.devices import discover
-from zeus_callbacks.core.device import node_info
+from zeus_callbacks.core.device import node_info, setters, zeusd
+from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.device.gpus import GPU, GPUs, get_gpus
 from zeus_callbacks.core.device.power import energy_refresh_period_s, instant_power_mw
 from zeus_callbacks.core.device.state_guard import journal_dir, leftover_entries
@@ -21,8 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Read-only check of this node: NVML and driver, each visible GPU (CUDA index -> NVML UUID), its "
             "energy counter and refresh period, power (average and instant), power limits, clocks, whether "
-            "this process may change settings and why not, the journal directory, and settings left changed "
-            "by dead runs. Changes nothing. Exits 1 when something would stop the optimizers."
+            "this process may change settings and why not, the route settings take (NVML, or Zeus's daemon "
+            "zeusd: configured, reachable, GPU control, token), the journal directory, and settings left "
+            "changed by dead runs. Changes nothing. Exits 1 when something would stop the optimizers."
         ),
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -85,6 +88,37 @@ def _gpu_findings(g: dict[str, Any]) -> tuple[list[str], list[str]]:
     return problems, warnings
 
 
+def setter_report(gpus: GPUs) -> dict[str, Any]:
+    """The route GPU settings take and, where zeusd is configured, what it says (read-only)."""
+    report = setters.describe_choice()
+    try:
+        endpoint = zeusd.ZeusdEndpoint.from_env()
+    except InvalidInputError:
+        endpoint = None  # already reported as the route's error
+    report["zeusd"] = (
+        None if endpoint is None else zeusd.status(endpoint, os.environ.get(zeusd.TOKEN_ENV), list(gpus))
+    )
+    return report
+
+
+def _setter_problems(report: dict[str, Any]) -> list[str]:
+    if report["error"] is not None:
+        return [report["error"]]
+    daemon = report["zeusd"]
+    if report["route"] != "zeusd" or daemon is None:
+        return []
+    if not daemon["reachable"]:
+        return [f"Settings go through zeusd, which cannot be reached: {daemon['problem']}"]
+    out = []
+    if not daemon["gpu_control"]:
+        out.append(
+            f"zeusd at {daemon['endpoint']} does not enable gpu-control: start it with `--enable gpu-control`."
+        )
+    if daemon["problem"]:
+        out.append(f"zeusd at {daemon['endpoint']}: {daemon['problem']}")
+    return out
+
+
 def check(gpus: GPUs | None = None) -> dict[str, Any]:
     """The whole report as plain data; raises `NVMLUnavailableError` without NVML or simulation."""
     gpus = get_gpus(repair=False) if gpus is None else gpus
@@ -92,9 +126,10 @@ def check(gpus: GPUs | None = None) -> dict[str, Any]:
     perm = node_info.permission(gpus)
     journal = node_info.check_journal_dir(journal_dir())
     leftovers = [
-        {"pid": pid, "uuid": e.uuid, "name": e.name, "knob": e.knob, "original": e.original}
+        {"pid": pid, "uuid": e.uuid, "name": e.name, "knob": e.knob, "original": e.original, "route": e.route}
         for pid, e in leftover_entries()
     ]
+    setter = setter_report(gpus)
     rows = [describe(g) for g in gpus]
     problems: list[str] = [] if rows else ["No GPU is visible to this process (check CUDA_VISIBLE_DEVICES)."]
     warnings: list[str] = []
@@ -102,7 +137,8 @@ def check(gpus: GPUs | None = None) -> dict[str, Any]:
         p, w = _gpu_findings(row)
         problems += p
         warnings += w
-    if not perm.may_change:
+    problems += _setter_problems(setter)
+    if not perm.may_change and setter["error"] is None:
         problems.append(
             f"This process may not change power limits or clocks: {perm.reason}. The optimizers only measure."
         )
@@ -119,6 +155,7 @@ def check(gpus: GPUs | None = None) -> dict[str, Any]:
         "driver_version": driver,
         "nvml_version": nvml_version,
         "permission": perm.__dict__,
+        "setters": setter,
         "journal_dir": journal.__dict__,
         "leftovers": leftovers,
         "gpus": rows,
@@ -162,6 +199,7 @@ def _print_report(r: dict[str, Any]) -> None:
         f"\nmay change settings: {_fmt(p['may_change'])} ({p['reason']}; euid {p['euid']}, "
         f"CAP_SYS_ADMIN {_fmt(p['cap_sys_admin'])}, container {_fmt(p['container'])})"
     )
+    _print_setters(r["setters"])
     print(f"journal directory: {_fmt(j['path'])} ({'safe' if j['safe'] else j['problem']})")
     print(f"settings left by dead runs: {len(r['leftovers'])}")
     for w in r["warnings"]:
@@ -170,6 +208,27 @@ def _print_report(r: dict[str, Any]) -> None:
         print(f"PROBLEM: {problem}")
     if not r["problems"]:
         print("OK: nothing here stops the optimizers.")
+
+
+def _print_setters(s: dict[str, Any]) -> None:
+    if s["route"] is not None:
+        print(
+            f"settings go through: {s['route']}{'' if s['endpoint'] is None else ' at ' + s['endpoint']} ({s['why']})"
+        )
+    d = s["zeusd"]
+    if d is None:
+        print(f"zeusd: not configured ({zeusd.SOCK_ENV} / {zeusd.HOST_PORT_ENV} unset)")
+        return
+    if not d["reachable"]:
+        print(f"zeusd: configured at {d['endpoint']}, NOT reachable")
+        return
+    scopes = "" if d["scopes"] is None else f", token scopes {', '.join(d['scopes']) or 'none'}"
+    ids = ", ".join(f"GPU {i} -> zeusd GPU {z}" for i, z in d["gpu_ids"].items())
+    print(
+        f"zeusd: configured at {d['endpoint']}, reachable, gpu-control {_fmt(d['gpu_control'])}, auth "
+        f"{'required' if d['auth_required'] else 'off'} (token {'set' if d['token'] else 'unset'}{scopes})"
+        f"{'; ' + ids if ids else ''}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

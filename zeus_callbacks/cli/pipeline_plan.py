@@ -7,7 +7,12 @@ import json
 import math
 
 from zeus_callbacks.core.device.errors import InvalidInputError
-from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.dag import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    build_dag,
+    build_schedule,
+)
 from zeus_callbacks.core.pipeline_frequency.edge_delays import EdgeDelays
 from zeus_callbacks.core.pipeline_frequency.frontier import Frontier, Plan, frontier, solve
 from zeus_callbacks.core.pipeline_frequency.planning import options_from_rows
@@ -41,7 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # Numbers are parsed in `run`, so that a bad one is reported in one line that says what to pass.
     parser.add_argument("--stages", metavar="N", help="pipeline stages (default: as many as the profile has)")
     parser.add_argument("--microbatches", metavar="M", required=True, help="microbatches per iteration")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--schedule", choices=SCHEDULES + MULTI_STAGE_SCHEDULES, default="1f1b")
+    parser.add_argument(
+        "--chunks",
+        metavar="V",
+        help="model chunks per stage, for interleaved-1f1b and looped-bfs (default 2; 1 for the others)",
+    )
     parser.add_argument(
         "--target-time", metavar="S", help="iteration time bound (default: all at max frequency)"
     )
@@ -62,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
     stages = None if args.stages is None else _integer("--stages", args.stages, 1)
     microbatches = _integer("--microbatches", args.microbatches, 1)
     points = _integer("--points", args.points, 2)
+    multi = args.schedule in MULTI_STAGE_SCHEDULES
+    chunks = _integer("--chunks", args.chunks, 1) if args.chunks is not None else 2 if multi else 1
+    if chunks > 1 and not multi:
+        raise InvalidInputError(
+            f"--chunks {args.chunks}: {args.schedule} runs one model chunk per stage; pass --schedule "
+            f"{' or '.join(MULTI_STAGE_SCHEDULES)} for several."
+        )
     target_time = None
     if args.target_time is not None:
         target_time = _number("--target-time", args.target_time, args.target_time, "a positive", "seconds")
@@ -86,14 +103,14 @@ def run(args: argparse.Namespace) -> int:
     # them in one line, exit code 2.
     options = options_from_rows(rows)
     # The time measured between instructions, when the profile has it (`profile.edges.csv`).
-    dag = delays.apply(build_dag(build_schedule(args.schedule, num_stages, microbatches)))
+    dag = delays.apply(build_dag(build_schedule(args.schedule, num_stages, microbatches, chunks)))
     front = frontier(dag, options, p_blk, num_points=points)
     chosen = solve(dag, options, p_blk, target_time)
     target = front.max_frequency.iteration_time_s if target_time is None else target_time
     if args.json:
-        print(json.dumps(_to_dict(front, chosen, target, args.schedule), indent=2))
+        print(json.dumps(_to_dict(front, chosen, target, args.schedule, chunks), indent=2))
     else:
-        print(_text(front, chosen, target, args.schedule))
+        print(_text(front, chosen, target, args.schedule, chunks))
     return 0
 
 
@@ -130,11 +147,12 @@ def _point(plan: Plan, ref: Plan) -> dict:
     }
 
 
-def _to_dict(front: Frontier, chosen: Plan, target: float, schedule: str) -> dict:
+def _to_dict(front: Frontier, chosen: Plan, target: float, schedule: str, chunks: int) -> dict:
     ref = front.max_frequency
     return {
         "schedule": schedule,
         "num_stages": len(chosen.schedule),
+        "chunks_per_stage": chunks,
         "target_time_s": target,
         "max_frequency": _point(ref, ref),
         "frontier": [_point(p, ref) for p in front.plans],
@@ -145,6 +163,7 @@ def _to_dict(front: Frontier, chosen: Plan, target: float, schedule: str) -> dic
                     {
                         "instruction": i.kind,
                         "microbatch": i.microbatch,
+                        **({} if i.virtual_stage is None else {"virtual_stage": i.virtual_stage}),
                         "frequency_mhz": chosen.frequencies_mhz[i],
                     }
                     for i in order
@@ -155,10 +174,11 @@ def _to_dict(front: Frontier, chosen: Plan, target: float, schedule: str) -> dic
     }
 
 
-def _text(front: Frontier, chosen: Plan, target: float, schedule: str) -> str:
+def _text(front: Frontier, chosen: Plan, target: float, schedule: str, chunks: int) -> str:
     ref = front.max_frequency
+    chunked = f" x {chunks} chunks" if chunks > 1 else ""
     lines = [
-        f"{schedule} pipeline, {len(chosen.schedule)} stages: time-energy frontier per iteration",
+        f"{schedule} pipeline, {len(chosen.schedule)} stages{chunked}: time-energy frontier per iteration",
         f"{'time (s)':>10}{'energy (J)':>12}{'saving':>9}",
     ]
     for p in front.plans:
@@ -169,11 +189,14 @@ def _text(front: Frontier, chosen: Plan, target: float, schedule: str) -> str:
         f"all at max frequency: {ref.iteration_time_s:.4f} s, {ref.energy_j:.2f} J",
         f"chosen plan (target {target:.4f} s): {chosen.iteration_time_s:.4f} s, {chosen.energy_j:.2f} J, "
         f"saving {100 * (1 - chosen.energy_j / ref.energy_j):.2f}%",
-        "SM frequency (MHz) per stage, in execution order (F/B + microbatch):",
+        "SM frequency (MHz) per stage, in execution order (F/B + microbatch"
+        + (", @ virtual stage):" if chosen.schedule[0][0].virtual_stage is not None else "):"),
     ]
     for stage, order in enumerate(chosen.schedule):
         cells = " ".join(
-            f"{'F' if i.kind == 'forward' else 'B'}{i.microbatch}:{chosen.frequencies_mhz[i]}" for i in order
+            f"{'F' if i.kind == 'forward' else 'B'}{i.microbatch}"
+            f"{'' if i.virtual_stage is None else f'@{i.virtual_stage}'}:{chosen.frequencies_mhz[i]}"
+            for i in order
         )
         lines.append(f"  stage {stage}: {cells}")
     return "\n".join(lines)

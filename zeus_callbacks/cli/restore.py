@@ -50,7 +50,14 @@ def _value(entry: JournalEntry) -> str:
 
 
 def _as_dict(entry: JournalEntry) -> dict[str, Any]:
-    return {"uuid": entry.uuid, "name": entry.name, "knob": entry.knob, "original": entry.original}
+    return {
+        "uuid": entry.uuid,
+        "name": entry.name,
+        "knob": entry.knob,
+        "original": entry.original,
+        "route": entry.route,
+        "zeusd": entry.zeusd,
+    }
 
 
 def _left_behind() -> int:
@@ -99,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     if not restored and not defaults:
         print(f"Nothing to restore{label}.")
     for e in restored:
-        print(f"Restored {e.knob} of {by_uuid.get(e.uuid, e.name)} to {_value(e)}{label}.")
+        via = "" if e.zeusd is None else f" through zeusd at {e.zeusd}"
+        print(f"Restored {e.knob} of {by_uuid.get(e.uuid, e.name)} to {_value(e)}{via}{label}.")
     if left:
         hint = (
             "" if args.include_live else " or belong to running processes (--include-live to undo those too)"

@@ -302,14 +302,16 @@ class PipelineFrequencyOptimizerHooks(CallbackHooks):
 
     Drives `zeus_callbacks.PipelineFrequencyOptimizer` (see it for the method and the arguments):
     `on_train_start` finds this rank's pipeline stage (`stage`, else an attribute of the module that is
-    a `PipelineStage` or a single-stage schedule) and reports its `forward_one_chunk`/`backward_one_chunk`
+    a `PipelineStage` or a schedule; with a multi-stage schedule such as `ScheduleInterleaved1F1B`, all its
+    stages and its order) and reports its `forward_one_chunk`/`backward_one_chunk`
     calls as instructions (`StageAttachment.attach`); `on_train_batch_start`/`on_train_batch_end` →
     `on_step_begin`/`on_step_end` (one batch = one pipeline iteration); `on_train_end` and `on_exception` →
     `StageAttachment.detach` (clocks reset). At each logging step the trainer's loggers get
     `PipelineFrequencyOptimizer.metrics()` (numbers only), prefixed `pipeline_frequency_optimizer/`.
 
     Args:
-        stage: This rank's `PipelineStage`, or None to find it on the module at `on_train_start`.
+        stage: This rank's `PipelineStage` (or its schedule), or None to find it on the module at
+            `on_train_start`.
         *args: Positional arguments of `PipelineFrequencyOptimizer` (Zeus's: rank, dp_rank, pp_rank, ...).
         **kwargs: Keyword arguments of `PipelineFrequencyOptimizer` (monitor, schedule, profile_path, ...).
 

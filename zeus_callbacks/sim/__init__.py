@@ -13,7 +13,7 @@ Options (environment variables, or arguments of `simulate`):
   `no_permission`, `no_cap_sys_admin` (root in a container without CAP_SYS_ADMIN: setters raise
   NO_PERMISSION), `hidden` (NVML counts the GPU, opening it raises NO_PERMISSION, CUDA does not see it),
   `empty_clocks`, `default_limit_w=W` (GeForce-like default limit below the maximum), `not_supported=...`,
-  `lost_after=N`, `no_energy_counter`, `mig`; `@I` targets NVML index I;
+  `lost_after=N` (NVML calls), `lost_after_changes=N`, `no_energy_counter`, `mig`; `@I` targets NVML index I;
 - `ZEUS_CALLBACKS_SIM_STATE_DIR`: where the GPUs' state (power limit, clocks, energy) persists across
   processes (default: a per-user directory under the temp dir);
 - `ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS`: the energy counter's refresh period for every GPU (default: each

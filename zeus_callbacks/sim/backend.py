@@ -42,6 +42,10 @@ class SimulatedBackend(NVMLBackend):
         """Wait for the simulated work queued on the GPU (no-op on a virtual clock)."""
         handle.synchronize()
 
+    def settle(self, handle: Any) -> None:
+        """Account the work so far at the settings in force, before zeusd (another process) changes them."""
+        handle.settle()
+
     def may_change_settings(self, handle: Any) -> bool:
         """False only where the `no_permission` or `no_cap_sys_admin` fault is injected."""
         return not (handle.faults.no_permission or handle.faults.no_cap_sys_admin)

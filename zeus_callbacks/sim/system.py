@@ -136,6 +136,7 @@ class Faults:
     no_permission: bool = False
     not_supported: frozenset[str] = frozenset()  # subset of {"power", "clocks", "persistence"}
     lost_after_calls: int | None = None
+    lost_after_changes: int | None = None  # lost once this process has changed a setting this many times
     no_energy_counter: bool = False
     mig: bool = False
     hidden: bool = False  # counted by NVML, but the job's cgroup does not grant it
@@ -231,6 +232,7 @@ class SimulatedGPU:
         self._clock = clock
         self._rng = random.Random(seed * 1_000_003 + index)
         self._calls = 0
+        self._changes = 0
         self._idle_mw = spec.idle_power_w * 1000
         self.pci_bus_id = pci_bus_id
         self.power_usage_averaged = power_usage_averaged and not faults.no_energy_counter
@@ -241,7 +243,11 @@ class SimulatedGPU:
         phase = int(hashlib.sha1(uuid.encode()).hexdigest()[:8], 16) / 16**8
         self._phase_s = phase * energy_refresh_s
         # Reads that no injected fault can touch skip the fault checks (the monitor's hot path).
-        self.plain_reads = faults.lost_after_calls is None and not faults.no_energy_counter
+        self.plain_reads = (
+            faults.lost_after_calls is None
+            and faults.lost_after_changes is None
+            and not faults.no_energy_counter
+        )
         default_w = trace.max_power_limit_w if faults.default_limit_w is None else faults.default_limit_w
         self.default_power_limit_mw = int(default_w * 1000)
         self._state = _State(
@@ -278,8 +284,10 @@ class SimulatedGPU:
     def count_call(self) -> bool:
         """Count one NVML call; True once the GPU has fallen off the bus."""
         self._calls += 1
-        lost = self.faults.lost_after_calls
-        return lost is not None and self._calls > lost
+        after_calls, after_changes = self.faults.lost_after_calls, self.faults.lost_after_changes
+        return (after_calls is not None and self._calls > after_calls) or (
+            after_changes is not None and self._changes >= after_changes
+        )
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -290,6 +298,7 @@ class SimulatedGPU:
     def set_power_limit_mw(self, value: int) -> None:
         """Change the power limit (already validated by the NVML layer)."""
         self._account_idle()
+        self._changes += 1
         with self._state.lock():
             self._state.set("power_limit_mw", value)
             self._state.set("version", self._state.get("version") + 1)
@@ -312,6 +321,7 @@ class SimulatedGPU:
     def lock_sm_clocks(self, min_mhz: int, max_mhz: int) -> None:
         """Lock the SM clock into a range."""
         self._account_idle()
+        self._changes += 1
         with self._state.lock():
             self._state.set("sm_lock_min_mhz", min_mhz)
             self._state.set("sm_lock_max_mhz", max_mhz)
@@ -484,6 +494,11 @@ class SimulatedGPU:
                 st.set("last_power_w", energy_j / (end - start))
                 st.set("last_power_at", end)
 
+    def settle(self) -> None:
+        """Settle the counter before another process changes the state (what `_account_idle` does for a change
+        made here)."""
+        self._account_idle()
+
     def _account_idle(self) -> None:
         """Settle the counter before a state change so that past energy uses the old operating point."""
         if self.virtual:
@@ -625,7 +640,8 @@ def parse_faults(text: str) -> dict[int | None, Faults]:
 
     Names: `no_permission` (a user without the right to change settings), `no_cap_sys_admin` (root in a
     container without CAP_SYS_ADMIN), `not_supported=power|clocks|persistence` (repeatable),
-    `lost_after=N` (NVML calls), `no_energy_counter`, `mig`, `hidden` (NVML counts the GPU but the job's
+    `lost_after=N` (NVML calls), `lost_after_changes=N` (lost once this process has changed the power limit
+    or SM clocks N times), `no_energy_counter`, `mig`, `hidden` (NVML counts the GPU but the job's
     cgroup does not grant it: opening it raises NO_PERMISSION), `empty_clocks` (no supported graphics
     clocks listed), `default_limit_w=W` (a default power limit below the maximum, as on GeForce boards).
     Without `@GPU_INDEX` a fault applies to every GPU; `GPU_INDEX` is the NVML index (PCI bus order).
@@ -642,6 +658,8 @@ def parse_faults(text: str) -> dict[int | None, Faults]:
             f.not_supported = f.not_supported | {value or "clocks"}
         elif name == "lost_after":
             f.lost_after_calls = _fault_number(text, raw, value, int, 0)
+        elif name == "lost_after_changes":
+            f.lost_after_changes = _fault_number(text, raw, value, int, 1)
         elif name in _FLAG_FAULTS:
             if eq:
                 raise _bad_fault(text, raw, f"{name} takes no value")
@@ -658,7 +676,7 @@ _FAULTS_INPUT = "Simulated faults (ZEUS_CALLBACKS_SIM_FAULTS, or simulate(faults
 _SPEC_INPUT = "Simulated GPUs (ZEUS_CALLBACKS_SIMULATE, or simulate(spec))"
 _FAULTS_KNOWN = (
     "Known: no_permission, no_cap_sys_admin, not_supported=power|clocks|persistence, lost_after=N, "
-    "no_energy_counter, mig, hidden, empty_clocks, default_limit_w=W, each optionally @GPU_INDEX."
+    "lost_after_changes=N, no_energy_counter, mig, hidden, empty_clocks, default_limit_w=W, each optionally @GPU_INDEX."
 )
 
 
@@ -687,6 +705,7 @@ def _merge(a: Faults | None, b: Faults | None) -> Faults:
     return Faults(
         not_supported=a.not_supported | b.not_supported,
         lost_after_calls=b.lost_after_calls if b.lost_after_calls is not None else a.lost_after_calls,
+        lost_after_changes=b.lost_after_changes if b.lost_after_changes is not None else a.lost_after_changes,
         default_limit_w=b.default_limit_w if b.default_limit_w is not None else a.default_limit_w,
         **{name: getattr(a, name) or getattr(b, name) for name in _FLAG_FAULTS},
     )

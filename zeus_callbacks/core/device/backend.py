@@ -156,6 +156,13 @@ class NVMLBackend:
         if torch.cuda.is_available():
             torch.cuda.synchronize(index)
 
+    def settle(self, handle: Any) -> None:
+        """Called before another process (zeusd) changes the settings of the GPU behind `handle` for this one.
+
+        A backend that accounts work at synchronisation (the simulator) accounts the work so far under the
+        settings it ran at, as an in-process change does; a real GPU needs nothing.
+        """
+
     def may_change_settings(self, handle: Any) -> bool:
         """Whether this process may change the power limit and clocks of the GPU behind `handle`."""
         return has_cap_sys_admin()

@@ -79,8 +79,8 @@ def nvml_error(nvml: ModuleType, err: Exception, what: str, gpu: str) -> GPUErro
     if code == nvml.NVML_ERROR_NO_PERMISSION:
         return GPUNoPermissionError(
             f"{what} on {gpu}: no permission. Changing power limits and clocks needs the CAP_SYS_ADMIN "
-            "capability (root has it unless a container drops it; e.g. `docker run --cap-add SYS_ADMIN`); "
-            "measuring still works."
+            "capability (root has it unless a container drops it; e.g. `docker run --cap-add SYS_ADMIN`), or "
+            "Zeus's daemon zeusd (set ZEUSD_SOCK_PATH or ZEUSD_HOST_PORT); measuring still works."
         )
     if code == nvml.NVML_ERROR_NOT_SUPPORTED:
         return GPUNotSupportedError(f"{what} is not supported on {gpu} by this GPU or driver.")

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-from zeus_callbacks.core.device import power, state_guard
+from zeus_callbacks.core.device import power, setters, state_guard
 from zeus_callbacks.core.device.backend import NVMLBackend, active_backend, nvml_inventory, reset_backend
 from zeus_callbacks.core.device.errors import (
     SIMULATION_HINT,
@@ -112,18 +112,13 @@ class GPU:
             )
         recorded = state_guard.guard().before_change(self, "power_limit")
         if self.power_limit_mw() != value_mw:
-            self._change(
-                recorded,
-                "power_limit",
-                "Setting the power limit",
-                self.nvml.nvmlDeviceSetPowerManagementLimit,
-                int(value_mw),
-            )
+            self._change(recorded, "power_limit", lambda r: r.set_power_limit_mw(self, int(value_mw)))
 
-    def _change(self, recorded: bool, knob: str, what: str, fn: Callable[..., Any], *args: Any) -> None:
-        """Make a journaled change; a refused first change leaves no journal entry behind."""
+    def _change(self, recorded: bool, knob: str, change: Callable[[setters.Route], None]) -> None:
+        """Make a journaled change through this process's route (NVML or zeusd); a refused first change leaves
+        no journal entry behind."""
         try:
-            self._call(what, fn, *args)
+            change(setters.route())
         except (GPUNoPermissionError, GPUNotSupportedError):
             if recorded:
                 state_guard.guard().discard(self, knob)
@@ -138,10 +133,7 @@ class GPU:
     def set_persistence_mode(self, enabled: bool) -> None:
         """Turn persistence mode on or off (restored at the end)."""
         recorded = state_guard.guard().before_change(self, "persistence")
-        mode = self.nvml.NVML_FEATURE_ENABLED if enabled else self.nvml.NVML_FEATURE_DISABLED
-        self._change(
-            recorded, "persistence", "Setting persistence mode", self.nvml.nvmlDeviceSetPersistenceMode, mode
-        )
+        self._change(recorded, "persistence", lambda r: r.set_persistence_mode(self, bool(enabled)))
 
     # -- clocks -------------------------------------------------------------------------------
     def supported_memory_clocks_mhz(self) -> list[int]:
@@ -159,23 +151,17 @@ class GPU:
     def lock_sm_clocks(self, min_mhz: int, max_mhz: int) -> None:
         """Lock the SM clock into [min_mhz, max_mhz] (reset at the end)."""
         recorded = state_guard.guard().before_change(self, "sm_clocks")
-        self._change(
-            recorded,
-            "sm_clocks",
-            "Locking SM clocks",
-            self.nvml.nvmlDeviceSetGpuLockedClocks,
-            int(min_mhz),
-            int(max_mhz),
-        )
+        self._change(recorded, "sm_clocks", lambda r: r.lock_sm_clocks(self, int(min_mhz), int(max_mhz)))
 
     def reset_sm_clocks(self) -> None:
         """Unlock the SM clock."""
-        self._call("Resetting SM clocks", self.nvml.nvmlDeviceResetGpuLockedClocks)
+        setters.route().reset_sm_clocks(self)
 
     # -- permissions and synchronisation --------------------------------------------------------
     def may_change_settings(self) -> bool:
-        """Whether this process may change power limits and clocks (for a real GPU: it holds CAP_SYS_ADMIN)."""
-        return self.backend.may_change_settings(self.handle)
+        """Whether this process may change power limits and clocks: through NVML, when it holds CAP_SYS_ADMIN
+        (a real GPU); through zeusd, always (the daemon changes them; a refusal shows at the first change)."""
+        return setters.route().may_change(self)
 
     def synchronize(self) -> None:
         """Wait for the work queued on this GPU."""
@@ -316,5 +302,6 @@ def reset() -> None:
     with _lock:
         _gpus = None
     state_guard.reset()
+    setters.forget()
     power.forget_refresh_periods()
     reset_backend()

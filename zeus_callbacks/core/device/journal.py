@@ -34,6 +34,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 JOURNAL_ENV = "ZEUS_CALLBACKS_JOURNAL_DIR"
+_BASE_FIELDS = frozenset({"uuid", "name", "knob", "original"})
+_ROUTE_FIELDS = frozenset({"route", "zeusd"})
 _LOCK_NAME = ".lock"
 
 
@@ -174,7 +176,8 @@ def read_journal(path: Path) -> dict[str, Any]:
     if not isinstance(data.get("pid"), int) or data["pid"] <= 0:
         raise ValueError("no process id")
     for entry in data["entries"]:
-        if not isinstance(entry, dict) or set(entry) != {"uuid", "name", "knob", "original"}:
+        # Journals written before changes could go through zeusd have no route (it was NVML).
+        if not isinstance(entry, dict) or not _BASE_FIELDS <= set(entry) <= _BASE_FIELDS | _ROUTE_FIELDS:
             raise ValueError(f"malformed entry {entry!r}")
     return data
 

@@ -7,8 +7,9 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from zeus_callbacks.core.device import setters
 from zeus_callbacks.core.device.backend import has_cap_sys_admin
-from zeus_callbacks.core.device.errors import GPUError, nvml_error
+from zeus_callbacks.core.device.errors import GPUError, InvalidInputError, nvml_error
 from zeus_callbacks.core.device.gpus import GPU, GPUs
 
 __all__ = [
@@ -75,11 +76,20 @@ def permission(gpus: GPUs) -> Permission:
     """What decides whether the optimizers may change power limits and clocks here."""
     cap = has_cap_sys_admin()
     container = _container()
-    may = all(g.may_change_settings() for g in gpus) if len(gpus) else cap
-    if may:
+    try:
+        via = setters.route()
+    except InvalidInputError as e:
+        return Permission(False, os.geteuid(), cap, container, str(e))
+    may = all(g.may_change_settings() for g in gpus) if len(gpus) else cap or via.name == "zeusd"
+    if via.name == "zeusd":
+        reason = f"zeusd at {getattr(via, 'endpoint', '?')} changes them for this process"
+    elif may:
         reason = "this process holds CAP_SYS_ADMIN" if not gpus.simulated else "the simulated GPUs allow it"
     elif gpus.simulated:
-        reason = "the simulated GPUs refuse it (ZEUS_CALLBACKS_SIM_FAULTS)"
+        reason = (
+            "the simulated GPUs refuse it (ZEUS_CALLBACKS_SIM_FAULTS); as on real GPUs, grant CAP_SYS_ADMIN or "
+            "use Zeus's daemon zeusd (set ZEUSD_SOCK_PATH or ZEUSD_HOST_PORT)"
+        )
     elif os.geteuid() == 0:
         reason = "root without CAP_SYS_ADMIN" + (
             f" (a {container} container drops it: add `--cap-add SYS_ADMIN` or the pod's securityContext "
@@ -88,7 +98,10 @@ def permission(gpus: GPUs) -> Permission:
             else ""
         )
     else:
-        reason = "not root and no CAP_SYS_ADMIN: run as root, grant the capability, or use zeusd"
+        reason = (
+            "not root and no CAP_SYS_ADMIN: run as root, grant the capability, or use Zeus's daemon zeusd "
+            "(set ZEUSD_SOCK_PATH or ZEUSD_HOST_PORT)"
+        )
     return Permission(may, os.geteuid(), cap, container, reason)
 
 

@@ -1,10 +1,11 @@
 """Leave the GPU as it was found: journal every setting before changing it, and undo the changes.
 
 The first change of a setting (power limit, SM clocks, persistence) on a GPU takes the GPU's owner lock
-(`owner_lock`: one process at a time may change a GPU), records the value in force in a small journal
-file (`journal`: a directory only this user or root may write, files replaced atomically), then changes
-it. The process restores the recorded values at normal exit, on an uncaught exception, and on
-SIGINT/SIGTERM (then hands the signal to the handler that was installed before); a forked child never
+(`owner_lock`: one process at a time may change a GPU), records the value in force and the route the
+change takes (`setters`: NVML, or Zeus's daemon zeusd) in a small journal file (`journal`: a directory
+only this user or root may write, files replaced atomically), then changes it; a restore goes through the
+recorded route first. The process restores the recorded values at normal exit, on an uncaught exception, and
+on SIGINT/SIGTERM (then hands the signal to the handler that was installed before); a forked child never
 restores its parent's GPU. A process killed hard (SIGKILL, OOM) leaves its journal behind: the next
 process that discovers the GPUs, or `zeus-callbacks restore`, puts those values back, one repairer at a
 time under the directory's lock.
@@ -22,14 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zeus_callbacks.core import distributed as dist
-from zeus_callbacks.core.device import owner_lock
+from zeus_callbacks.core.device import owner_lock, setters
 from zeus_callbacks.core.device.backend import active_backend
 from zeus_callbacks.core.device.errors import (
     GPUBusyError,
     GPUError,
     GPUNotSupportedError,
     GPUStateJournalError,
-    nvml_error,
+    InvalidInputError,
 )
 from zeus_callbacks.core.device.journal import (
     JOURNAL_ENV,
@@ -63,12 +64,23 @@ _KNOBS = ("power_limit", "sm_clocks", "persistence")
 
 @dataclass(frozen=True)
 class JournalEntry:
-    """A setting of one GPU as it was before this package changed it."""
+    """A setting of one GPU as it was before this package changed it, and the route the change took."""
 
     uuid: str
     name: str
     knob: str  # power_limit | sm_clocks | persistence
     original: Any  # mW for power_limit, bool for persistence, None for sm_clocks (unlocked)
+    route: str = "nvml"  # nvml | zeusd: how the change was made, and so how it is undone
+    zeusd: str | None = None  # zeusd's endpoint (`unix:PATH` or `tcp:HOST:PORT`) when route is zeusd
+
+
+def _entry(gpu: GPU, knob: str, original: Any) -> JournalEntry:
+    """An entry for a change this process makes now, through its route."""
+    r = setters.route()
+    endpoint = getattr(r, "endpoint", None)
+    return JournalEntry(
+        gpu.uuid, gpu.name, knob, original, r.name, None if endpoint is None else str(endpoint)
+    )
 
 
 def journal_dir() -> Path | None:
@@ -106,26 +118,49 @@ def _alive(pid: int, start: str | None) -> bool:
     return start is None or (fields[19] if len(fields) > 19 else None) == start
 
 
-def _apply(gpu: GPU, entry: JournalEntry) -> None:
-    nvml, handle = gpu.nvml, gpu.handle
+def _routes(gpu: GPU, entry: JournalEntry) -> list[setters.Route]:
+    """The routes to undo `entry` through: the one that made the change first, then this process's own,
+    then NVML where this process may use it (a daemon gone since, or a run made as root)."""
+    out = [setters.route_for(entry.route, entry.zeusd)]
     try:
-        if entry.knob == "power_limit":
-            # Already back (restored by another process, or never changed): nothing to do, no permission needed.
-            if nvml.nvmlDeviceGetPowerManagementLimit(handle) != int(entry.original):
-                nvml.nvmlDeviceSetPowerManagementLimit(handle, int(entry.original))
-        elif entry.knob == "sm_clocks":
-            nvml.nvmlDeviceResetGpuLockedClocks(handle)
-        elif entry.knob == "persistence":
-            mode = nvml.NVML_FEATURE_ENABLED if entry.original else nvml.NVML_FEATURE_DISABLED
-            nvml.nvmlDeviceSetPersistenceMode(handle, mode)
-    except nvml.NVMLError as e:
-        raise nvml_error(nvml, e, f"Restoring {entry.knob}", gpu.label) from None
+        out.append(setters.route())
+    except InvalidInputError as e:
+        logger.debug("Not restoring through this process's route: %s", e)
+    nvml = setters.nvml_route()
+    if nvml.may_change(gpu):
+        out.append(nvml)
+    return list({id(r): r for r in out}.values())
+
+
+def _apply(gpu: GPU, entry: JournalEntry) -> None:
+    what = f"Restoring {entry.knob}"
+    # Already back (restored by another process, or never changed): nothing to do, no permission needed.
+    if entry.knob == "power_limit" and gpu.power_limit_mw() == int(entry.original):
+        return
+    first: GPUError | None = None
+    for r in _routes(gpu, entry):
+        try:
+            if entry.knob == "power_limit":
+                r.set_power_limit_mw(gpu, int(entry.original), what)
+            elif entry.knob == "sm_clocks":
+                r.reset_sm_clocks(gpu, what)
+            elif entry.knob == "persistence":
+                r.set_persistence_mode(gpu, bool(entry.original), what)
+            return
+        except GPUError as e:
+            first = first or e
+    assert first is not None
+    raise first
 
 
 def _invalid(gpu: GPU, entry: JournalEntry) -> str | None:
     """Why `entry` must not be applied to `gpu` (None: it may)."""
     if entry.knob not in _KNOBS:
         return f"unknown setting {entry.knob!r}"
+    try:
+        setters.route_for(entry.route, entry.zeusd)
+    except ValueError as e:
+        return str(e)
     if entry.knob == "power_limit":
         if type(entry.original) is not int:
             return f"power limit {entry.original!r} is not a number of mW"
@@ -174,13 +209,14 @@ class GPUStateGuard:
         with self._lock:
             if (gpu.uuid, knob) in self._entries:
                 return False
+            setters.route()  # an unusable route (InvalidInputError) is refused before the GPU is claimed
             self._claim(gpu)
             original: Any = None
             if knob == "power_limit":
                 original = gpu.power_limit_mw()
             elif knob == "persistence":
                 original = gpu.persistence_mode()
-            self._entries[(gpu.uuid, knob)] = JournalEntry(gpu.uuid, gpu.name, knob, original)
+            self._entries[(gpu.uuid, knob)] = _entry(gpu, knob, original)
             self._gpus[gpu.uuid] = gpu
             try:
                 self._write()
@@ -472,14 +508,13 @@ def restore_defaults(gpus: GPUs, include_live: bool = False) -> list[tuple[GPU, 
             continue
         try:
             default = gpu.default_power_limit_mw()
-            entry = JournalEntry(gpu.uuid, gpu.name, "power_limit", default)
-            _apply(gpu, entry)
+            _apply(gpu, _entry(gpu, "power_limit", default))
             what = f"power limit {default / 1000:g} W"
         except GPUError as e:
             done.append((gpu, f"not restored: {e}"))
             continue
         try:
-            _apply(gpu, JournalEntry(gpu.uuid, gpu.name, "sm_clocks", None))
+            _apply(gpu, _entry(gpu, "sm_clocks", None))
             what += ", SM clocks unlocked"
         except GPUNotSupportedError:
             pass

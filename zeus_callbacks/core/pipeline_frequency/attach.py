@@ -19,8 +19,8 @@ class StageAttachment:
 
     Args:
         optimizer: The optimizer the stage's forwards and backwards are reported to.
-        stage: This rank's `PipelineStage` (or a single-stage schedule of it, or an object holding one as an
-            attribute); None to find it on what `attach` is given.
+        stage: This rank's `PipelineStage`, or its schedule (single- or multi-stage), or an object holding
+            one as an attribute; None to find it on what `attach` is given.
         adapter: The adapter's class name, for the error message.
         alternative: The adapter to use without pipeline parallelism, for the error message.
     """
@@ -49,7 +49,10 @@ class StageAttachment:
                 f"parallelism, use {self._alternative}."
             )
         if self._undo is None:
-            self._undo = instrument(stage, None, self.optimizer)
+            if hasattr(stage, "_stages"):  # a multi-stage schedule: its stages, and its order to plan on
+                self._undo = instrument(None, stage, self.optimizer, mark_steps=False)
+            else:
+                self._undo = instrument(stage, None, self.optimizer)
 
     def detach(self) -> None:
         """`PipelineFrequencyOptimizer.on_train_end` (clocks reset), then remove the instrumentation."""

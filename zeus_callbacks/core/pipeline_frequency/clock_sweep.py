@@ -103,7 +103,8 @@ class ClockSweep:
     def __init__(self, clocks: Mapping[int, Sequence[int]], patience: int) -> None:
         self.clocks = {s: list(c) for s, c in clocks.items()}
         self.patience = patience
-        self.sequences: dict[int, tuple[str, ...]] = {}  # stage -> kinds of its instructions, in order
+        # stage -> its instructions' kinds (with their virtual stages, if any: `Instruction.trace_key`), in order
+        self.sequences: dict[int, tuple[str | tuple[str, int], ...]] = {}
         self._position = dict.fromkeys(self.clocks, 0)
         self._done = dict.fromkeys(self.clocks, False)
         # stage -> kind -> [(clock MHz, time s, energy J)] in sweep order
@@ -134,7 +135,7 @@ class ClockSweep:
     def add(
         self,
         samples: Iterable[StageSample],
-        sequences: Mapping[int, tuple[str, ...]],
+        sequences: Mapping[int, tuple[str | tuple[str, int], ...]],
         timelines: Mapping[int, Sequence[StepTimeline]] | None = None,
     ) -> None:
         """Add one clock's samples of every rank (replicas merged), the order of instructions each stage

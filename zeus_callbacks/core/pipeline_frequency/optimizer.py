@@ -11,6 +11,7 @@ import logging
 import math
 import numbers
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -21,7 +22,12 @@ from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.pipeline_frequency.clock_sweep import ClockSweep, clock_sweep, stage_clocks
 from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
-from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES
+from zeus_callbacks.core.pipeline_frequency.dag import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    Instruction,
+    build_dag,
+)
 from zeus_callbacks.core.pipeline_frequency.planning import plan_pipeline
 from zeus_callbacks.core.pipeline_frequency.profile_file import (
     ProfileRow,
@@ -49,6 +55,11 @@ _UNLOCKED = 0  # "clock" of measurements taken at the clock the GPU chose itself
 def _bad(name: str, value: Any, want: str) -> ValueError:
     """The error of a bad constructor argument: names it with its value, says what to pass (one line)."""
     return ValueError(f"`PipelineFrequencyOptimizer({name}={value!r})`: {want}.")
+
+
+def _said(key: str | tuple[str, int]) -> str:
+    """An instruction's kind in words, with its virtual stage when there is one."""
+    return f"{key[0]} of virtual stage {key[1]}" if isinstance(key, tuple) else key
 
 
 def _is_number(value: Any) -> bool:
@@ -95,13 +106,13 @@ class _Profiling:
 @dataclass
 class _Applying:
     """`applying`: each instruction of a step runs at its planned clock (`frequencies_mhz[i]` for the
-    `i`-th, of kind `kinds[i]`).
+    `i`-th, of kind `kinds[i]`: the kind, with its virtual stage where recorded).
 
     Next: `fallback` when a step's instructions differ from the plan or a clock change fails.
     """
 
     name: ClassVar[str] = "applying"
-    kinds: list[str]
+    kinds: list[str | tuple[str, int]]
     frequencies_mhz: list[int]
     max_clock_mhz: int | None = None  # while set, every instruction runs at it (`hold_max_clocks`)
 
@@ -145,7 +156,8 @@ class PipelineFrequencyOptimizer:
        last `patience` clocks saved no effective energy; the sweep ends when every stage stopped.
        Replicas of a stage (same `pp_rank`) are merged: time is the slowest replica's, energy the sum.
        Then planning: the measurements are gathered on the group's first rank, which finds the schedule
-       (1F1B or GPipe) that ran, builds its DAG and picks the least-energy clock of every instruction
+       that ran (1F1B or GPipe; an interleaved one, with several model chunks per rank, from torch's own
+       order: see `use_schedule`), builds its DAG and picks the least-energy clock of every instruction
        whose iteration time does not exceed the all-maximum-clock one (or `target_time_s`); every rank
        gets its stage's clocks.
     3. `applying`: each instruction runs at its planned clock, set by a background thread during the
@@ -175,7 +187,8 @@ class PipelineFrequencyOptimizer:
         server_url: Zeus's Perseus server; not needed here (ignored).
         job_metadata: Free text, shown in `report()`.
         monitor: A `ZeusMonitor` of this rank's one GPU. Default: one on `device_id`.
-        schedule: `"1f1b"` or `"gpipe"`; default: whichever matches the instructions observed.
+        schedule: `"1f1b"`, `"gpipe"`, `"interleaved-1f1b"` or `"looped-bfs"`; default: whichever matches
+            the instructions observed (`pipelining.instrument` passes torch's own order instead).
         wait_steps: Steps before profiling starts (>= 1 drops a schedule's set-up step).
         warmup_steps: Steps dropped after each clock change.
         profile_steps: Steps measured at each clock.
@@ -237,8 +250,10 @@ class PipelineFrequencyOptimizer:
         process_group: Any = None,
         slack_margin: float = 0.0,
     ) -> None:
-        if schedule is not None and schedule not in SCHEDULES:
-            raise _bad("schedule", schedule, f"pass one of {SCHEDULES}, or None (detected)")
+        if schedule is not None and schedule not in SCHEDULES + MULTI_STAGE_SCHEDULES:
+            raise _bad(
+                "schedule", schedule, f"pass one of {SCHEDULES + MULTI_STAGE_SCHEDULES}, or None (detected)"
+            )
         for name, value, low in (
             ("wait_steps", wait_steps, 0),
             ("warmup_steps", warmup_steps, 0),
@@ -285,6 +300,7 @@ class PipelineFrequencyOptimizer:
         self.rank, self.dp_rank, self.tp_rank = rank, dp_rank, tp_rank
         self.pp_degree, self.job_metadata = pp_degree, job_metadata
         self.schedule = schedule
+        self._order: tuple[tuple[Instruction, ...], ...] | None = None  # `use_schedule`
         self.wait_steps = int(wait_steps)
         self.warmup_steps = int(warmup_steps)
         self.profile_steps = int(profile_steps)
@@ -316,6 +332,31 @@ class PipelineFrequencyOptimizer:
         self._started = False
         self._closed = False
         self._warned_unstarted = False
+
+    def use_schedule(self, order: Sequence[Sequence[Instruction]], name: str = "custom") -> None:
+        """Plan on this order of every stage's instructions instead of matching a named schedule.
+
+        `pipelining.instrument` passes a multi-stage schedule's own `pipeline_order` here
+        (`pipelining.schedule_order`). At planning the order each stage ran is checked against it; with
+        several model chunks per rank, each instruction must be reported with its `virtual_stage`.
+
+        Args:
+            order: One list per stage (`Instruction.stage` = list index), in execution order.
+            name: What `report()["schedule"]` calls it, e.g. torch's class name.
+
+        Raises:
+            InvalidInputError: after planning began, or an order that is not a schedule (the reason).
+        """
+        if self._plan is not None:
+            raise InvalidInputError(
+                "`PipelineFrequencyOptimizer.use_schedule(...)`: the plan is made; call it before training."
+            )
+        try:
+            build_dag(order)
+        except ValueError as e:
+            raise InvalidInputError(f"`PipelineFrequencyOptimizer.use_schedule(order)`: {e}") from None
+        self._order = tuple(tuple(o) for o in order)
+        self.schedule = name
 
     # -- public state ---------------------------------------------------------------------------
     @property
@@ -406,19 +447,20 @@ class PipelineFrequencyOptimizer:
         self._recorder.read_power = isinstance(self._phase, _Profiling)
         self._recorder.begin_step()
 
-    def on_instruction_begin(self, name: str) -> None:
+    def on_instruction_begin(self, name: str, *, virtual_stage: int | None = None) -> None:
         """Mark the beginning of an instruction: `"forward"` or `"backward"` of one microbatch (or the
-        `"backward_input"`/`"backward_weight"` halves of a split backward)."""
+        `"backward_input"`/`"backward_weight"` halves of a split backward); with several model chunks per
+        rank (interleaved schedules), `virtual_stage` is the chunk's stage index in the model."""
         kind, part = instruction_kind(name)
         if not self._recorder.in_step:
             self._warn_unstarted()
             return
-        index = self._recorder.begin_instruction(kind, part)
+        index = self._recorder.begin_instruction(kind, part, virtual_stage)
         if index is not None and isinstance(self._phase, _Applying):
-            self._check_instruction(self._phase, index, kind)
+            self._check_instruction(self._phase, index, self._recorder.records[index].trace_key)
 
-    def on_instruction_end(self, name: str) -> None:
-        """Mark the end of an instruction begun with `on_instruction_begin(name)`."""
+    def on_instruction_end(self, name: str, *, virtual_stage: int | None = None) -> None:
+        """Mark the end of an instruction begun with `on_instruction_begin(name, virtual_stage=...)`."""
         _, part = instruction_kind(name)
         if not self._recorder.in_step or not self._recorder.end_instruction(part):
             return
@@ -695,7 +737,8 @@ class PipelineFrequencyOptimizer:
                 self.schedule,
                 self.target_time_s,
                 self.slack_margin,
-                self._sweep.timelines,
+                self._order,
+                timelines=self._sweep.timelines,
             )
         except ValueError as e:
             return {"error": f"no plan: {e}"}
@@ -711,13 +754,15 @@ class PipelineFrequencyOptimizer:
             logger.warning("PipelineFrequencyOptimizer: cannot write %s: %s", self.profile_path, e)
 
     # -- applying -> fallback -------------------------------------------------------------------------
-    def _check_instruction(self, phase: _Applying, index: int, kind: str) -> None:
+    def _check_instruction(self, phase: _Applying, index: int, key: str | tuple[str, int]) -> None:
         """The `index`-th instruction of the step begins: at its planned clock, or off the plan."""
-        if index < len(phase.kinds) and phase.kinds[index] == kind:
+        if index < len(phase.kinds) and phase.kinds[index] == key:
             self._request(phase.clock(index))
             return
-        expected = f"a {phase.kinds[index]}" if index < len(phase.kinds) else f"only {len(phase.kinds)}"
-        self._fall_back(f"instruction {index} of the step is a {kind}, but the plan expects {expected}")
+        expected = (
+            f"a {_said(phase.kinds[index])}" if index < len(phase.kinds) else f"only {len(phase.kinds)}"
+        )
+        self._fall_back(f"instruction {index} of the step is a {_said(key)}, but the plan expects {expected}")
 
     def _applied_step(self, phase: _Applying) -> None:
         ran = len(self._recorder.records)

@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from zeus_callbacks.core.pipeline_frequency.dag import SCHEDULES, build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.dag import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    Instruction,
+    build_dag,
+    build_schedule,
+)
 from zeus_callbacks.core.pipeline_frequency.edge_delays import EdgeDelays, measure_edge_delays
 from zeus_callbacks.core.pipeline_frequency.frontier import (
     FrequencyOption,
@@ -16,34 +22,112 @@ from zeus_callbacks.core.pipeline_frequency.frontier import (
 from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow
 from zeus_callbacks.core.pipeline_frequency.recorder import StepTimeline
 
-__all__ = ["match_schedule", "options_from_rows", "with_margin", "plan_pipeline"]
+__all__ = ["match_schedule", "resolve_schedule", "options_from_rows", "with_margin", "plan_pipeline"]
+
+# What a stage records of an instruction: its kind, or (kind, virtual stage) with several chunks per rank.
+TraceKey = str | tuple[str, int]
 
 
-def match_schedule(sequences: Mapping[int, Sequence[str]], preferred: str | None = None) -> tuple[str, int]:
-    """`(schedule, num_microbatches)` whose per-stage order of instruction kinds is the one observed.
+def match_schedule(
+    sequences: Mapping[int, Sequence[TraceKey]], preferred: str | None = None
+) -> tuple[str, int]:
+    """`(schedule, num_microbatches)` whose per-stage order of instructions is the one observed.
+
+    Stages that recorded virtual stages (several model chunks per rank) are matched against the
+    `MULTI_STAGE_SCHEDULES` with as many chunks per rank as stage 0 ran; others against `SCHEDULES`.
 
     Args:
-        sequences: Stage -> kinds of its instructions in one iteration, in execution order.
+        sequences: Stage -> its instructions in one iteration, in execution order (`Instruction.trace_key`).
         preferred: The schedule the user named; only it is tried when given.
 
     Raises:
         ValueError: stages are not numbered 0..S-1, or no known schedule runs the observed sequences.
     """
+    name, order = _match(sequences, preferred)
+    return name, 1 + max(i.microbatch for i in order[0])
+
+
+def resolve_schedule(
+    sequences: Mapping[int, Sequence[TraceKey]],
+    schedule: str | None = None,
+    order: Sequence[Sequence[Instruction]] | None = None,
+) -> tuple[str, list[list[Instruction]]]:
+    """`(name, order)`: every stage's instructions of the schedule that ran the observed sequences.
+
+    Args:
+        sequences: Stage -> its instructions in one iteration, in execution order (`Instruction.trace_key`).
+        schedule: The schedule's name (the user's, or torch's class name with `order`), else None.
+        order: The schedule's own order of every stage's instructions (`pipelining.schedule_order`), checked
+            against the observed sequences (kinds only where the stages recorded no virtual stages).
+
+    Raises:
+        ValueError: the observed sequences are not the given order, or no known schedule runs them.
+    """
+    if order is None:
+        return _match(sequences, schedule)
+    _check_numbering(sequences)
+    if len(order) != len(sequences) or any(
+        _observed(order[s], sequences[s]) != list(sequences[s]) for s in range(len(order))
+    ):
+        raise ValueError(
+            f"The observed instruction order {_shown(sequences)} is not the order of "
+            f"{schedule or 'the schedule'}: {_shown({s: [i.trace_key for i in o] for s, o in enumerate(order)})}."
+        )
+    return schedule or "custom", [list(o) for o in order]
+
+
+def _match(
+    sequences: Mapping[int, Sequence[TraceKey]], preferred: str | None
+) -> tuple[str, list[list[Instruction]]]:
+    num_stages = _check_numbering(sequences)
+    first = list(sequences[0])
+    chunks = len({k[1] for k in first if isinstance(k, tuple)})
+    multi = chunks > 0
+    forwards = sum(_kind(k) == "forward" for k in first)
+    num_microbatches = forwards // max(chunks, 1)
+    candidates = (preferred,) if preferred else MULTI_STAGE_SCHEDULES if multi else SCHEDULES
+    if num_microbatches >= 1 and forwards == num_microbatches * max(chunks, 1):
+        for kind in candidates:
+            if (kind in MULTI_STAGE_SCHEDULES) != multi:
+                continue
+            try:
+                order = build_schedule(kind, num_stages, num_microbatches, max(chunks, 1))
+            except ValueError:  # e.g. microbatches interleaved 1F1B does not accept
+                continue
+            if all(_observed(order[s], sequences[s]) == list(sequences[s]) for s in range(num_stages)):
+                return kind, order
+    chunked = f", {chunks} chunks per stage" if multi else ""
+    raise ValueError(
+        f"The observed instruction order {_shown(sequences)} is not a {' or '.join(candidates)} schedule of "
+        f"{num_stages} stages and {num_microbatches} microbatches{chunked}."
+    )
+
+
+def _check_numbering(sequences: Mapping[int, Sequence[TraceKey]]) -> int:
     num_stages = len(sequences)
     if sorted(sequences) != list(range(num_stages)):
         raise ValueError(f"Pipeline stages {sorted(sequences)} are not numbered 0..{num_stages - 1}.")
-    num_microbatches = sum(k == "forward" for k in sequences[0])
-    candidates = (preferred,) if preferred else SCHEDULES
-    if num_microbatches >= 1:
-        for kind in candidates:
-            schedule = build_schedule(kind, num_stages, num_microbatches)
-            if all([i.kind for i in schedule[s]] == list(sequences[s]) for s in range(num_stages)):
-                return kind, num_microbatches
-    shown = {s: "".join("F" if k == "forward" else "B" for k in seq) for s, seq in sorted(sequences.items())}
-    raise ValueError(
-        f"The observed instruction order {shown} is not a {' or '.join(candidates)} schedule of "
-        f"{num_stages} stages and {num_microbatches} microbatches."
-    )
+    return num_stages
+
+
+def _kind(key: TraceKey) -> str:
+    return key[0] if isinstance(key, tuple) else key
+
+
+def _observed(order: Sequence[Instruction], observed: Sequence[TraceKey]) -> list[TraceKey]:
+    """`order` as a stage records it: with virtual stages only if the stage recorded them."""
+    with_virtual = any(isinstance(k, tuple) for k in observed)
+    return [i.trace_key if with_virtual else i.kind for i in order]
+
+
+def _shown(sequences: Mapping[int, Sequence[TraceKey]]) -> dict[int, str]:
+    """Sequences in short: `FFB...`, each with its virtual stage when recorded (`F4F4B4...`)."""
+
+    def short(key: TraceKey) -> str:
+        letter = "F" if _kind(key) == "forward" else "B"
+        return f"{letter}{key[1]}" if isinstance(key, tuple) else letter
+
+    return {s: "".join(short(k) for k in seq) for s, seq in sorted(sequences.items())}
 
 
 def options_from_rows(rows: Iterable[ProfileRow]) -> dict[tuple[int, str], list[FrequencyOption]]:
@@ -82,12 +166,13 @@ def with_margin(
 
 
 def plan_pipeline(
-    sequences: Mapping[int, Sequence[str]],
+    sequences: Mapping[int, Sequence[TraceKey]],
     rows: Iterable[ProfileRow],
     blocking_power_w: Mapping[int, float],
     schedule: str | None = None,
     target_time_s: float | None = None,
     slack_margin: float = 0.0,
+    order: Sequence[Sequence[Instruction]] | None = None,
     timelines: Sequence[Mapping[int, StepTimeline]] = (),
     edge_delays: EdgeDelays | None = None,
 ) -> dict[str, Any]:
@@ -98,26 +183,32 @@ def plan_pipeline(
     `timelines` (`measure_edge_delays`), or `edge_delays` when given. Its step time and energy are
     predicted from the profile as measured, the step's overhead outside the DAG included.
 
+    With several model chunks per stage (interleaved schedules) the profile is per stage and kind: a
+    stage's chunks share its GPU and its clock, and torch's multi-stage schedules split the model into
+    chunks of equal layers, so each chunk's forward (backward) is taken to cost what the stage's
+    forwards (backwards) cost, measured over all its chunks.
+
     Args:
-        sequences: Stage -> kinds of its instructions in one iteration, in execution order.
+        sequences: Stage -> its instructions in one iteration, in execution order (`Instruction.trace_key`).
         rows: The profile of every stage and instruction type.
         blocking_power_w: Stage -> its power while blocked (W); 0 when missing.
-        schedule: The schedule the user named (`match_schedule`), else None.
+        schedule: The schedule the user named (`match_schedule`), or the name of `order`; else None.
         target_time_s: Iteration-time target (s), the step's overhead included.
         slack_margin: Extra planning margin on lowered clocks (`with_margin`).
+        order: The schedule's own per-stage order (`resolve_schedule`), e.g. read from torch.
         timelines: Per profiled step, stage -> when its instructions ran.
         edge_delays: Delays measured before (e.g. read from a profile); overrides `timelines`.
 
     Returns:
-        `schedule`, `num_stages`, `num_microbatches`, `stage_plans` (stage -> [(kind, MHz)] in execution
-        order), `plan_frequencies_mhz` (stage -> [MHz]), `edge_delays` (`EdgeDelays.to_rows`) and
-        `predicted` (times, energies, changes).
+        `schedule`, `num_stages`, `num_virtual_stages`, `num_microbatches`, `stage_plans` (stage ->
+        [(trace key, MHz)] in execution order: the kind, with the virtual stage where recorded),
+        `plan_frequencies_mhz` (stage -> [MHz]), `edge_delays` (`EdgeDelays.to_rows`) and `predicted`
+        (times, energies, changes).
 
     Raises:
         ValueError: no known schedule ran the sequences, or the profile misses an instruction type.
     """
-    schedule_kind, num_microbatches = match_schedule(sequences, schedule)
-    order = build_schedule(schedule_kind, len(sequences), num_microbatches)
+    schedule_kind, order = resolve_schedule(sequences, schedule, order)
     dag = build_dag(order)
     delays = edge_delays if edge_delays is not None else measure_edge_delays(dag, timelines)
     dag = delays.apply(dag)
@@ -131,9 +222,8 @@ def plan_pipeline(
     reference = max_frequency_plan(dag, options, p_blk)
     planned = solve(dag, with_margin(options, slack_margin, p_blk), p_blk, target).frequencies_mhz
     plan = evaluate(dag, options, p_blk, planned)
-    kinds = [[i.kind for i in instructions] for instructions in order]
     stage_plans = {
-        s: list(zip(kinds[s], freqs, strict=True)) for s, freqs in enumerate(plan.stage_frequencies())
+        s: list(zip(sequences[s], freqs, strict=True)) for s, freqs in enumerate(plan.stage_frequencies())
     }
     # The step's time outside the DAG is spent blocked on every stage.
     t_ref, t_plan = reference.iteration_time_s + overhead_s, plan.iteration_time_s + overhead_s
@@ -141,7 +231,8 @@ def plan_pipeline(
     return {
         "schedule": schedule_kind,
         "num_stages": dag.num_stages,
-        "num_microbatches": num_microbatches,
+        "num_virtual_stages": 1 + max(i.model_stage for i in dag.instructions),
+        "num_microbatches": 1 + max(i.microbatch for i in dag.instructions),
         "stage_plans": stage_plans,
         "plan_frequencies_mhz": {s: [f for _, f in p] for s, p in stage_plans.items()},
         "edge_delays": delays.to_rows(),

@@ -112,6 +112,12 @@ class InstructionRecord:
     energy_j: float = 0.0
     power_time_j: float = 0.0
     start_s: float = 0.0
+    virtual_stage: int | None = None  # the model chunk it ran, with several per rank (interleaved schedules)
+
+    @property
+    def trace_key(self) -> str | tuple[str, int]:
+        """The kind, with the virtual stage when there is one (as `Instruction.trace_key`)."""
+        return self.kind if self.virtual_stage is None else (self.kind, self.virtual_stage)
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,7 @@ class StageSample:
     kinds: dict[str, tuple[float, float, int]]
     blocked_time_s: float
     blocked_energy_j: float
-    sequence: tuple[str, ...]
+    sequence: tuple[str | tuple[str, int], ...]  # `InstructionRecord.trace_key` of the step's instructions
 
 
 @dataclass
@@ -204,7 +210,9 @@ class ClockMeasurements:
         estimate = instr_e + self.blocked_power_time_j + blocked_w * rest_s
         return self.step_energy_j / estimate if estimate > 0 else 1.0
 
-    def sample(self, stage: int, frequency_mhz: int, sequence: tuple[str, ...]) -> StageSample:
+    def sample(
+        self, stage: int, frequency_mhz: int, sequence: tuple[str | tuple[str, int], ...]
+    ) -> StageSample:
         """The estimates of every instruction type measured, as this rank's sample of `stage`."""
         if self.attributed():
             scale = self._scale()
@@ -253,7 +261,8 @@ class InstructionRecorder:
         self.read_power = False
         self._gpu = monitor.gpus[monitor.gpu_indices[0]]
         self.refresh_s: float | None = None
-        self.sequence: tuple[str, ...] = ()  # kinds of the last complete step's instructions, in order
+        # `InstructionRecord.trace_key` of the last complete step's instructions, in order
+        self.sequence: tuple[str | tuple[str, int], ...] = ()
         self._in_instruction = False
         self._last_part: str | None = None
 
@@ -271,8 +280,9 @@ class InstructionRecorder:
         self.step_start_s = time.monotonic()
         self.in_step = True
 
-    def begin_instruction(self, kind: str, part: str | None) -> int | None:
-        """End the gap before this instruction and start measuring it.
+    def begin_instruction(self, kind: str, part: str | None, virtual_stage: int | None = None) -> int | None:
+        """End the gap before this instruction (of model chunk `virtual_stage`, if several per rank) and
+        start measuring it.
 
         Returns:
             The index of the new instruction in the step, or None when it continues the previous one
@@ -287,7 +297,7 @@ class InstructionRecorder:
                 self.blocked_power_time_j += power_w * m.time
         index = None
         if not (part == "weight" and self._last_part == "input"):
-            self.records.append(InstructionRecord(kind))
+            self.records.append(InstructionRecord(kind, virtual_stage=virtual_stage))
             index = len(self.records) - 1
         self._guarded(lambda: self.monitor.begin_window(_INSTRUCTION))
         if index is not None:
@@ -329,7 +339,7 @@ class InstructionRecorder:
             if _STEP in self.monitor.open_windows
             else None
         )
-        self.sequence = tuple(r.kind for r in self.records)
+        self.sequence = tuple(r.trace_key for r in self.records)
         if m is not None:
             self.step_time_s, self.step_energy_j = m.time, m.total_energy
         return m
