@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def test_predicted_iteration_time_is_the_measured_one(run_example, tmp_path) -> None:
     # The example's simulated kernels (4 ms per layer) dominate the host's own time per instruction (the
     # Linear layers, the schedule, gloo); 20 baseline steps and 4 profiled steps per clock keep the medians
-    # steady on a shared 2-core host (single runs there: -0.7% to +0.5% at 8 x 5 baseline iterations).
+    # steady on a shared 2-core host (the benchmark's 40 baseline iterations: -1.1% to +0.5% off in 3 runs).
     out = run_example(
         "pipeline/train_pipeline.py",
         *("--before-steps", "20", "--after-steps", "2", "--profile-steps", "4", "--stride-mhz", "300"),
