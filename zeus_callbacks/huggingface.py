@@ -456,6 +456,7 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         source = (
             self._checkpoint / TRAINER_STATE_NAME if self._checkpoint else "the checkpoint's trainer state"
         )
+        then = ""
         for earlier in _earlier_checkpoints(self._checkpoint) if self._checkpoint else []:
             older = _checkpoint_state(earlier, name)
             if older is None:
@@ -466,14 +467,7 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
                 continue
             then = f"profiling resumes from {earlier / TRAINER_STATE_NAME}, the last complete state"
             break
-        else:
-            profile = self.optimizer.profile_path
-            then = (
-                f"profiling carries on from the profile {profile}"
-                if profile is not None and profile.exists()
-                else "no earlier state: profiling starts afresh"
-            )
-        logger.warning("%s: %s %s; %s.", source, name, str(refused).removesuffix(" It is not loaded."), then)
+        self.optimizer.refused_state_warning(source, name, refused, then)
 
     # -- trainer hooks -----------------------------------------------------------------------------
     @override

@@ -458,6 +458,21 @@ class GlobalPowerLimitOptimizer(Callback):
         if self._started:
             self._apply_state()
 
+    def refused_state_warning(
+        self, source: object, owner: str, error: InvalidInputError, then: str = ""
+    ) -> None:
+        """Log the one warning for a checkpoint state that `load_state_dict` refused: `source` (the file),
+        `owner` (the callback), why, and what profiling goes on from (`then`, else the profile_path profile
+        when it exists, else nothing: profiling starts afresh)."""
+        if not then:
+            profile = self.profile_path
+            then = (
+                f"profiling carries on from the profile {profile}"
+                if profile is not None and profile.exists()
+                else "no earlier state: profiling starts afresh"
+            )
+        logger.warning("%s: %s %s; %s.", source, owner, str(error).removesuffix(" It is not loaded."), then)
+
     # -- internals ------------------------------------------------------------------------------
     def _context(self) -> ProfileContext:
         from zeus_callbacks import __version__
