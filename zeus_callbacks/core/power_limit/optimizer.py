@@ -451,8 +451,8 @@ class GlobalPowerLimitOptimizer(Callback):
         one resumes at the next power limit (the limit being profiled at the checkpoint starts over).
 
         Raises:
-            InvalidInputError: `state` is not a complete `state_dict()` (a checkpoint cut short or edited);
-                nothing is loaded.
+            CorruptedStateError: `state` is not a whole `state_dict()` (a checkpoint cut short or edited);
+                nothing is loaded (an `InvalidInputError`).
         """
         self._pending_state = _parse_state(state)
         if self._started:
@@ -471,7 +471,14 @@ class GlobalPowerLimitOptimizer(Callback):
                 if profile is not None and profile.exists()
                 else "no earlier state: profiling starts afresh"
             )
-        logger.warning("%s: %s %s; %s.", source, owner, str(error).removesuffix(" It is not loaded."), then)
+        problem = getattr(error, "problem", error)
+        logger.warning(
+            "%s: the %s state is incomplete or corrupted (%s), so it is not used; %s.",
+            source,
+            owner,
+            problem,
+            then,
+        )
 
     # -- internals ------------------------------------------------------------------------------
     def _context(self) -> ProfileContext:
@@ -844,6 +851,16 @@ class GlobalPowerLimitOptimizer(Callback):
         self.power_limit_w = None
 
 
+class CorruptedStateError(InvalidInputError):
+    """A checkpoint state that is not a whole `state_dict()` (cut short or edited); `problem` says why."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(
+            f"The GlobalPowerLimitOptimizer state is incomplete or corrupted: {problem}. It is not loaded."
+        )
+        self.problem = problem
+
+
 @dataclass(frozen=True)
 class _SavedState:
     """A checked `state_dict()`."""
@@ -855,45 +872,39 @@ class _SavedState:
 
 
 def _parse_state(state: Any) -> _SavedState:
-    """`state_dict()` read back and checked whole, or `InvalidInputError` saying what is wrong with it."""
-
-    def bad(problem: str) -> InvalidInputError:
-        return InvalidInputError(
-            f"The GlobalPowerLimitOptimizer state is incomplete or corrupted: {problem}. It is not loaded."
-        )
-
+    """`state_dict()` read back and checked whole, or `CorruptedStateError` saying what is wrong with it."""
     if not isinstance(state, dict):
-        raise bad(f"expected a dict, got {type(state).__name__}")
+        raise CorruptedStateError(f"expected a dict, got {type(state).__name__}")
     if state.get("version") != 1:
-        raise bad(f"unknown version {state.get('version')!r}")
+        raise CorruptedStateError(f"unknown version {state.get('version')!r}")
     missing = [k for k in ("optimal_power_limit_w", "stats") if k not in state]
     if missing:
-        raise bad(f"no {', '.join(missing)}")
+        raise CorruptedStateError(f"no {', '.join(missing)}")
     if not isinstance(state["stats"], list):
-        raise bad(f"stats is {type(state['stats']).__name__}, not a list")
+        raise CorruptedStateError(f"stats is {type(state['stats']).__name__}, not a list")
     stats: dict[int, PowerLimitStats] = {}
     for i, entry in enumerate(state["stats"]):
         try:
             s = PowerLimitStats(**entry)
         except TypeError as e:
-            raise bad(f"stats entry {i}: {e}") from None
+            raise CorruptedStateError(f"stats entry {i}: {e}") from None
         problem = measurement_problem(s, None)
         if problem is not None:
-            raise bad(f"stats entry {i}: {problem}")
+            raise CorruptedStateError(f"stats entry {i}: {problem}")
         stats[s.power_limit_w] = s
     optimal = state["optimal_power_limit_w"]
     if optimal is not None and (not isinstance(optimal, int) or isinstance(optimal, bool) or optimal <= 0):
-        raise bad(f"optimal_power_limit_w={optimal!r} is not a power limit in watts")
+        raise CorruptedStateError(f"optimal_power_limit_w={optimal!r} is not a power limit in watts")
     steps, energy = state.get("profiling_steps"), state.get("profiling_energy_j", 0.0)
     if steps is None:
         return _SavedState(stats, optimal, None, 0.0)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-        raise bad(f"profiling_steps={steps!r} is not a count of steps")
+        raise CorruptedStateError(f"profiling_steps={steps!r} is not a count of steps")
     if (
         isinstance(energy, bool)
         or not isinstance(energy, (int, float))
         or not np.isfinite(energy)
         or energy < 0
     ):
-        raise bad(f"profiling_energy_j={energy!r} is not a finite, non-negative number")
+        raise CorruptedStateError(f"profiling_energy_j={energy!r} is not a finite, non-negative number")
     return _SavedState(stats, optimal, steps, float(energy))
