@@ -240,3 +240,38 @@ def test_gpu_back_within_1s_of_profile_timeout(sim_gpus, tmp_path, launcher):
     time.sleep(0.5)
     assert _watchdogs_of(script_pid) == []
     assert not (tmp_path / "a40.json").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_profile_reaches_the_script(sim_gpus, tmp_path):
+    """The script runs in a process group of its own (for the timeout's kill): a Ctrl-C of the CLI is passed
+    on to it, it restores the GPU itself, and the CLI ends with one line and 130."""
+    system = sim_gpus("a40")
+    pid_file = tmp_path / "script.pid"
+    script = tmp_path / "hang.py"
+    script.write_text(_HANGING_PROFILE_SCRIPT.format(pid_file=str(pid_file)))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "zeus_callbacks.cli", "profile", "--gpu-name", "a40", "--batch-sizes", "8,16"]
+        + ["--power-limits", "150", "--warmup-steps", "0", "--keep-sim-workload"]
+        + ["--output", str(tmp_path / "a40.json"), "--", sys.executable, str(script)],
+        env={
+            **os.environ,
+            "PYTHONPATH": path,
+            "ZEUS_CALLBACKS_SIMULATE": "a40",
+            "ZEUS_CALLBACKS_WATCHDOG": "0",
+        },
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not pid_file.exists():
+        assert time.monotonic() < deadline and cli.poll() is None, "the script did not reach its hanging step"
+        time.sleep(0.05)
+    assert system.gpus[0].power_limit_mw == 150_000
+    cli.send_signal(signal.SIGINT)
+    _, err = cli.communicate(timeout=60)
+    assert cli.returncode == 130, err
+    assert err.splitlines()[-1] == "zeus-callbacks profile: interrupted at batch size 8"
+    assert system.gpus[0].power_limit_mw == 300_000  # the script's own SIGINT handling (no watchdog here)
+    assert _dead(int(pid_file.read_text()))

@@ -83,7 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Profile; 0 on success, 2 on bad input, 1 when the script failed."""
+    """Profile; 0 on success, 2 on bad input, 1 when the script failed, 130 on Ctrl-C."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
@@ -120,7 +120,11 @@ def run(args: argparse.Namespace) -> int:
             if sim_specs:
                 env[SIMULATE_ENV] = sim_specs[b]
             print(f"batch size {b}: {' '.join(command)}", file=sys.stderr)
-            returncode = _run_script(command, env, args.timeout)
+            try:
+                returncode = _run_script(command, env, args.timeout)
+            except KeyboardInterrupt:
+                print(f"zeus-callbacks profile: interrupted at batch size {b}", file=sys.stderr)
+                return 130
             if returncode is None:
                 print(
                     f"zeus-callbacks profile: batch size {b} ran past --timeout {args.timeout}s",
