@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pynvml
 
@@ -64,3 +65,37 @@ def run_example(
 # The toy training steps of the examples and adapter tests last a few ms: on the A40's 100 ms energy counter
 # a sample needs dozens of them; a 10 ms counter (a fast board's) lets the profile fit in a short test.
 TOY_STEPS_COUNTER = {"ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS": "10"}
+
+
+# -- bad inputs: one clear line from the CLI, one clear message from the API ---------------------------------
+def run_cli(capsys: Any, argv: list[str]) -> tuple[int, str, str]:
+    """Run `zeus-callbacks ARGV` in this process; its exit code (argparse's usage errors too), stdout, stderr."""
+    from zeus_callbacks import cli
+
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse's own usage errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_clear_line(rc: int, err: str, command: str, *words: str | tuple[str, ...]) -> None:
+    """Exit code 2 and one line `zeus-callbacks COMMAND: ...` on stderr holding every word (a tuple: any one of
+    its words), never a traceback."""
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"zeus-callbacks {command}: "), err
+    for w in words:
+        assert any(x in lines[0] for x in ((w,) if isinstance(w, str) else w)), (w, err)
+
+
+def assert_clear(error: BaseException, *words: str) -> None:
+    """An API error for a bad input: a ValueError or TypeError whose one-line message holds every word."""
+    message = str(error)
+    assert isinstance(error, (ValueError, TypeError)), repr(error)
+    assert "\n" not in message, message
+    for w in words:
+        assert w in message, (w, message)

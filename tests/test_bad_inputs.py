@@ -1,9 +1,10 @@
 """Every bad input gets one clear error that names it and says what to do; nothing wrong is accepted.
 
-Table-driven: each row is one bad input (an environment variable, a constructor argument, a trace or profile
-file, a CLI option) and words its error must hold. The CLI runs in-process (`cli.main`), and a few rows also
+Table-driven: each row is one bad input (an environment variable, a ZeusMonitor argument, a trace or `plan`
+profile file, a CLI option) and words its error must hold. The CLI runs in-process (`cli.main`), and a few rows also
 as a subprocess: exit code 2, one line on stderr `zeus-callbacks <cmd>: ...`, never a traceback. The valid
-edge cases next to them keep working.
+edge cases next to them keep working. The optimizers' and adapters' arguments, the power-limit profile_path
+and `pipeline-plan` are in `test_bad_inputs_optimizers.py`; the helpers are in helpers.py.
 """
 
 from __future__ import annotations
@@ -15,31 +16,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import assert_one_clear_line, run_cli
 
 from zeus_callbacks import cli, sim
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 
 A40 = {"ZEUS_CALLBACKS_SIMULATE": "a40"}
-
-
-def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:  # argparse's own usage errors
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_one_clear_line(rc: int, err: str, command: str, *words: str) -> None:
-    assert rc == 2, err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"zeus-callbacks {command}: "), err
-    for w in words:
-        assert w in lines[0], (w, err)
 
 
 # -- environment variables of the simulator (every command reads them) --------------------------------------
@@ -223,6 +206,7 @@ def test_monitor_without_visible_gpus_fails_at_construction(visible, sim_gpus, m
 @pytest.mark.parametrize(
     ("kw", "indices"),
     [
+        ({"gpu_indices": 0}, [0]),  # one index, as Zeus users write it
         ({"gpu_indices": 1}, [1]),
         ({"gpu_indices": (1, 0)}, [1, 0]),
         ({"gpu_indices": range(2)}, [0, 1]),

@@ -11,7 +11,9 @@ core calls out.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import re
 import sys
 import weakref
 from pathlib import Path
@@ -21,9 +23,11 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from typing_extensions import override
 
 from zeus_callbacks.core.arguments import require_monitor
+from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.heterogeneous.training import (
     RankPlan,
     UnevenDistributedSampler,
@@ -62,6 +66,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+TRAINER_STATE_NAME = "trainer_state.json"  # transformers' name of the trainer state in a checkpoint
+_CHECKPOINT_STEP = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)")
 
 
 def _run_before_trackers(callback: TrainerCallback) -> None:
@@ -121,11 +128,85 @@ def _undo_gpu_changes(trainer: Trainer) -> None:
                 logger.warning("%s could not undo its GPU changes.", type(callback).__name__, exc_info=True)
 
 
+def _trainer_state_problem(checkpoint: Path) -> str | None:
+    """Why `checkpoint`'s trainer_state.json cannot be resumed from (missing, cut short, not a state), or None."""
+    path = checkpoint / TRAINER_STATE_NAME
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"is unreadable or cut short ({type(e).__name__}: {e})"
+    if not isinstance(data, dict) or not isinstance(data.get("global_step"), int):
+        return "holds no trainer state"
+    return None
+
+
+def _earlier_checkpoints(checkpoint: Path) -> list[Path]:
+    """The `checkpoint-N` folders beside `checkpoint` with a smaller N, newest first."""
+    match = _CHECKPOINT_STEP.fullmatch(checkpoint.name)
+    if match is None or not checkpoint.parent.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in checkpoint.parent.iterdir()
+        if (m := _CHECKPOINT_STEP.fullmatch(p.name)) and p.is_dir() and int(m.group(1)) < int(match.group(1))
+    ]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _complete_checkpoint(trainer: Trainer, resume: Any) -> Any:
+    """The checkpoint `trainer.train(resume_from_checkpoint=resume)` can resume from.
+
+    transformers writes a checkpoint in place (weights, optimizer, RNG state, then trainer_state.json, whose
+    writing is not atomic) and `get_last_checkpoint` takes the newest folder whatever it holds, so a process
+    killed while saving leaves a checkpoint that `train()` cannot load (a missing or cut-short
+    trainer_state.json: a traceback). Such a checkpoint is skipped, with one warning naming the file, for
+    the newest complete one before it, or none (training starts over, said so).
+    """
+    if resume is None or resume is False:
+        return resume
+    target = get_last_checkpoint(trainer.args.output_dir) if resume is True else resume
+    if target is None:
+        return resume  # transformers' own error: no checkpoint at all
+    target = Path(target)
+    problem = _trainer_state_problem(target)
+    if problem is None:
+        return str(target)
+    earlier = next((p for p in _earlier_checkpoints(target) if _trainer_state_problem(p) is None), None)
+    logger.warning(
+        "%s %s: that checkpoint was cut short while being saved. %s",
+        target / TRAINER_STATE_NAME,
+        problem,
+        f"Resuming from {earlier}, the last complete checkpoint."
+        if earlier is not None
+        else f"No complete checkpoint before it in {target.parent}: training starts from the beginning.",
+    )
+    return str(earlier) if earlier is not None else None
+
+
 def _restoring_on_exception(train: Any) -> Any:
-    """`Trainer.train`, made to call `_undo_gpu_changes` before an exception leaves it."""
+    """`Trainer.train`, made to call `_undo_gpu_changes` before an exception leaves it; with an
+    `HFGlobalPowerLimitOptimizer` attached, it also resumes from the last complete checkpoint
+    (`_complete_checkpoint`) and tells the optimizers which one."""
 
     @functools.wraps(train)
     def restoring_train(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        stateful = [
+            cb
+            for cb in getattr(getattr(self, "callback_handler", None), "callbacks", ())
+            if isinstance(cb, HFGlobalPowerLimitOptimizer)
+        ]
+        if stateful:
+            if args:
+                args = (_complete_checkpoint(self, args[0]), *args[1:])
+                resume = args[0]
+            else:
+                resume = kwargs["resume_from_checkpoint"] = _complete_checkpoint(
+                    self, kwargs.get("resume_from_checkpoint")
+                )
+            for cb in stateful:
+                cb._checkpoint = Path(resume) if isinstance(resume, (str, Path)) else None
         try:
             return train(self, *args, **kwargs)
         except BaseException:
@@ -228,17 +309,31 @@ class HFZeusMonitor(_LogsFirst):
         _log(state, None, self._reporter.stop())
 
 
-def _saved_state(state: TrainerState, name: str) -> dict[str, Any] | None:
-    """The optimizer state a resumed run's trainer state holds for the callback class `name` (its first
-    instance), or None on a fresh run."""
-    if not state.global_step or not isinstance(state.stateful_callbacks, dict):
+def _optimizer_state_in(stateful_callbacks: Any, name: str) -> Any:
+    """The optimizer state that a trainer state's `stateful_callbacks` hold for the callback class `name`
+    (its first instance): None when they hold none, `{}` for an entry not shaped as `state()` makes it."""
+    if not isinstance(stateful_callbacks, dict) or name not in stateful_callbacks:
         return None
-    data = state.stateful_callbacks.get(name)
+    data = stateful_callbacks[name]
     if isinstance(data, list):
-        data = data[0] if data else None
-    if not isinstance(data, dict):
+        data = data[0] if data else {}
+    attributes = data.get("attributes") if isinstance(data, dict) else None
+    return attributes.get("optimizer_state", {}) if isinstance(attributes, dict) else {}
+
+
+def _saved_state(state: TrainerState, name: str) -> Any:
+    """The optimizer state a resumed run's trainer state holds for the callback class `name`, or None on a
+    fresh run."""
+    return _optimizer_state_in(state.stateful_callbacks, name) if state.global_step else None
+
+
+def _checkpoint_state(checkpoint: Path, name: str) -> Any:
+    """The optimizer state `checkpoint`'s trainer_state.json holds for `name`, or None (none, or unreadable)."""
+    try:
+        data = json.loads((checkpoint / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
         return None
-    return data.get("attributes", {}).get("optimizer_state")
+    return _optimizer_state_in(data.get("stateful_callbacks") if isinstance(data, dict) else None, name)
 
 
 class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableState):
@@ -253,7 +348,10 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
     `power_limit_optimizer/`. Checkpoints carry the optimizer's state (`state()`); `trainer.train(
     resume_from_checkpoint=...)` resumes it, with or without `restore_callback_states_from_checkpoint`: a
     chosen limit is applied without profiling again, a partial profile carries on at the next limit, and
-    the profiling counters and `report()` carry on.
+    the profiling counters and `report()` carry on. A checkpoint cut short by a hard kill while it was
+    being saved is skipped for the last complete one, and a corrupted optimizer state in it is refused for
+    the last complete state (an earlier checkpoint's, else `profile_path`'s): each with one warning naming
+    the file.
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s) (under torch.distributed, this rank's).
@@ -295,6 +393,7 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         search: str = "adaptive",
     ) -> None:
         self._training = False
+        self._checkpoint: Path | None = None  # the checkpoint `train()` resumes from (set by its wrapper)
         if monitor is None:
             # On resume, transformers rebuilds stateful callbacks as `type(cb)(**state()["args"])`
             # (`Trainer._load_callback_state`) and swaps them in; the rebuilt one shares the core of the
@@ -306,7 +405,11 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
                     "`HFGlobalPowerLimitOptimizer(monitor=None)`: pass the zeus_callbacks.ZeusMonitor "
                     "measuring this process's GPU(s)."
                 )
-            self.optimizer, self._reporter = owner.optimizer, owner._reporter
+            self.optimizer, self._reporter, self._checkpoint = (
+                owner.optimizer,
+                owner._reporter,
+                owner._checkpoint,
+            )
             return
         require_monitor(type(self).__name__, monitor)
         self.optimizer = GlobalPowerLimitOptimizer(
@@ -335,7 +438,36 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
 
     @optimizer_state.setter
     def optimizer_state(self, value: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(value)
+        try:
+            self.optimizer.load_state_dict(value)
+        except InvalidInputError:
+            pass  # `on_train_begin` reads the same state from the trainer state, refuses it and says why
+
+    def _resume(self, saved: Any) -> None:
+        """Load the checkpoint's optimizer state; one that is cut short or corrupted is refused with one
+        warning naming the file, and the last complete state is used instead: an earlier checkpoint's, else
+        the `profile_path` profile, else none (profiling starts afresh)."""
+        try:
+            self.optimizer.load_state_dict(saved)
+            return
+        except InvalidInputError as e:
+            refused = e
+        name = type(self).__name__
+        source = (
+            self._checkpoint / TRAINER_STATE_NAME if self._checkpoint else "the checkpoint's trainer state"
+        )
+        then = ""
+        for earlier in _earlier_checkpoints(self._checkpoint) if self._checkpoint else []:
+            older = _checkpoint_state(earlier, name)
+            if older is None:
+                continue
+            try:
+                self.optimizer.load_state_dict(older)
+            except InvalidInputError:
+                continue
+            then = f"profiling resumes from {earlier / TRAINER_STATE_NAME}, the last complete state"
+            break
+        self.optimizer.refused_state_warning(source, name, refused, then)
 
     # -- trainer hooks -----------------------------------------------------------------------------
     @override
@@ -344,12 +476,12 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
     ) -> None:
         """`on_train_begin` → `EnergyReporter.start` (energy per logging interval); on a resumed run,
         `GlobalPowerLimitOptimizer.load_state_dict` with the state the checkpoint's trainer state holds,
-        whatever `restore_callback_states_from_checkpoint` says."""
+        whatever `restore_callback_states_from_checkpoint` says (`_resume`: a corrupted one is refused)."""
         super().on_train_begin(args, state, control, **kwargs)
         self._training = True
         saved = _saved_state(state, type(self).__name__)
         if saved is not None:
-            self.optimizer.load_state_dict(saved)
+            self._resume(saved)
         self._reporter.start()
 
     @override

@@ -260,6 +260,30 @@ def test_checkpoint_resume_does_not_profile_again(
     assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
 
 
+def test_corrupted_checkpoint_state_is_refused_with_one_warning(
+    flavour: Flavour, gpu0: ZeusMonitor, tmp_path: Path, burn_cpu, caplog
+) -> None:
+    """A checkpoint whose optimizer state is corrupted (here a negative energy): one warning naming the
+    checkpoint, training resumes and profiling starts afresh; the GPU is restored at the end."""
+    plo = flavour.zeus.LightningGlobalPowerLimitOptimizer(gpu0, **FAST)
+    ckpt = flavour.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    first = flavour.trainer(tmp_path, [plo, ckpt], max_steps=150, enable_checkpointing=True)
+    first.fit(flavour.module(burn_cpu, plo), _data())
+    path = tmp_path / "ckpt" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["callbacks"]["LightningGlobalPowerLimitOptimizer"]["stats"][0]["energy_j"] = -1.0
+    torch.save(checkpoint, path)
+
+    resumed = flavour.zeus.LightningGlobalPowerLimitOptimizer(gpu0, **FAST)
+    trainer = flavour.trainer(tmp_path, [resumed], max_steps=first.global_step + 5)
+    with caplog.at_level("WARNING", logger="zeus_callbacks"):
+        trainer.fit(flavour.module(burn_cpu, resumed, stop_when_done=False), _data(), ckpt_path=path)
+    refused = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+    assert len(refused) == 1 and "corrupted" in refused[0] and "profiling starts afresh" in refused[0]
+    assert trainer.global_step == first.global_step + 5
+    assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
+
+
 def test_exception_in_training_step_restores_the_gpu(
     flavour: Flavour, gpu0: ZeusMonitor, tmp_path: Path, burn_cpu
 ) -> None:

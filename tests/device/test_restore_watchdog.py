@@ -126,3 +126,152 @@ def test_sigterm_while_blocked_in_a_collective_then_sigkill(sim_gpus):
     finally:
         frozen.kill()
         frozen.wait(timeout=10)
+
+
+# What the kernel's OOM killer does to a process: SIGKILL, chosen for its memory, while it allocates. This is an
+# emulation, not an out-of-memory condition: the child raises its own OOM score (the kernel would pick it
+# first), caps its address space (it can never endanger the machine: past the cap it gets MemoryError, frees
+# and allocates again) and allocates in a loop; the test sends the SIGKILL from outside once it has grown.
+_ALLOCATING = """
+import resource
+with open("/proc/self/oom_score_adj", "w") as f:
+    f.write("1000")
+with open("/proc/self/statm") as f:
+    size = int(f.read().split()[0]) * resource.getpagesize()
+cap = size + (256 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+print("allocating", flush=True)
+held = []
+while True:
+    try:
+        held.append(b"x" * (8 << 20))  # touched pages: resident memory, as a real leak would have
+    except MemoryError:
+        held.clear()
+"""
+
+
+def _dead(pid: int) -> bool:
+    """Whether `pid` has ended: gone, or a zombie waiting for its (new) parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _resident_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@pytest.mark.slow
+def test_gpu_back_within_1s_of_an_oom_killer_style_sigkill(sim_gpus):
+    """An emulated OOM kill (see `_ALLOCATING`): SIGKILL from outside while the child allocates memory."""
+    system = sim_gpus("a40")
+    proc = _start(tail=_ALLOCATING)
+    assert proc.stdout.readline().strip() == "allocating"
+    start_mb = _resident_mb(proc.pid)
+    deadline = time.monotonic() + 30
+    while _resident_mb(proc.pid) < start_mb + 64:  # growing, as the OOM killer's victim is
+        assert time.monotonic() < deadline, "the child's memory did not grow"
+        time.sleep(0.01)
+    assert system.gpus[0].power_limit_mw == 150_000
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+    _back_within(system.gpus[0], 1.0)
+    time.sleep(0.5)
+    assert _watchdogs_of(proc.pid) == []
+
+
+# A script that `zeus-callbacks profile` runs: its training step hangs once the GPU is below its maximum limit,
+# so the CLI's --timeout kills it (SIGKILL) with the GPU changed. The timeout leaves the restore watchdog, which
+# starts with the first change, time to finish starting (a process killed within about a second of its first
+# change is repaired once its watchdog is up, later than 1 s after the death).
+_HANGING_PROFILE_SCRIPT = """
+import os, time
+from pathlib import Path
+from zeus_callbacks import profile_power_limits
+from zeus_callbacks.core.device.gpus import get_gpus
+
+def step():
+    if get_gpus()[0].power_limit_mw() < 300_000:
+        Path({pid_file!r}).write_text(str(os.getpid()))
+        time.sleep(120)
+
+profile_power_limits(step)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "launcher", [[], ["bash", "-c", '"$0" "$1"; exit $?']], ids=["direct", "under-a-shell"]
+)
+def test_gpu_back_within_1s_of_profile_timeout(sim_gpus, tmp_path, launcher):
+    """`zeus-callbacks profile --timeout` SIGKILLs a run of the script past its time and returns: the GPU is
+    back within 1 s of that return (the kill came just before it), with the script gone and no later process
+    of this package running; also when the script runs under a launcher (here a shell that does not exec
+    it), whose children the kill reaches too."""
+    system = sim_gpus("a40")
+    pid_file = tmp_path / "script.pid"
+    script = tmp_path / "hang.py"
+    script.write_text(_HANGING_PROFILE_SCRIPT.format(pid_file=str(pid_file)))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    cli = subprocess.run(
+        [sys.executable, "-m", "zeus_callbacks.cli", "profile", "--gpu-name", "a40", "--batch-sizes", "8,16"]
+        + ["--power-limits", "150", "--warmup-steps", "0", "--timeout", "15", "--keep-sim-workload"]
+        + ["--output", str(tmp_path / "a40.json"), "--", *launcher, sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": path, "ZEUS_CALLBACKS_SIMULATE": "a40"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        _back_within(system.gpus[0], 1.0)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{cli.stderr}") from None
+    assert cli.returncode == 1, cli.stderr
+    assert "batch size 8 ran past --timeout 15.0s" in cli.stderr
+    assert "Traceback" not in cli.stderr
+    script_pid = int(pid_file.read_text())  # it reached the hanging step with the GPU at 150 W
+    assert _dead(script_pid)
+    time.sleep(0.5)
+    assert _watchdogs_of(script_pid) == []
+    assert not (tmp_path / "a40.json").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_profile_reaches_the_script(sim_gpus, tmp_path):
+    """The script runs in a process group of its own (for the timeout's kill): a Ctrl-C of the CLI is passed
+    on to it, it restores the GPU itself, and the CLI ends with one line and 130."""
+    system = sim_gpus("a40")
+    pid_file = tmp_path / "script.pid"
+    script = tmp_path / "hang.py"
+    script.write_text(_HANGING_PROFILE_SCRIPT.format(pid_file=str(pid_file)))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "zeus_callbacks.cli", "profile", "--gpu-name", "a40", "--batch-sizes", "8,16"]
+        + ["--power-limits", "150", "--warmup-steps", "0", "--keep-sim-workload"]
+        + ["--output", str(tmp_path / "a40.json"), "--", sys.executable, str(script)],
+        env={
+            **os.environ,
+            "PYTHONPATH": path,
+            "ZEUS_CALLBACKS_SIMULATE": "a40",
+            "ZEUS_CALLBACKS_WATCHDOG": "0",
+        },
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not pid_file.exists():
+        assert time.monotonic() < deadline and cli.poll() is None, "the script did not reach its hanging step"
+        time.sleep(0.05)
+    assert system.gpus[0].power_limit_mw == 150_000
+    cli.send_signal(signal.SIGINT)
+    _, err = cli.communicate(timeout=60)
+    assert cli.returncode == 130, err
+    assert err.splitlines()[-1] == "zeus-callbacks profile: interrupted at batch size 8"
+    assert system.gpus[0].power_limit_mw == 300_000  # the script's own SIGINT handling (no watchdog here)
+    assert _dead(int(pid_file.read_text()))

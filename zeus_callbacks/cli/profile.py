@@ -20,7 +20,9 @@ off. Every batch size then needs a shipped trace (a10g/t4: 32..1024 in powers of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -81,7 +83,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Profile; 0 on success, 2 on bad input, 1 when the script failed."""
+    """Profile; 0 on success, 2 on bad input, 1 when the script failed, 130 on Ctrl-C."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
@@ -119,8 +121,11 @@ def run(args: argparse.Namespace) -> int:
                 env[SIMULATE_ENV] = sim_specs[b]
             print(f"batch size {b}: {' '.join(command)}", file=sys.stderr)
             try:
-                proc = subprocess.run(command, env=env, timeout=args.timeout)
-            except subprocess.TimeoutExpired:
+                returncode = _run_script(command, env, args.timeout)
+            except KeyboardInterrupt:
+                print(f"zeus-callbacks profile: interrupted at batch size {b}", file=sys.stderr)
+                return 130
+            if returncode is None:
                 print(
                     f"zeus-callbacks profile: batch size {b} ran past --timeout {args.timeout}s",
                     file=sys.stderr,
@@ -131,9 +136,9 @@ def run(args: argparse.Namespace) -> int:
                 oom_at = b
                 print(f"batch size {b}: out of GPU memory; stopping at larger batch sizes", file=sys.stderr)
                 break
-            if proc.returncode != 0:
+            if returncode != 0:
                 print(
-                    f"zeus-callbacks profile: the script exited with {proc.returncode} at batch size {b} "
+                    f"zeus-callbacks profile: the script exited with {returncode} at batch size {b} "
                     "(its output is above).",
                     file=sys.stderr,
                 )
@@ -156,6 +161,36 @@ def run(args: argparse.Namespace) -> int:
     write_profile(args.output, profile)
     print(_summary(args.gpu_name, runs, Path(args.output)))
     return 0
+
+
+def _run_script(command: list[str], env: dict[str, str], timeout: float | None) -> int | None:
+    """Run one batch size's command; its exit code, or None when it ran past `timeout` and was killed.
+
+    The command runs in a process group of its own, and a timeout SIGKILLs the whole group: a launcher
+    (torchrun, a shell) and the training processes it started alike, so none trains on with the GPU changed
+    (the restore watchdog of each puts its GPU back; it lives in a session of its own). A Ctrl-C reaches
+    the group too.
+    """
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc, signal.SIGKILL)
+        return None
+    except KeyboardInterrupt:
+        _kill_group(proc, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc, signal.SIGKILL)
+        raise
+
+
+def _kill_group(proc: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signum)
+    if signum == signal.SIGKILL:
+        proc.wait()
 
 
 def _int_list(text: str, flag: str) -> list[int]:

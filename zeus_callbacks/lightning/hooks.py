@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import override
 
 from zeus_callbacks.core.arguments import require_monitor
+from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.heterogeneous.training import (
     RankPlan,
     apply_power_limit,
@@ -289,9 +290,22 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
         return self._optimizer.state_dict()
 
     @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Notes the checkpoint being resumed (`trainer.ckpt_path`, before `load_state_dict`) for its message."""
+        self._ckpt_path = trainer.ckpt_path
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The core's `load_state_dict()`: a finished profile is applied without profiling again."""
-        self._optimizer.load_state_dict(state_dict)
+        """The core's `load_state_dict()`: a finished profile is applied without profiling again; a
+        corrupted state is refused with one warning naming the checkpoint, and profiling carries on from the
+        `profile_path` profile, else starts afresh."""
+        try:
+            self._optimizer.load_state_dict(state_dict)
+        except InvalidInputError as e:
+            source = getattr(self, "_ckpt_path", None) or "the checkpoint being resumed"
+            self._optimizer.refused_state_warning(source, type(self).__name__, e)
 
     def _log(self, trainer: pl.Trainer) -> None:
         _log_metrics(trainer, power_limit_metrics(self._optimizer.metrics(), numbers_only=True))

@@ -3,9 +3,9 @@ however it dies (SIGKILL, the OOM killer, SIGHUP, a SIGTERM it could not handle 
 
 Started with the first journaled change. It holds nothing but the read end of a pipe whose write end only the
 changing process holds: the kernel closes that end when the process dies, the watchdog reads end-of-file,
-repairs the dead process's journal exactly as the next run would (so it never touches a GPU a live process
-owns), and exits. A process that restores normally closes the pipe itself, so the watchdog exits then too; it
-never outlives its purpose. Set `ZEUS_CALLBACKS_WATCHDOG=0` to do without it (a killed run is then repaired
+waits until the process is dead (the pipe closes a moment before), repairs its journal exactly as the next
+run would (so it never touches a GPU a live process owns), and exits. A process that restores normally says
+so on the pipe and closes it, so the watchdog exits then too; it never outlives its purpose. Set `ZEUS_CALLBACKS_WATCHDOG=0` to do without it (a killed run is then repaired
 by the next one, or by `zeus-callbacks restore`).
 
 Why a process: signal handlers cannot run on SIGKILL, nor while the main thread is blocked in a collective;
@@ -22,12 +22,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 __all__ = ["WATCHDOG_ENV", "Watchdog", "main"]
 
 logger = logging.getLogger(__name__)
 
 WATCHDOG_ENV = "ZEUS_CALLBACKS_WATCHDOG"
+_STOP = b"stop"  # what the changing process writes before it closes the pipe after a normal restore
 _ENTRY = "import sys; from zeus_callbacks.core.device.watchdog import main; sys.exit(main(sys.argv[1:]))"
 
 
@@ -66,6 +68,7 @@ class Watchdog:
         if os.getpid() != self._pid or self._proc.stdin is None:
             return
         with contextlib.suppress(OSError):
+            self._proc.stdin.write(_STOP)  # a deliberate end, not a death: the watchdog need not wait for one
             self._proc.stdin.close()
         # Reap it once it has exited, so that no zombie is left behind for the life of this process.
         threading.Thread(target=self._proc.wait, name="zeus-callbacks-watchdog-reaper", daemon=True).start()
@@ -78,17 +81,32 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="zeus-callbacks restore watchdog: %(message)s")
     import zeus_callbacks  # noqa: F401  (registers the NVML backends)
     from zeus_callbacks.core.device.gpus import get_gpus
-    from zeus_callbacks.core.device.state_guard import guard
+    from zeus_callbacks.core.device.state_guard import _start_time, guard
 
+    start = _start_time(int(argv[0])) if argv else None  # the parent's identity, read while it lives
     try:
         gpus = get_gpus()  # discovered before it is needed, so that the restore is quick
     except Exception as e:  # noqa: BLE001 - no GPU: nothing to watch
         logger.debug("No GPUs to watch: %s", e)
         return 0
-    while os.read(0, 4096):  # end-of-file: the parent closed the pipe, or died
-        pass
+    stopped = False
+    while chunk := os.read(0, 4096):  # end-of-file: the parent closed the pipe, or died
+        stopped = stopped or _STOP in chunk
+    if not stopped and argv:
+        _wait_for_death(int(argv[0]), start)
     guard().repair_dead_runs(gpus)
     return 0
+
+
+def _wait_for_death(pid: int, start: str | None, timeout_s: float = 10.0) -> None:
+    """Wait until `pid` is dead as the journal repair sees it (gone or a zombie): the kernel closes a dying
+    process's files, and so the pipe, before it becomes a zombie, and a repair in between would take it
+    for alive and leave its GPU changed."""
+    from zeus_callbacks.core.device.state_guard import _alive
+
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid, start) and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import numpy as np
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.arguments import bad_argument, require_monitor, whole_number
 from zeus_callbacks.core.callback import Callback
-from zeus_callbacks.core.device.errors import GPUError
+from zeus_callbacks.core.device.errors import GPUError, InvalidInputError
 from zeus_callbacks.core.device.power import MAX_REFRESH_PERIOD_S, energy_refresh_period_s
 from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -21,6 +21,7 @@ from zeus_callbacks.core.power_limit.profile_file import (
     ProfileContext,
     SavedProfile,
     load_profile,
+    measurement_problem,
     save_profile,
 )
 from zeus_callbacks.core.power_limit.ranks import all_ranks_take_part
@@ -223,7 +224,7 @@ class GlobalPowerLimitOptimizer(Callback):
         self._started = False
         self._ready = False  # grid, job size and permissions known (at construction, or the first step)
         self._collective = False  # every rank runs an optimizer: decide together
-        self._pending_state: dict[str, Any] | None = None
+        self._pending_state: _SavedState | None = None
         self.stats: dict[int, PowerLimitStats] = {}
         self._spent_before = 0  # steps of a reused profile that do not count against the search's budget
         self.grid: list[int] = []
@@ -447,12 +448,37 @@ class GlobalPowerLimitOptimizer(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`: a finished profile is applied without profiling again; a partial
-        one resumes at the next power limit (the limit being profiled at the checkpoint starts over)."""
-        if state.get("version") != 1:
-            raise ValueError(f"Unknown GlobalPowerLimitOptimizer state version {state.get('version')!r}.")
-        self._pending_state = state
+        one resumes at the next power limit (the limit being profiled at the checkpoint starts over).
+
+        Raises:
+            CorruptedStateError: `state` is not a whole `state_dict()` (a checkpoint cut short or edited);
+                nothing is loaded (an `InvalidInputError`).
+        """
+        self._pending_state = _parse_state(state)
         if self._started:
             self._apply_state()
+
+    def refused_state_warning(
+        self, source: object, owner: str, error: InvalidInputError, then: str = ""
+    ) -> None:
+        """Log the one warning for a checkpoint state that `load_state_dict` refused: `source` (the file),
+        `owner` (the callback), why, and what profiling goes on from (`then`, else the profile_path profile
+        when it exists, else nothing: profiling starts afresh)."""
+        if not then:
+            profile = self.profile_path
+            then = (
+                f"profiling carries on from the profile {profile}"
+                if profile is not None and profile.exists()
+                else "no earlier state: profiling starts afresh"
+            )
+        problem = getattr(error, "problem", error)
+        logger.warning(
+            "%s: the %s state is incomplete or corrupted (%s), so it is not used; %s.",
+            source,
+            owner,
+            problem,
+            then,
+        )
 
     # -- internals ------------------------------------------------------------------------------
     def _context(self) -> ProfileContext:
@@ -580,11 +606,24 @@ class GlobalPowerLimitOptimizer(Callback):
     def _apply_state(self) -> None:
         state, self._pending_state = self._pending_state, None
         assert state is not None
-        self.stats = {int(s["power_limit_w"]): PowerLimitStats(**s) for s in state["stats"]}
-        self.profiling_steps = int(state.get("profiling_steps", self.profiling_steps))
-        self.profiling_energy_j = float(state.get("profiling_energy_j", self.profiling_energy_j))
-        if state.get("optimal_power_limit_w") is not None:
-            self._settle(int(state["optimal_power_limit_w"]))
+        lo, hi = self.grid[-1], self.grid[0]
+        outside = sorted(
+            pl for pl in (*state.stats, state.optimal_power_limit_w) if pl is not None and not lo <= pl <= hi
+        )
+        if outside:
+            logger.warning(
+                "GlobalPowerLimitOptimizer: the saved state holds power limits %s W outside this job's range "
+                "%d-%d W (saved on other GPUs); it is not used and profiling starts afresh.",
+                outside,
+                lo,
+                hi,
+            )
+            return
+        self.stats = state.stats
+        if state.profiling_steps is not None:
+            self.profiling_steps, self.profiling_energy_j = state.profiling_steps, state.profiling_energy_j
+        if state.optimal_power_limit_w is not None:
+            self._settle(state.optimal_power_limit_w)
             logger.info(
                 "Resumed with the optimal power limit %d W without profiling again.",
                 self._phase.power_limit_w,
@@ -810,3 +849,62 @@ class GlobalPowerLimitOptimizer(Callback):
             self.monitor.end_window(_WINDOW, sync_execution=False, cancel=True)
         guard().restore()
         self.power_limit_w = None
+
+
+class CorruptedStateError(InvalidInputError):
+    """A checkpoint state that is not a whole `state_dict()` (cut short or edited); `problem` says why."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(
+            f"The GlobalPowerLimitOptimizer state is incomplete or corrupted: {problem}. It is not loaded."
+        )
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class _SavedState:
+    """A checked `state_dict()`."""
+
+    stats: dict[int, PowerLimitStats]
+    optimal_power_limit_w: int | None
+    profiling_steps: int | None  # None: a state saved before the counters were (keep the current ones)
+    profiling_energy_j: float
+
+
+def _parse_state(state: Any) -> _SavedState:
+    """`state_dict()` read back and checked whole, or `CorruptedStateError` saying what is wrong with it."""
+    if not isinstance(state, dict):
+        raise CorruptedStateError(f"expected a dict, got {type(state).__name__}")
+    if state.get("version") != 1:
+        raise CorruptedStateError(f"unknown version {state.get('version')!r}")
+    missing = [k for k in ("optimal_power_limit_w", "stats") if k not in state]
+    if missing:
+        raise CorruptedStateError(f"no {', '.join(missing)}")
+    if not isinstance(state["stats"], list):
+        raise CorruptedStateError(f"stats is {type(state['stats']).__name__}, not a list")
+    stats: dict[int, PowerLimitStats] = {}
+    for i, entry in enumerate(state["stats"]):
+        try:
+            s = PowerLimitStats(**entry)
+        except TypeError as e:
+            raise CorruptedStateError(f"stats entry {i}: {e}") from None
+        problem = measurement_problem(s, None)
+        if problem is not None:
+            raise CorruptedStateError(f"stats entry {i}: {problem}")
+        stats[s.power_limit_w] = s
+    optimal = state["optimal_power_limit_w"]
+    if optimal is not None and (not isinstance(optimal, int) or isinstance(optimal, bool) or optimal <= 0):
+        raise CorruptedStateError(f"optimal_power_limit_w={optimal!r} is not a power limit in watts")
+    steps, energy = state.get("profiling_steps"), state.get("profiling_energy_j", 0.0)
+    if steps is None:
+        return _SavedState(stats, optimal, None, 0.0)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise CorruptedStateError(f"profiling_steps={steps!r} is not a count of steps")
+    if (
+        isinstance(energy, bool)
+        or not isinstance(energy, (int, float))
+        or not np.isfinite(energy)
+        or energy < 0
+    ):
+        raise CorruptedStateError(f"profiling_energy_j={energy!r} is not a finite, non-negative number")
+    return _SavedState(stats, optimal, steps, float(energy))

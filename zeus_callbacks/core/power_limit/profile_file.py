@@ -16,7 +16,7 @@ from typing import Any
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.power_limit.search import PowerLimitStats
 
-__all__ = ["ProfileContext", "SavedProfile", "save_profile", "load_profile"]
+__all__ = ["ProfileContext", "SavedProfile", "save_profile", "load_profile", "measurement_problem"]
 
 _FORMAT = "zeus_callbacks.power_limit_profile"
 
@@ -107,22 +107,31 @@ def _zeus_stats(path: Path, data: dict, steps: int) -> dict[int, PowerLimitStats
     return stats
 
 
+def measurement_problem(s: PowerLimitStats, range_w: tuple[int, int] | None) -> str | None:
+    """What makes one limit's saved measurement unusable (a limit outside `range_w` when given, no count of
+    steps, a sum that is not finite and non-negative), or None; shared by profile files and checkpoints."""
+    if not isinstance(s.power_limit_w, int) or isinstance(s.power_limit_w, bool):
+        return f"power limit {s.power_limit_w!r} is not a whole number of watts"
+    if range_w is not None and not range_w[0] <= s.power_limit_w <= range_w[1]:
+        return f"power limit {s.power_limit_w} W is outside the GPU's range {range_w[0]}-{range_w[1]} W"
+    if not isinstance(s.steps, int) or s.steps < 0 or (s.steps == 0 and (s.time_s or s.energy_j)):
+        return f"{s.power_limit_w} W: steps={s.steps!r} is not a count of measured steps"
+    if s.steps == 0 and not s.pruned:
+        return f"{s.power_limit_w} W: steps=0 with no measurement"
+    for name in ("time_s", "energy_j", "time_sq", "energy_sq"):
+        value = getattr(s, name)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            return f"{s.power_limit_w} W: {name}={value!r} is not a finite, non-negative number"
+    return None
+
+
 def _check_measurement(path: Path, s: PowerLimitStats, range_w: tuple[int, int]) -> None:
-    """One limit's measurement must be usable: a limit in the GPU's range, steps, finite non-negative sums."""
-    lo, hi = range_w
-    problem = None
-    if not lo <= s.power_limit_w <= hi:
-        problem = f"power limit {s.power_limit_w} W is outside the GPU's range {lo}-{hi} W"
-    elif not isinstance(s.steps, int) or s.steps < 0 or (s.steps == 0 and (s.time_s or s.energy_j)):
-        problem = f"{s.power_limit_w} W: steps={s.steps!r} is not a count of measured steps"
-    elif s.steps == 0 and not s.pruned:
-        problem = f"{s.power_limit_w} W: steps=0 with no measurement"
-    else:
-        for name in ("time_s", "energy_j", "time_sq", "energy_sq"):
-            value = getattr(s, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                problem = f"{s.power_limit_w} W: {name}={value!r} is not a finite, non-negative number"
-                break
+    problem = measurement_problem(s, range_w)
     if problem is not None:
         raise InvalidInputError(
             f"The power-limit profile {str(path)!r} is corrupted: {problem}. Delete it to profile again, or pass "

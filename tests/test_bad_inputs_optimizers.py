@@ -1,5 +1,5 @@
-"""Bad inputs of the areas being reworked on other branches (issue 14): optimizer and adapter constructor
-arguments, the power-limit `profile_path` contents, `pipeline-plan` and the Perseus profile CSV.
+"""Bad inputs of the optimizers: their and their adapters' constructor arguments, the power-limit
+`profile_path` contents (ours and Zeus's), `pipeline-plan` and the Perseus profile CSV.
 
 Same rule as `test_bad_inputs.py`: one clear error that names the input and says what to do; from the CLI one
 line `zeus-callbacks <cmd>: ...`, exit code 2, no traceback; valid edge cases keep working.
@@ -14,40 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import assert_clear, assert_one_clear_line, run_cli
 
-from zeus_callbacks import cli, sim
+from zeus_callbacks import sim
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow, write_profile
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
-
-
-def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_one_clear_line(rc: int, err: str, command: str, *words: str) -> None:
-    assert rc == 2, err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith(f"zeus-callbacks {command}: "), err
-    for w in words:  # a tuple: any one of its words
-        assert any(x in lines[0] for x in ((w,) if isinstance(w, str) else w)), (w, err)
-
-
-def assert_clear(error: BaseException, *words: str) -> None:
-    message = str(error)
-    assert isinstance(error, (ValueError, TypeError)), repr(error)
-    assert "\n" not in message, message
-    for w in words:
-        assert w in message, (w, message)
-
 
 # -- GlobalPowerLimitOptimizer and its adapters -------------------------------------------------------------
 PLO_CASES = [
@@ -189,6 +162,27 @@ def test_power_limit_profile_truncated_or_binary(tmp_path):
             opt.on_step_begin()
             system.run_step(0.2)
         assert_clear(info.value, str(path))
+
+
+@pytest.mark.parametrize(
+    ("measurement", "words"),
+    [
+        ({"power_limit": 5000, "energy": 100.0, "time": 1.0}, ["[5000] W outside", "100-300 W"]),
+        ({"power_limit": 250, "energy": -5.0, "time": 1.0}, ["non-positive measurement"]),
+        ({"power_limit": 250, "energy": 100.0, "time": 0.0}, ["non-positive measurement"]),
+    ],
+)
+def test_zeus_power_limit_profile_contents(measurement, words, tmp_path):
+    """A profile_path in Zeus's format (`{"measurements": [...]}`) with an unusable measurement."""
+    path = tmp_path / "zeus.json"
+    good = {"power_limit": 300, "energy": 120.0, "time": 0.9}
+    path.write_text(json.dumps({"measurements": [good, measurement]}))
+    system = sim.simulate("a40", virtual_clock=True)
+    with pytest.raises(ValueError) as info:
+        opt = GlobalPowerLimitOptimizer(ZeusMonitor([0]), pl_step=50, profile_path=path)
+        opt.on_step_begin()
+        system.run_step(0.2)
+    assert_clear(info.value, str(path), *words)
 
 
 # -- PipelineFrequencyOptimizer -------------------------------------------------------------------------------
