@@ -1,7 +1,8 @@
 """The restore watchdog: a small process that puts the GPU back the moment the process that changed it dies,
 however it dies (SIGKILL, the OOM killer, SIGHUP, a SIGTERM it could not handle while blocked in C code).
 
-Started with the first journaled change. It holds nothing but the read end of a pipe whose write end only the
+Started with the first journaled change, which waits (up to `READY_TIMEOUT_S`) until the watchdog has
+discovered the GPUs and says it is ready, so that a death even in the first second is repaired at once. It holds nothing but the read end of a pipe whose write end only the
 changing process holds: the kernel closes that end when the process dies, the watchdog reads end-of-file,
 waits until the process is dead (the pipe closes a moment before), repairs its journal exactly as the next
 run would (so it never touches a GPU a live process owns), and exits. A process that restores normally says
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -29,6 +31,8 @@ __all__ = ["WATCHDOG_ENV", "Watchdog", "main"]
 logger = logging.getLogger(__name__)
 
 WATCHDOG_ENV = "ZEUS_CALLBACKS_WATCHDOG"
+READY_TIMEOUT_S = 30.0  # how long the first change waits for the watchdog to be ready
+_READY = b"ready\n"  # what the watchdog writes on its stdout once it could repair at once
 _STOP = b"stop"  # what the changing process writes before it closes the pipe after a normal restore
 _ENTRY = "import sys; from zeus_callbacks.core.device.watchdog import main; sys.exit(main(sys.argv[1:]))"
 
@@ -42,9 +46,22 @@ class Watchdog:
             # `-c`, not `-m`: the package already imported this module, which `-m` would run a second time.
             [sys.executable, "-c", _ENTRY, str(self._pid)],
             stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C or a hang-up of the terminal does not reach it
         )
         os.register_at_fork(after_in_child=self._forget)
+        self.ready = self._wait_ready(READY_TIMEOUT_S)
+
+    def _wait_ready(self, timeout_s: float) -> bool:
+        """Wait until the watchdog says it is ready (or exits: no GPU to watch, or it failed to start)."""
+        assert self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        readable, _, _ = select.select([fd], [], [], timeout_s)
+        said = os.read(fd, len(_READY)) if readable else b""
+        self._proc.stdout.close()
+        if said != _READY:
+            logger.debug("The restore watchdog is not ready (said %r); changes go on without waiting.", said)
+        return said == _READY
 
     @classmethod
     def start(cls) -> Watchdog | None:
@@ -89,6 +106,9 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001 - no GPU: nothing to watch
         logger.debug("No GPUs to watch: %s", e)
         return 0
+    with contextlib.suppress(OSError):
+        os.write(1, _READY)  # the changing process goes on: from here a death is repaired at once
+        os.close(1)
     stopped = False
     while chunk := os.read(0, 4096):  # end-of-file: the parent closed the pipe, or died
         stopped = stopped or _STOP in chunk
