@@ -26,6 +26,7 @@ def test_predicted_iteration_time_is_the_measured_one(run_example, tmp_path) -> 
     predicted = re.search(r"predicted, all max clocks\s+([\d.]+)", out)
     assert measured and predicted, out[-2000:]
     error = float(predicted.group(1)) / float(measured.group(1)) - 1
+    print(f"PREDICTION_ERROR {error:+.4f}")
     assert abs(error) <= 0.01, out[-2000:]
     # The delays travel beside the profile: every link between stages took time.
     delays = EdgeDelays.from_rows(read_edge_delays(edge_delays_path(tmp_path / "profile.csv")))
