@@ -181,8 +181,9 @@ def test_refinement_revisits_the_contender_with_fewest_steps_within_the_budget()
     assert next_power_limit(grid[:2] + [225], stats, Energy(), 300) == 225  # unvisited limits first
     assert next_power_limit(grid, stats, Energy(), 300, warmup_steps=10, profile_steps=40) == 250
     assert next_power_limit(grid, stats, Energy(), 300, search="sweep") is None
-    # With 66 steps and 4 warm-ups spent of a budget of 3/4 x 3 x 50 = 112, no room for 10 + 5 more.
-    stats[275].visits = 2
+    # With 66 steps and 5 warm-ups spent of a budget of 3/4 x 3 x 50 = 112, no room for a settling step
+    # (a limit takes effect at once: one sample's worth, not the warm-up) and 5 more.
+    stats[275].visits = 3
     assert next_power_limit(grid, stats, Energy(), 300, warmup_steps=10, profile_steps=40) is None
     # A revisit adds to the earlier samples and goes on while the limit is a contender.
     again = replace(stats[250], visits=2)

@@ -34,6 +34,7 @@ from zeus_callbacks.core.power_limit.search import (
     min_measured_steps,
     next_power_limit,
     power_limit_grid,
+    settle_steps,
     spent_steps,
 )
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector, ZeusCost
@@ -234,6 +235,7 @@ class GlobalPowerLimitOptimizer(Callback):
         self.profiling_energy_j = 0.0
         self.power_limit_w: int | None = None
         self._failed = False
+        self._warmed_up = False  # this run's first limit had its full warm-up (later ones settle)
         # The slowest rank's energy-counter refresh period (0: steps are long enough, or the counter is
         # always current); learned at the first measured step.
         self.energy_refresh_s: float | None = None
@@ -376,6 +378,7 @@ class GlobalPowerLimitOptimizer(Callback):
             self._record_step(None)
             phase.steps_left -= 1
             if phase.steps_left <= 0 and self._phase is phase:
+                self._warmed_up = True
                 self._phase = _Profiling(phase.power_limit_w, phase.stats)
         elif isinstance(phase, _Profiling):
             self._record_step(phase)
@@ -414,6 +417,7 @@ class GlobalPowerLimitOptimizer(Callback):
         if self._started and isinstance(self._phase, (_Waiting, _Warmup, _Profiling)):
             self._say_unfinished()
         self._started = False
+        self._warmed_up = False
         if isinstance(self._phase, (_Warmup, _Profiling)):
             self._phase = _Waiting(self.wait_steps)
 
@@ -605,9 +609,14 @@ class GlobalPowerLimitOptimizer(Callback):
             chunks = [list(c) for c in earlier.chunks]
             stats = replace(earlier, visits=earlier.visits + 1, chunks=chunks)
         logger.info("Profiling power limit %d W%s.", pl, "" if earlier is None else " again")
-        if self.warmup_steps > 0:
-            self._phase = _Warmup(pl, self.warmup_steps, stats)
+        warmup = self.warmup_steps
+        if self._warmed_up and not self._by_steps():
+            warmup = settle_steps(self.warmup_steps, chunk_steps(self.stats))
+        stats.warmed_steps = max(0, stats.warmed_steps) + warmup
+        if warmup > 0:
+            self._phase = _Warmup(pl, warmup, stats)
         else:
+            self._warmed_up = True
             self._phase = _Profiling(pl, stats)
 
     def _record_step(self, phase: _Profiling | None) -> None:

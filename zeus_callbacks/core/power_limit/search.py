@@ -47,6 +47,7 @@ __all__ = [
     "min_measured_steps",
     "adaptive_budget_steps",
     "spent_steps",
+    "settle_steps",
     "chunk_steps",
     "robust_chunks",
     "pooled_noise",
@@ -103,6 +104,7 @@ class PowerLimitStats:
     refresh_s: float = 0.0  # the energy counter's refresh period when it was measured (0: always current)
     chunks: list[list[float]] = field(default_factory=list)
     dropped_steps: int = 0  # steps of chunks set aside as stalls or bursts
+    warmed_steps: int = -1  # warm-up steps run at this limit over its visits (-1: `warmup_steps` per visit)
 
     def __post_init__(self) -> None:
         if self.samples < 0:
@@ -244,9 +246,23 @@ def chunk_steps(stats: dict[int, PowerLimitStats]) -> float:
     return max(1.0, refresh / mean_time) if mean_time > 0 else 1.0
 
 
+def settle_steps(warmup_steps: int, per_sample: float = 1.0) -> int:
+    """Unmeasured steps the adaptive search runs at a limit after the first it profiles in a run.
+
+    A power limit takes effect within milliseconds; what lags is the energy counter (up to one refresh),
+    so a visit skips one sample's worth of steps (`chunk_steps`), never more than `warmup_steps`. The
+    first limit of a run gets all `warmup_steps`: that is where the job itself warms up.
+    """
+    return min(warmup_steps, max(1, math.ceil(per_sample - 1e-9)))
+
+
 def spent_steps(stats: dict[int, PowerLimitStats], warmup_steps: int) -> int:
-    """Steps the search has spent on `stats` so far: each visit's warm-up and every measured step."""
-    return sum(s.spent_steps + warmup_steps * s.visits for s in stats.values())
+    """Steps the search has spent on `stats` so far: each visit's warm-up (`warmup_steps` a visit where
+    the limit does not say) and every measured step."""
+    return sum(
+        s.spent_steps + (s.warmed_steps if s.warmed_steps >= 0 else warmup_steps * s.visits)
+        for s in stats.values()
+    )
 
 
 def pooled_noise(stats: dict[int, PowerLimitStats]) -> tuple[float, float]:
@@ -459,7 +475,7 @@ def next_power_limit(
     per = chunk_steps(stats)
     budget = adaptive_budget_steps(len(grid), warmup_steps, profile_steps, per)
     spent = spent_steps(stats, warmup_steps) - spent_before
-    if spent + warmup_steps + min_measured_steps(profile_steps) * per > budget:
+    if spent + settle_steps(warmup_steps, per) + min_measured_steps(profile_steps) * per > budget:
         return None
     ref = stats.get(grid[0])
     if ref is None or not ref.steps:
