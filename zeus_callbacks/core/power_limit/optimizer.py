@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -14,7 +15,11 @@ from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.arguments import bad_argument, require_monitor, whole_number
 from zeus_callbacks.core.callback import Callback
 from zeus_callbacks.core.device.errors import GPUError
-from zeus_callbacks.core.device.power import MAX_REFRESH_PERIOD_S, energy_refresh_period_s
+from zeus_callbacks.core.device.power import (
+    MAX_REFRESH_PERIOD_S,
+    energy_refresh_period_s,
+    one_second_power_mw,
+)
 from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.profile_file import (
@@ -34,8 +39,10 @@ from zeus_callbacks.core.power_limit.search import (
     min_measured_steps,
     next_power_limit,
     power_limit_grid,
+    burst_lookback,
     settle_steps,
     spent_steps,
+    visit_shift,
 )
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector, ZeusCost
 from zeus_callbacks.core.power_limit.states import Done, Inactive, PowerLimitState, Profiling, Ready, Warmup
@@ -48,6 +55,11 @@ _WINDOW = "__GlobalPowerLimitOptimizer_step"
 # A sample (chunk of contiguous steps) spans at least this many refreshes of the energy counter, so that
 # the counter's rounding (up to one refresh's energy at either end) is a small part of it.
 CHUNK_REFRESHES = 1
+# Bursts (another job on the node, throttling, a slow stretch of input) slow every step for a while. One
+# that lasts past the end of a visit runs on into the next: that visit goes on until the burst is seen to
+# end, up to this many steps, so that it keeps samples from after it. One seen to end early in a visit
+# that did not expect it began before: the visits of up to this many steps before are set aside.
+BURST_STEPS = 20
 
 
 # -- phases -----------------------------------------------------------------------------------------
@@ -236,6 +248,9 @@ class GlobalPowerLimitOptimizer(Callback):
         self.power_limit_w: int | None = None
         self._failed = False
         self._warmed_up = False  # this run's first limit had its full warm-up (later ones settle)
+        self._burst_open = False  # the last visit ended inside a burst
+        self._visit_in_burst = False  # the current visit began inside one
+        self._timeline: list[tuple[int, int]] = []  # (limit, visit) of this run's finished visits, in order
         # The slowest rank's energy-counter refresh period (0: steps are long enough, or the counter is
         # always current); learned at the first measured step.
         self.energy_refresh_s: float | None = None
@@ -418,6 +433,8 @@ class GlobalPowerLimitOptimizer(Callback):
             self._say_unfinished()
         self._started = False
         self._warmed_up = False
+        self._burst_open = False
+        self._timeline = []
         if isinstance(self._phase, (_Warmup, _Profiling)):
             self._phase = _Waiting(self.wait_steps)
 
@@ -613,6 +630,7 @@ class GlobalPowerLimitOptimizer(Callback):
         if self._warmed_up and not self._by_steps():
             warmup = settle_steps(self.warmup_steps, chunk_steps(self.stats))
         stats.warmed_steps = max(0, stats.warmed_steps) + warmup
+        self._visit_in_burst = self._burst_open
         if warmup > 0:
             self._phase = _Warmup(pl, warmup, stats)
         else:
@@ -666,12 +684,28 @@ class GlobalPowerLimitOptimizer(Callback):
         # A counter that did not move is not a sample, unless it moves by refreshes: then 0 J is its
         # rounding (a refresh fell between steps), which the next chunk's reading makes up for.
         stuck = phase.chunk_energy_j <= 0 and not self.energy_refresh_s
-        total = self._all_reduce([phase.chunk_energy_j, float(stuck)], op="sum")
+        power_w, missing = self._one_second_power_w()
+        total = self._all_reduce([phase.chunk_energy_j, float(stuck), power_w, missing], op="sum")
         if total[1] == 0 and phase.chunk_time_s > 0:
-            phase.stats.add(phase.chunk_time_s, total[0], phase.chunk_steps)
+            power_w = total[2] if total[3] == 0 else math.nan
+            end_s = self.monitor.gpus.clock()
+            phase.stats.add(phase.chunk_time_s, total[0], phase.chunk_steps, power_w, end_s)
         phase.chunk_steps, phase.chunk_time_s, phase.chunk_energy_j, phase.chunk_own_s = 0, 0.0, 0.0, 0.0
         phase.samples_done += 1
         self._decide(phase)
+
+    def _one_second_power_w(self) -> tuple[float, float]:
+        """(this rank's GPUs' power averaged over the last second in W, 1.0 if a GPU does not report it).
+        Read only where the energy counter's rounding matters (it refreshes slowly for these steps)."""
+        if not self.energy_refresh_s or self._failed:
+            return 0.0, 1.0
+        try:
+            readings = [one_second_power_mw(g) for g in self._gpus]
+        except GPUError:
+            return 0.0, 1.0
+        if any(r is None for r in readings):
+            return 0.0, 1.0
+        return sum(readings) / 1000, 0.0
 
     def _limit_moved(self) -> bool:
         """Whether a GPU's power limit is no longer the one being profiled (restored on a signal, or
@@ -707,6 +741,8 @@ class GlobalPowerLimitOptimizer(Callback):
         s = phase.stats
         if self._by_steps():
             verdict = "measured" if s.spent_steps >= self.profile_steps else "more"
+        elif self._burst_open and not self._burst_seen_ending(s):
+            verdict = "more"
         else:
             verdict = measurement_verdict(
                 s,
@@ -730,7 +766,33 @@ class GlobalPowerLimitOptimizer(Callback):
             )
         s.pruned = verdict == "pruned" or not s.steps
         self.stats[s.power_limit_w] = s
+        if not self._by_steps():
+            self._track_bursts(s)
         self._after_limit()
+
+    def _burst_seen_ending(self, s: PowerLimitStats) -> bool:
+        """While a visit that began inside a burst waits for it to end: whether it has (or waited long
+        enough: it ended with the last visit)."""
+        shift = visit_shift(s.chunks, s.visits)
+        taken = sum(c[0] for c in s.chunks if len(c) > 3 and c[3] == s.visits)
+        if (shift is not None and shift[1] < 0) or taken >= BURST_STEPS:
+            self._burst_open = False
+        return not self._burst_open
+
+    def _track_bursts(self, s: PowerLimitStats) -> None:
+        """At a visit's end: note a burst still going on, or set aside the earlier visits that ran inside
+        one that this visit saw end (`burst_lookback`); a limit that loses every sample is measured again."""
+        shift = visit_shift(s.chunks, s.visits)
+        if shift is not None and shift[1] < 0 and not self._visit_in_burst:
+            own = [c for c in s.chunks if len(c) > 3 and c[3] == s.visits]
+            before = sum(c[0] for c in own[: shift[0]])  # the burst's steps in this visit
+            for pl, visit in burst_lookback(self._timeline, self.stats, BURST_STEPS - before):
+                logger.info("Samples at %d W (visit %d) set aside: they ran inside a burst.", pl, visit)
+                self.stats[pl].set_aside_visit(visit)
+                self.stats[pl].pruned = False
+        self._burst_open = shift is not None and shift[1] > 0
+        self._visit_in_burst = False
+        self._timeline.append((s.power_limit_w, s.visits))
 
     def _budget_left_steps(self, current: PowerLimitStats) -> int:
         """Steps the adaptive search may still spend (`adaptive_budget_steps`), `current` counted."""
