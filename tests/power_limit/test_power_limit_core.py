@@ -22,6 +22,7 @@ from zeus_callbacks.core.power_limit.search import (
     measurement_verdict,
     next_power_limit,
     pooled_noise,
+    settle_steps,
     power_limit_grid,
 )
 from zeus_callbacks.core.power_limit.selectors import Energy, MaxSlowdownConstraint, Time, ZeusCost
@@ -209,8 +210,14 @@ def test_refinement_adds_to_the_earlier_visits():
         and sorted(limits[len(opt.grid) :]) == sorted(revisited)
     )
     measured = sum(s.spent_steps for s in opt.stats.values())
-    warmups = 10 * sum(s.visits for s in opt.stats.values())
+    # The run's first limit warms up for `warmup_steps`; every later visit settles for one sample's worth
+    # of steps (enough to span the counter's refresh), as a limit takes effect at once.
+    # (100 ms steps on the 100 ms counter: one step, two where the steps so far averaged a bit less).
+    visits = sum(s.visits for s in opt.stats.values())
+    warmups = sum(s.warmed_steps for s in opt.stats.values())
+    assert 10 + (visits - 1) <= warmups <= 10 + 2 * (visits - 1)
     assert opt.profiling_steps == measured + warmups
+    assert settle_steps(10, 1.0) == 1 and settle_steps(10, 1.3) == 2 and settle_steps(1, 3.0) == 1
     # At most `profile_steps` samples' worth of steps (one sample: at least one refresh of the counter).
     assert all(s.steps <= 40 * chunk_steps({0: s}) + 2 for s in opt.stats.values())
 
@@ -264,7 +271,7 @@ def test_profile_written_as_it_goes_resumed_and_reused(tmp_path: Path):
     path = tmp_path / "plo.json"
     system = vsim()
     opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path)
-    for _ in range(120):
+    for _ in range(50):
         opt.on_step_begin()
         system.run_step(WORK_S)
         opt.on_step_end()

@@ -82,7 +82,7 @@ _OUTLIER_MADS = 4.0
 _OUTLIER_FLOOR = 0.03
 # A level shift of the per-step time within one visit (the limit unchanged all along) is a burst (another
 # job, throttling, a slow stretch of data) starting or ending: two runs of at least `_SHIFT_MIN` samples
-# whose medians differ by `_SHIFT_SDS` standard errors (from the samples' own robust spread, at least
+# whose medians differ by `_SHIFT_SDS` standard errors (from the samples' successive differences, at least
 # `_SHIFT_NOISE_FLOOR` a step) and at least `_SHIFT_FLOOR`. The slower run is set aside.
 _SHIFT_MIN = 2
 _SHIFT_SDS = 4.0
@@ -293,8 +293,8 @@ def level_shift(per_step_s: list[float]) -> tuple[int, int] | None:
     k = min(range(_SHIFT_MIN, n - _SHIFT_MIN + 1), key=cost)
     before, after = float(np.median(x[:k])), float(np.median(x[k:]))
     gap = abs(math.log(after / before))
-    resid = np.concatenate([x[:k] / before, x[k:] / after]) - 1
-    sd = max(1.4826 * float(np.median(np.abs(resid))), _SHIFT_NOISE_FLOOR)
+    # The noise from successive differences: a shift moves only one of them.
+    sd = max(1.4826 * float(np.median(np.abs(np.diff(lx)))) / math.sqrt(2), _SHIFT_NOISE_FLOOR)
     need = max(_SHIFT_FLOOR, _SHIFT_SDS * sd * math.sqrt(1 / k + 1 / (n - k)))
     if gap < math.log1p(need):
         return None
