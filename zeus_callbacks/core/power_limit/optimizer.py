@@ -41,8 +41,9 @@ from zeus_callbacks.core.power_limit.search import (
     power_limit_grid,
     burst_lookback,
     settle_steps,
+    slower_above,
     spent_steps,
-    visit_shift,
+    visit_bursts,
 )
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector, ZeusCost
 from zeus_callbacks.core.power_limit.states import Done, Inactive, PowerLimitState, Profiling, Ready, Warmup
@@ -773,24 +774,28 @@ class GlobalPowerLimitOptimizer(Callback):
     def _burst_seen_ending(self, s: PowerLimitStats) -> bool:
         """While a visit that began inside a burst waits for it to end: whether it has (or waited long
         enough: it ended with the last visit)."""
-        shift = visit_shift(s.chunks, s.visits)
+        _, began_before, _ = visit_bursts(s.chunks, s.visits)
         taken = sum(c[0] for c in s.chunks if len(c) > 3 and c[3] == s.visits)
-        if (shift is not None and shift[1] < 0) or taken >= BURST_STEPS:
+        if began_before or taken >= BURST_STEPS:
             self._burst_open = False
         return not self._burst_open
 
     def _track_bursts(self, s: PowerLimitStats) -> None:
         """At a visit's end: note a burst still going on, or set aside the earlier visits that ran inside
         one that this visit saw end (`burst_lookback`); a limit that loses every sample is measured again."""
-        shift = visit_shift(s.chunks, s.visits)
-        if shift is not None and shift[1] < 0 and not self._visit_in_burst:
+        inside, began_before, goes_on = visit_bursts(s.chunks, s.visits)
+        if began_before and not self._visit_in_burst:
             own = [c for c in s.chunks if len(c) > 3 and c[3] == s.visits]
-            before = sum(c[0] for c in own[: shift[0]])  # the burst's steps in this visit
+            before = sum(own[i][0] for i in inside)  # the burst's steps in this visit
             for pl, visit in burst_lookback(self._timeline, self.stats, BURST_STEPS - before):
                 logger.info("Samples at %d W (visit %d) set aside: they ran inside a burst.", pl, visit)
                 self.stats[pl].set_aside_visit(visit)
                 self.stats[pl].pruned = False
-        self._burst_open = shift is not None and shift[1] > 0
+        for pl, visit in slower_above(self.stats, s) if s.steps else []:
+            logger.info("Samples at %d W (visit %d) set aside: slower than at %d W.", pl, visit, s.power_limit_w)
+            self.stats[pl].set_aside_visit(visit)
+            self.stats[pl].pruned = False
+        self._burst_open = goes_on
         self._visit_in_burst = False
         self._timeline.append((s.power_limit_w, s.visits))
 

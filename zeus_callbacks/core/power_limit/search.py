@@ -52,12 +52,14 @@ __all__ = [
     "robust_chunks",
     "power_windows",
     "level_shift",
-    "visit_shift",
+    "burst_runs",
+    "visit_bursts",
     "pooled_noise",
     "contenders",
     "next_power_limit",
     "measurement_verdict",
     "burst_lookback",
+    "slower_above",
     "clearly_worse",
     "best_power_limit",
     "choose_power_limit",
@@ -93,6 +95,9 @@ _SHIFT_NOISE_FLOOR = 0.01
 _WINDOW_S = 1.0
 _GAP = 0.05
 _MIN_WINDOWS = 1
+# A higher limit's visit whose steps were this much slower than a lower limit's ran inside a burst: a
+# lower limit does not make steps faster (the shipped traces' wiggles stay within about 6%).
+_MONOTONE_SLACK = 0.10
 # Visits at most to a limit whose samples were all set aside as a burst.
 _MAX_VISITS = 4
 
@@ -301,9 +306,32 @@ def level_shift(per_step_s: list[float]) -> tuple[int, int] | None:
     return k, 1 if after > before else -1
 
 
-def visit_shift(chunks: list[list[float]], visit: int) -> tuple[int, int] | None:
-    """`level_shift` of the samples of one visit."""
-    return level_shift([c[1] / c[0] for c in chunks if _visit(c) == visit and c[0] > 0])
+def burst_runs(per_step_s: list[float]) -> tuple[list[int], bool, bool]:
+    """A visit's samples seen inside a burst (indices), whether the burst began before the visit, and
+    whether it goes on after it: a `level_shift`, and within the slower run a second one back (a burst
+    that began and ended inside the visit)."""
+    shift = level_shift(per_step_s)
+    if shift is None:
+        return [], False, False
+    k, sign = shift
+    n = len(per_step_s)
+    if sign > 0:
+        inner = level_shift(per_step_s[k:])
+        if inner is not None and inner[1] < 0:
+            return list(range(k, k + inner[0])), False, False
+        return list(range(k, n)), False, True
+    inner = level_shift(per_step_s[:k])
+    if inner is not None and inner[1] > 0:
+        return list(range(inner[0], k)), False, False
+    return list(range(k)), True, False
+
+
+def visit_bursts(chunks: list[list[float]], visit: int) -> tuple[list[int], bool, bool]:
+    """`burst_runs` of the samples of one visit."""
+    own = [c for c in chunks if _visit(c) == visit]
+    if any(c[0] <= 0 for c in own):
+        return [], False, False
+    return burst_runs([c[1] / c[0] for c in own])
 
 
 def power_windows(chunks: list[list[float]], kept: list[list[float]]) -> list[float]:
@@ -337,6 +365,29 @@ def power_windows(chunks: list[list[float]], kept: list[list[float]]) -> list[fl
     return out
 
 
+def _fastest_visits(visits: dict[int, list[list[float]]]) -> list[list[list[float]]]:
+    """The visits whose per-step times are not significantly slower (as `level_shift` judges two runs)
+    than the fastest visit's: nothing makes a limit's steps faster than it allows, so a visit that is
+    slower all along ran inside a burst."""
+    per = {v: np.log([c[1] / c[0] for c in own if c[0] > 0]) for v, own in visits.items()}
+    some = {v: x for v, x in per.items() if len(x) >= _SHIFT_MIN}
+    if len(some) < 2:
+        return list(visits.values())
+    diffs = np.concatenate([np.diff(x) for x in some.values()])
+    sd = max(1.4826 * float(np.median(np.abs(diffs))) / math.sqrt(2), _SHIFT_NOISE_FLOOR)
+    fast = min(some, key=lambda v: float(np.median(some[v])))
+    lo, n_lo = float(np.median(some[fast])), len(some[fast])
+    out = []
+    for v, own in visits.items():
+        x = some.get(v)
+        if x is not None and v != fast:
+            need = max(_SHIFT_FLOOR, _SHIFT_SDS * sd * math.sqrt(1 / len(x) + 1 / n_lo))
+            if float(np.median(x)) - lo > math.log1p(need):
+                continue
+        out.append(own)
+    return out
+
+
 def robust_chunks(chunks: list[list[float]], bad_visits: list[int] | tuple = ()) -> list[list[float]]:
     """The chunks a limit's measurement rests on.
 
@@ -346,15 +397,12 @@ def robust_chunks(chunks: list[list[float]], bad_visits: list[int] | tuple = ())
     of those left: a data-loader stall, an evaluation or another job sharing the GPU makes a chunk far
     slower than the limit makes it (this last test from 3 chunks up).
     """
-    left = []
+    visits = {}
     for visit in sorted({_visit(c) for c in chunks} - set(bad_visits)):
         own = [c for c in chunks if _visit(c) == visit]
-        shift = level_shift([c[1] / c[0] for c in own if c[0] > 0]) if all(c[0] > 0 for c in own) else None
-        if shift is not None:
-            k, sign = shift
-            own = own[:k] if sign > 0 else own[k:]
-        left.extend(own)
-    chunks = left
+        inside = set(visit_bursts(own, visit)[0])
+        visits[visit] = [c for i, c in enumerate(own) if i not in inside]
+    chunks = [c for own in _fastest_visits(visits) for c in own]
     if len(chunks) < 3:
         return list(chunks)
     per_step = np.array([c[1] / c[0] for c in chunks])
@@ -372,11 +420,28 @@ def burst_lookback(
     out: list[tuple[int, int]] = []
     for pl, visit in reversed(timeline):
         s = stats[pl]
-        shift = visit_shift(s.chunks, visit)
-        if steps <= 0 or (shift is not None and shift[1] > 0):
+        if steps <= 0 or visit_bursts(s.chunks, visit)[2]:
             break
         out.append((pl, visit))
         steps -= sum(c[0] for c in s.chunks if _visit(c) == visit)
+    return out
+
+
+def slower_above(stats: dict[int, PowerLimitStats], current: PowerLimitStats) -> list[tuple[int, int]]:
+    """`(power_limit_w, visit)` of the visits to higher limits whose median step time is more than
+    `_MONOTONE_SLACK` above `current`'s (a lower limit): they ran inside a burst that began and ended
+    with visits, where no visit could see it shift."""
+    if len(current.kept_chunks) < _SHIFT_MIN:
+        return []
+    here = float(np.median([c[1] / c[0] for c in current.kept_chunks]))
+    out = []
+    for pl, s in stats.items():
+        if pl <= current.power_limit_w:
+            continue
+        for visit in sorted({_visit(c) for c in s.kept_chunks}):
+            own = [c[1] / c[0] for c in s.kept_chunks if _visit(c) == visit]
+            if len(own) >= _SHIFT_MIN and float(np.median(own)) > here * (1 + _MONOTONE_SLACK):
+                out.append((pl, visit))
     return out
 
 
