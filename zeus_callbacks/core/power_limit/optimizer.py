@@ -94,6 +94,7 @@ class _Warmup:
     power_limit_w: int
     steps_left: int
     stats: PowerLimitStats  # what the measurement adds to: empty, or the samples of earlier visits
+    settling: bool = False  # a later visit's settling steps: their times help see a burst begin
 
 
 @dataclass
@@ -391,7 +392,13 @@ class GlobalPowerLimitOptimizer(Callback):
             if phase.steps_left <= 0:
                 self._begin_next()
         elif isinstance(phase, _Warmup):
-            self._record_step(None)
+            own_s = self._record_step(None)
+            if phase.settling and self._phase is phase:
+                # The limit is in force already: the step's time (not its energy: the counter lags) is
+                # one more look at whether a burst begins.
+                top = self._all_reduce([own_s if own_s is not None else 0.0, float(own_s is None)], op="max")
+                if top[1] == 0 and top[0] > 0:
+                    phase.stats.add_settling(top[0])
             phase.steps_left -= 1
             if phase.steps_left <= 0 and self._phase is phase:
                 self._warmed_up = True
@@ -633,12 +640,12 @@ class GlobalPowerLimitOptimizer(Callback):
         stats.warmed_steps = max(0, stats.warmed_steps) + warmup
         self._visit_in_burst = self._burst_open
         if warmup > 0:
-            self._phase = _Warmup(pl, warmup, stats)
+            self._phase = _Warmup(pl, warmup, stats, settling=warmup < self.warmup_steps)
         else:
             self._warmed_up = True
             self._phase = _Profiling(pl, stats)
 
-    def _record_step(self, phase: _Profiling | None) -> None:
+    def _record_step(self, phase: _Profiling | None) -> float | None:
         """Close the step's window and add it to the profiling cost; when measuring, add the job's step
         (time maxed over ranks) to the chunk being measured; once the chunk spans `CHUNK_REFRESHES`
         refreshes of the energy counter, add it (energy summed over ranks) to the limit's samples and
@@ -652,7 +659,7 @@ class GlobalPowerLimitOptimizer(Callback):
             except (GPUError, ValueError) as e:
                 self._gpu_failed(e)
         if phase is None or (self._phase is not phase and not self._collective):
-            return
+            return m.time if m is not None else None
         t, e = (m.time, m.total_energy) if m is not None else (0.0, 0.0)
         # One collective per measured step and one per chunk, on every rank, whatever happened to its GPU.
         phase.chunk_own_s += t

@@ -183,6 +183,12 @@ class PowerLimitStats:
         self.chunks.append([int(steps), float(time_s), float(energy_j), self.visits, float(power_w), float(end_s)])
         self._recount()
 
+    def add_settling(self, step_s: float) -> None:
+        """Note the time of a settling step of the current visit (not a sample: the energy counter still
+        lags; it helps `level_shift` see a burst begin with the visit)."""
+        self.chunks.append([1, float(step_s), 0.0, self.visits, math.nan, math.nan, 1])
+        self._recount()
+
     def set_aside_visit(self, visit: int) -> None:
         """Set aside every sample of `visit` (it ran inside a burst seen only later)."""
         if visit not in self.bad_visits:
@@ -191,7 +197,7 @@ class PowerLimitStats:
 
     def visit_samples(self, visit: int) -> int:
         """Samples taken in `visit`, kept or not."""
-        return sum(1 for c in self.chunks if _visit(c) == visit)
+        return sum(1 for c in self.chunks if _visit(c) == visit and not _settling(c))
 
     @property
     def kept_chunks(self) -> list[list[float]]:
@@ -207,7 +213,7 @@ class PowerLimitStats:
         kept = self._kept = robust_chunks(self.chunks, self.bad_visits)
         self._windows = power_windows(self.chunks, kept)
         self.steps = sum(int(c[0]) for c in kept)
-        self.dropped_steps = sum(int(c[0]) for c in self.chunks) - self.steps
+        self.dropped_steps = sum(int(c[0]) for c in self.chunks if not _settling(c)) - self.steps
         self.samples = len(kept)
         self.time_s = sum(c[1] for c in kept)
         self.energy_j = sum(c[2] for c in kept)
@@ -217,7 +223,8 @@ class PowerLimitStats:
     @property
     def breaks(self) -> int:
         """Unbroken runs of chunks: each visit is one, and each chunk set aside splits one."""
-        return self.visits + len(self.chunks) - self.samples if self.chunks else self.visits
+        measured = sum(1 for c in self.chunks if not _settling(c))
+        return self.visits + measured - self.samples if self.chunks else self.visits
 
     def _rel_var(self, total: float, sq: float) -> float:
         """Variance of one step's value relative to the mean squared, from the samples' spread (each
@@ -276,6 +283,11 @@ class PowerLimitStats:
 
 def _visit(chunk: list[float]) -> int:
     return int(chunk[3]) if len(chunk) > 3 else 1
+
+
+def _settling(chunk: list[float]) -> bool:
+    """A settling step's time (`PowerLimitStats.add_settling`), not a sample."""
+    return len(chunk) > 6 and bool(chunk[6])
 
 
 def level_shift(per_step_s: list[float]) -> tuple[int, int] | None:
@@ -345,7 +357,7 @@ def power_windows(chunks: list[list[float]], kept: list[list[float]]) -> list[fl
     kept_ids = {id(c) for c in kept}
     out: list[float] = []
     for visit in sorted({_visit(c) for c in chunks}):
-        own = [c for c in chunks if _visit(c) == visit]
+        own = [c for c in chunks if _visit(c) == visit and not _settling(c)]
         i = len(own) - 1
         while i >= 0:
             c = own[i]
@@ -401,7 +413,7 @@ def robust_chunks(chunks: list[list[float]], bad_visits: list[int] | tuple = ())
     for visit in sorted({_visit(c) for c in chunks} - set(bad_visits)):
         own = [c for c in chunks if _visit(c) == visit]
         inside = set(visit_bursts(own, visit)[0])
-        visits[visit] = [c for i, c in enumerate(own) if i not in inside]
+        visits[visit] = [c for i, c in enumerate(own) if i not in inside and not _settling(c)]
     chunks = [c for own in _fastest_visits(visits) for c in own]
     if len(chunks) < 3:
         return list(chunks)
