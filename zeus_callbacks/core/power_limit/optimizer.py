@@ -33,13 +33,13 @@ from zeus_callbacks.core.power_limit.search import (
     SEARCHES,
     PowerLimitStats,
     adaptive_budget_steps,
+    burst_lookback,
     choose_power_limit,
     chunk_steps,
     measurement_verdict,
     min_measured_steps,
     next_power_limit,
     power_limit_grid,
-    burst_lookback,
     settle_steps,
     slower_above,
     spent_steps,
@@ -799,7 +799,9 @@ class GlobalPowerLimitOptimizer(Callback):
                 self.stats[pl].set_aside_visit(visit)
                 self.stats[pl].pruned = False
         for pl, visit in slower_above(self.stats, s) if s.steps else []:
-            logger.info("Samples at %d W (visit %d) set aside: slower than at %d W.", pl, visit, s.power_limit_w)
+            logger.info(
+                "Samples at %d W (visit %d) set aside: slower than at %d W.", pl, visit, s.power_limit_w
+            )
             self.stats[pl].set_aside_visit(visit)
             self.stats[pl].pruned = False
         self._burst_open = goes_on

@@ -180,7 +180,9 @@ class PowerLimitStats:
         """Add one sample of the current visit: a chunk of `steps` contiguous steps that took `time_s` and
         `energy_j` in all, ending at `end_s` (the monitor's clock) with the job's GPUs drawing `power_w`
         on average over the last second (nan: not read)."""
-        self.chunks.append([int(steps), float(time_s), float(energy_j), self.visits, float(power_w), float(end_s)])
+        self.chunks.append(
+            [int(steps), float(time_s), float(energy_j), self.visits, float(power_w), float(end_s)]
+        )
         self._recount()
 
     def add_settling(self, step_s: float) -> None:
@@ -728,7 +730,9 @@ def next_power_limit(
     if unvisited is not None or search != "adaptive" or not selector.has_score() or not stats:
         return unvisited
     # A limit whose every visit ran inside a burst is measured again (a few times at most).
-    lost = [pl for pl in grid if not stats[pl].steps and stats[pl].bad_visits and stats[pl].visits < _MAX_VISITS]
+    lost = [
+        pl for pl in grid if not stats[pl].steps and stats[pl].bad_visits and stats[pl].visits < _MAX_VISITS
+    ]
     if lost:
         return lost[0]
     per = chunk_steps(stats)
