@@ -145,10 +145,13 @@ class GlobalPowerLimitOptimizer(Callback):
 
     Each power limit is profiled over whole training steps (step begin to step end, so evaluation,
     logging and checkpointing between steps are not charged to it), after `warmup_steps` steps at that
-    limit. The adaptive search measures each limit only until it is clearly worse than the best so far
-    or cannot beat it by more than 1% (at least `profile_steps // 8` steps), then revisits the few limits
-    still within 1% of the best (warm-up again, then up to `profile_steps` steps in all) while a budget
-    of 3/4 of a sweep's steps lasts; see `power_limit_search`. Profiling carries on across epochs
+    limit (the adaptive search: at the first limit of a run; a later limit, in force within
+    milliseconds, settles for a step or two). The adaptive search measures each limit only until it is
+    clearly worse than the best so far or cannot beat it by more than 1% (at least
+    `profile_steps // 8` steps), then revisits the few limits still within 1% of the best (up to
+    `profile_steps` steps in all) while a budget of 3/4 of a sweep's steps lasts; samples taken inside a
+    burst of slow steps are set aside and a limit left without any is measured again; see
+    `zeus_callbacks.core.power_limit.search`. Profiling carries on across epochs
     (`search="zeus"`: an epoch's end interrupts it as in Zeus). Under torch.distributed every rank
     measures its own GPU; each measured step's energy is summed and its time maxed over ranks, so every
     rank reaches the same decision at the same step. Every change goes through the process's GPU-state
@@ -167,7 +170,9 @@ class GlobalPowerLimitOptimizer(Callback):
         monitor: The `ZeusMonitor` measuring this process's GPU(s).
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
         wait_steps: Steps to let pass before profiling starts.
-        warmup_steps: Steps run at each power limit before it is measured (0 allowed).
+        warmup_steps: Steps run at a power limit before it is measured (0 allowed): at each limit for
+            the sweeps, at the run's first limit for the adaptive search (later ones settle for one
+            sample's worth of steps, at most this many).
         profile_steps: Steps measured at each power limit (the most, for the adaptive search).
         pl_step: Stride between profiled power limits (W); the minimum limit is always profiled.
         profile_path: JSON file of the profile: loaded if it exists (a complete one is applied at once, a

@@ -18,6 +18,23 @@ only more steps of both settle them, and which limits tie is known only once eve
 Its budget is three quarters of a sweep for one run (in steps: a sweep of samples that each span a refresh of the
 energy counter), enough to settle a flat curve with several near-ties (the benchmark).
 
+What a limit's measurement rests on (`PowerLimitStats`, `robust_chunks`):
+- Warm-up once: the run's first limit gets `warmup_steps` (the job warms up there); a power limit takes
+  effect within milliseconds, so every later visit only settles for one sample's worth of steps
+  (`settle_steps`: the energy counter lags by up to one refresh).
+- Energy from whole seconds: where the counter's refresh is long against the steps, its rounding (up
+  to one refresh's energy at either end of a visit) dwarfs the differences between limits. The GPU's
+  one-second average power (`NVML_FI_DEV_POWER_AVERAGE`), read at the end of samples whose times cover
+  that second back to back, is the exact mean power of those steps; disjoint such seconds
+  (`power_windows`) times the mean step time give the step energy without rounding.
+- Bursts (another job, throttling, a slow stretch of input) slow every step for a while; a limit never
+  makes steps faster than it allows. A lasting shift of the step time within one visit (`level_shift`,
+  the settling steps included) is a burst beginning or ending: the slower run is set aside. A visit of a
+  limit slower all along than another visit of it, or a higher limit slower by more than 10% than a
+  lower one (`slower_above`), ran inside a burst. The optimizer carries what one visit saw into the
+  next (a visit that begins inside a burst waits for it to end; visits before one that saw a burst end
+  are set aside, `burst_lookback`), and a limit left without samples is measured again.
+
 Why every limit and not a shape-guided jump (below the power drawn at the maximum limit, descend while
 the cost improves): measured curves are not smooth. Where the GPU never reaches the cap (small batches,
 movielens-1m/ncf) the curve is flat and its wiggles are as large as the differences between limits, and
