@@ -15,11 +15,7 @@ from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.arguments import bad_argument, require_monitor, whole_number
 from zeus_callbacks.core.callback import Callback
 from zeus_callbacks.core.device.errors import GPUError
-from zeus_callbacks.core.device.power import (
-    MAX_REFRESH_PERIOD_S,
-    energy_refresh_period_s,
-    one_second_power_mw,
-)
+from zeus_callbacks.core.device.power import MAX_REFRESH_PERIOD_S, energy_refresh_period_s
 from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.profile_file import (
@@ -708,17 +704,15 @@ class GlobalPowerLimitOptimizer(Callback):
         self._decide(phase)
 
     def _one_second_power_w(self) -> tuple[float, float]:
-        """(this rank's GPUs' power averaged over the last second in W, 1.0 if a GPU does not report it).
-        Read only where the energy counter's rounding matters (it refreshes slowly for these steps)."""
+        """(this rank's GPUs' power averaged over the last second in W, 1.0 if a GPU does not report it,
+        or the monitor replays a log). Read only where the energy counter's rounding matters."""
         if not self.energy_refresh_s or self._failed:
             return 0.0, 1.0
         try:
-            readings = [one_second_power_mw(g) for g in self._gpus]
+            power_w = self.monitor.one_second_power_w()
         except GPUError:
             return 0.0, 1.0
-        if any(r is None for r in readings):
-            return 0.0, 1.0
-        return sum(readings) / 1000, 0.0
+        return (0.0, 1.0) if power_w is None else (power_w, 0.0)
 
     def _limit_moved(self) -> bool:
         """Whether a GPU's power limit is no longer the one being profiled (restored on a signal, or
