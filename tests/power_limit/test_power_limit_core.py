@@ -617,6 +617,10 @@ def test_energy_from_whole_seconds_of_the_one_second_power_average():
     for i in range(25):
         gap.add(0.1, 20.0, power_w=150.0, end_s=0.2 * (i + 1))
     assert gap.power_windows_w == [] and gap.mean_energy_j == pytest.approx(20.0)
+    # Not read (a counter that keeps up with the steps): stored so that profile files stay strict JSON.
+    unread = PowerLimitStats(250)
+    unread.add(0.1, 20.0)
+    json.dumps(unread.to_dict(), allow_nan=False)
 
 
 def test_bursts_do_not_hide_the_best_limit():

@@ -196,16 +196,16 @@ class PowerLimitStats:
     ) -> None:
         """Add one sample of the current visit: a chunk of `steps` contiguous steps that took `time_s` and
         `energy_j` in all, ending at `end_s` (the monitor's clock) with the job's GPUs drawing `power_w`
-        on average over the last second (nan: not read)."""
+        on average over the last second (nan: not read; stored as -1, as profile files are strict JSON)."""
         self.chunks.append(
-            [int(steps), float(time_s), float(energy_j), self.visits, float(power_w), float(end_s)]
+            [int(steps), float(time_s), float(energy_j), self.visits, _or_unread(power_w), _or_unread(end_s)]
         )
         self._recount()
 
     def add_settling(self, step_s: float) -> None:
         """Note the time of a settling step of the current visit (not a sample: the energy counter still
         lags; it helps `level_shift` see a burst begin with the visit)."""
-        self.chunks.append([1, float(step_s), 0.0, self.visits, math.nan, math.nan, 1])
+        self.chunks.append([1, float(step_s), 0.0, self.visits, -1.0, -1.0, 1])
         self._recount()
 
     def set_aside_visit(self, visit: int) -> None:
@@ -300,6 +300,11 @@ class PowerLimitStats:
         return asdict(self)
 
 
+def _or_unread(value: float) -> float:
+    """A reading as stored in a chunk: -1 for none (nan), as profile files are strict JSON."""
+    return float(value) if math.isfinite(value) else -1.0
+
+
 def _visit(chunk: list[float]) -> int:
     return int(chunk[3]) if len(chunk) > 3 else 1
 
@@ -380,7 +385,7 @@ def power_windows(chunks: list[list[float]], kept: list[list[float]]) -> list[fl
         i = len(own) - 1
         while i >= 0:
             c = own[i]
-            if len(c) < 6 or not math.isfinite(c[4]) or not math.isfinite(c[5]) or id(c) not in kept_ids:
+            if len(c) < 6 or c[4] < 0 or c[5] < 0 or id(c) not in kept_ids:
                 i -= 1
                 continue
             span, j = 0.0, i
