@@ -159,20 +159,24 @@ def solve(
     target_time_s: float | None = None,
     num_deadlines: int = 8,
     max_passes: int = 8,
+    time_limit_s: float = 1.0,
 ) -> Plan:
     """The least-energy plan found whose iteration time does not exceed `target_time_s`.
 
-    The best of one search that prices iteration time at the total blocking power, and searches that
-    minimise effective energy under `num_deadlines` deadlines spread from the fastest time to the target
-    (shorter deadlines can win: every stage burns blocking power for the whole iteration).
+    With scipy (the `pipeline` extra): the greedy search and the LP relaxation's rounded plan, each improved
+    by local search, then HiGHS' branch and bound for at most `time_limit_s` while the best plan is not proven
+    within 0.1 % of the optimum (see `exact.refine`); the proven gap is logged. Without scipy: the best of one
+    search that prices iteration time at the total blocking power and searches that minimise effective energy
+    under `num_deadlines` deadlines spread from the fastest time to the target.
 
     Args:
         dag: The iteration's DAG (`build_dag`) or a per-stage schedule (`build_schedule`).
         options: Profiled options of each `(stage, kind)`.
         p_blk_w: Blocking power (W) while a stage waits: one value, or one per stage.
         target_time_s: Deadline on the iteration time; defaults to the all-max-frequency iteration time.
-        num_deadlines: Number of deadlines tried between the fastest time and the target (at least 1).
-        max_passes: Local-search passes after each greedy search (0: greedy only; more: slower, better).
+        num_deadlines: Without scipy, deadlines tried between the fastest time and the target (at least 1).
+        max_passes: Local-search passes after each greedy search or rounding (0: none; more: slower, better).
+        time_limit_s: With scipy, the most time (s) branch and bound may take (0: never run it).
 
     Raises:
         ValueError: On missing or invalid options, or a target faster than the fastest options allow.
@@ -185,6 +189,8 @@ def solve(
             f"{problem.fastest_time_s:.6g} s."
         )
     target = max(target, problem.fastest_time_s)
+    if _refine_available():
+        return problem.plan(problem.best_levels(target, [0] * len(problem.dag), max_passes, time_limit_s))
     levels = [0] * len(problem.dag)
     problem.optimize(levels, target, priced=True, max_passes=max_passes)
     plans = [problem.plan(levels)]
@@ -202,43 +208,75 @@ def frontier(
     options: OptionTable,
     p_blk_w: float | Sequence[float],
     num_points: int = 24,
-    max_passes: int = 0,
+    max_passes: int = 2,
+    time_limit_s: float = 0.25,
 ) -> Frontier:
-    """The time-energy frontier, from the fastest plan to the slowest useful one.
+    """The time-energy frontier, from the fastest plan to the least-energy one.
 
-    Targets are spread evenly over that range; the plan for each target starts from the previous one (still
-    feasible under the looser deadline), so the whole sweep costs about as much as a few calls of `solve`.
-    Points that are slower without saving energy are dropped.
+    With scipy, each of `num_points` targets spread evenly from the fastest time to the least-energy plan's
+    time is solved as `solve` does, starting from the previous target's plan, so every point is as close to
+    the optimum at its own iteration time as `solve`'s plan. Without scipy, a greedy sweep over targets up to
+    the all-slowest time (local search only at the all-max-frequency time). Points that are slower without
+    saving energy are dropped; the all-max-frequency time is always one of the targets.
 
     Args:
         dag: The iteration's DAG (`build_dag`) or a per-stage schedule (`build_schedule`).
         options: Profiled options of each `(stage, kind)`.
         p_blk_w: Blocking power (W) while a stage waits: one value, or one per stage.
         num_points: Number of targets to solve for (at least 2).
-        max_passes: Local-search passes per target (default 0: greedy only). The all-max-frequency time is
-            always refined as `solve` does, so `choose()` with its default target agrees with `solve`.
+        max_passes: Local-search passes per target (with scipy; without, the greedy runs alone).
+        time_limit_s: With scipy, the most time (s) branch and bound may take per target (0: never run it).
     """
     if num_points < 2:
         raise ValueError(f"`frontier(num_points={num_points})` needs at least 2 points.")
     problem = _Problem(_as_dag(dag), options, p_blk_w)
-    lo, hi = problem.fastest_time_s, problem.slowest_time_s
-    targets = sorted(
-        {
+    lo = problem.fastest_time_s
+    plans: list[Plan] = []
+    if _refine_available():
+        least = problem.best_levels(problem.slowest_time_s, [0] * len(problem.dag), max_passes, time_limit_s)
+        plans.append(problem.plan(least))
+        hi = plans[0].iteration_time_s
+        targets = {lo + (hi - lo) * k / (num_points - 1) for k in range(num_points)}
+        if problem.max_frequency_time_s < hi:
+            targets.add(problem.max_frequency_time_s)
+        levels = [0] * len(problem.dag)
+        for target in sorted(targets):
+            levels = problem.best_levels(target, levels, max_passes, time_limit_s)
+            plans.append(problem.plan(levels))
+    else:
+        hi = problem.slowest_time_s
+        targets = {
             lo,
             problem.max_frequency_time_s,
             *(lo + (hi - lo) * k / (num_points - 1) for k in range(num_points)),
         }
-    )
-    plans = problem.sweep(targets, max_passes=max_passes)
-    # The default choice (no slowdown) is the point that matters most: refine it as `solve` does.
-    levels = [0] * len(problem.dag)
-    problem.optimize(levels, problem.max_frequency_time_s, priced=True, max_passes=8)
-    plans.append(problem.plan(levels))
+        plans = problem.sweep(sorted(targets), max_passes=0)
+        # The default choice (no slowdown) is the point that matters most: refine it as `solve` does.
+        levels = [0] * len(problem.dag)
+        problem.optimize(levels, problem.max_frequency_time_s, priced=True, max_passes=8)
+        plans.append(problem.plan(levels))
     kept: list[Plan] = []
     for plan in sorted(plans, key=lambda p: (p.iteration_time_s, p.energy_j)):
         if not kept or plan.energy_j < kept[-1].energy_j:
             kept.append(plan)
     return Frontier(plans=tuple(kept), max_frequency=problem.max_frequency_plan)
+
+
+_REFINE: list[bool] = []
+
+
+def _refine_available() -> bool:
+    """Whether `exact.refine` can run (scipy installed); says once, at INFO, when it cannot."""
+    if not _REFINE:
+        from zeus_callbacks.core.pipeline_frequency.exact import scipy_available
+
+        _REFINE.append(scipy_available())
+        if not _REFINE[0]:
+            logger.info(
+                "scipy is not installed: pipeline plans are heuristic, without a proven distance to the "
+                "optimum. Install it with `pip install 'zeus-callbacks[pipeline]'`."
+            )
+    return _REFINE[0]
 
 
 def _as_dag(dag: PipelineDAG | Sequence[Sequence[Instruction]]) -> PipelineDAG:
@@ -311,6 +349,32 @@ class _Problem:
 
     def plan(self, levels: Sequence[int]) -> Plan:
         return _make_plan(self.dag, self.p_blk, [opts[k] for opts, k in zip(self.opts, levels, strict=True)])
+
+    def feasible(self, levels: Sequence[int], target_time_s: float) -> bool:
+        """Whether the plan's iteration time is within `target_time_s`."""
+        durations = [t[k] for t, k in zip(self.times, levels, strict=True)]
+        return self.dag.iteration_time(durations) <= target_time_s * (1 + _REL_TOL)
+
+    def best_levels(
+        self, target_time_s: float, start: Sequence[int], max_passes: int, time_limit_s: float
+    ) -> list[int]:
+        """The priced greedy from `start` (feasible under the target), then `exact.refine`; logs the gap."""
+        from zeus_callbacks.core.pipeline_frequency.exact import GAP_GOAL, refine
+
+        levels = list(start)
+        # Local search pays off more from the relaxation's rounded plan than from the greedy: only there.
+        self.optimize(levels, target_time_s, priced=True, max_passes=0)
+        levels, bound = refine(self, levels, target_time_s, time_limit_s, max_passes)
+        energy = self.plan(levels).energy_j
+        gap = energy / bound - 1 if bound > 0 else float("inf")
+        log = logger.info if gap > GAP_GOAL else logger.debug
+        log(
+            "Plan for target %.6g s: %.6g J, proven within %.3g %% of the optimum.",
+            target_time_s,
+            energy,
+            100 * gap,
+        )
+        return levels
 
     def optimize(self, levels: list[int], target_time_s: float, priced: bool, max_passes: int) -> None:
         """Improve `levels` in place: least energy with the iteration time within `target_time_s`.
