@@ -38,15 +38,12 @@ from zeus_callbacks.core.pipeline_frequency.frontier import OptionTable, Plan, e
 if TYPE_CHECKING:
     from zeus_callbacks.core.pipeline_frequency.frontier import _Problem
 
-__all__ = ["GAP_GOAL", "exact_plan", "refine", "scipy_available"]
+__all__ = ["GAP_GOAL", "exact_plan", "lower_bound", "refine", "scipy_available"]
 
 logger = logging.getLogger(__name__)
 
 GAP_GOAL = 1e-3
 """Relative distance to the optimum (0.1 %) below which the planner stops improving a plan."""
-# The relaxation and branch and bound aim this much (relative) below the deadline, so that their plans meet
-# it despite HiGHS' feasibility tolerance; the bound they prove moves by far less than `GAP_GOAL` with it.
-_DEADLINE_MARGIN = 1e-6
 # Branch and bound closes 0.1 % within a second up to about this many option binaries (small pipelines or
 # few clocks); on larger programs it does not within seconds, so it is not tried there.
 _MAX_BINARIES = 1000
@@ -112,6 +109,27 @@ def exact_plan(
     return evaluate(dag, options, p_blk, freqs)
 
 
+def lower_bound(
+    dag: PipelineDAG | Sequence[Sequence[Instruction]],
+    options: OptionTable,
+    p_blk_w: float | Sequence[float],
+    target_time_s: float,
+) -> float:
+    """A lower bound (J) on the energy of every plan within `target_time_s`: the LP relaxation's optimum.
+
+    Raises:
+        ValueError: On invalid options or an infeasible target.
+    """
+    from zeus_callbacks.core.pipeline_frequency.frontier import _as_dag, _Problem
+
+    problem = _Problem(_as_dag(dag), options, p_blk_w)
+    program = _Program.build(problem.dag, problem.times, problem.costs, sum(problem.p_blk), target_time_s)
+    result = program.solve(integral=False)
+    if result.status != 0:
+        raise ValueError(f"`lower_bound(target_time_s={target_time_s!r})`: no plan meets the target.")
+    return float(result.fun)
+
+
 def refine(
     problem: _Problem, levels: list[int], target_time_s: float, time_limit_s: float, max_passes: int
 ) -> tuple[list[int], float]:
@@ -131,9 +149,7 @@ def refine(
     Returns:
         The best levels found and a lower bound on the energy (J) of every plan within the deadline.
     """
-    # HiGHS meets constraints to about 1e-7 s: aim a hair below the deadline so that plans truly meet it.
-    deadline = max(target_time_s * (1 - _DEADLINE_MARGIN), problem.fastest_time_s)
-    program = _Program.build(problem.dag, problem.times, problem.costs, sum(problem.p_blk), deadline)
+    program = _Program.build(problem.dag, problem.times, problem.costs, sum(problem.p_blk), target_time_s)
     best, best_energy = list(levels), problem.plan(levels).energy_j
     relaxed = program.solve(integral=False)
     if relaxed.status != 0 or relaxed.x is None:
@@ -150,6 +166,8 @@ def refine(
     result = program.solve(integral=True, time_limit_s=time_limit_s, mip_rel_gap=GAP_GOAL)
     if result.x is not None:
         found = program.levels(result.x)
+        # HiGHS meets the deadline to its feasibility tolerance: repair a hair's overrun (and fill).
+        problem.optimize(found, target_time_s, priced=True, max_passes=0)
         energy = problem.plan(found).energy_j
         if energy < best_energy and problem.feasible(found, target_time_s):
             best, best_energy = found, energy

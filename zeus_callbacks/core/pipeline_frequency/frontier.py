@@ -209,7 +209,7 @@ def frontier(
     p_blk_w: float | Sequence[float],
     num_points: int = 24,
     max_passes: int = 2,
-    time_limit_s: float = 0.25,
+    time_limit_s: float = 0.5,
 ) -> Frontier:
     """The time-energy frontier, from the fastest plan to the least-energy one.
 
@@ -399,6 +399,8 @@ class _Problem:
         self.ls = [0.0] * n
         self._forward(range(n))
         self._backward(range(n))
+        # A start that overruns the deadline (HiGHS' plans can, by its feasibility tolerance) is sped up first.
+        self._repair(set(range(n)), frozen=-1)
         self._fill(range(n), frozen=-1)
         eject = sum(len(t) for t in self.times) <= _EJECT_MAX_WORK
         for _ in range(max_passes):
@@ -455,11 +457,20 @@ class _Problem:
     def _eject(self, v: int, level: int) -> bool:
         """Slow `v` down to `level`, speeding up others until the deadline holds; keep it if the energy drops."""
         saved, before = self._snapshot(), self._objective()
-        touched = self._set_level(v, level)
+        touched = self._repair(self._set_level(v, level), frozen=v)
+        if any(self.es[u] - self.ls[u] > self.tol for u in touched):
+            self._restore(saved)
+            return False
+        self._fill(touched, frozen=-1)
+        return self._keep_if_better(before, saved)
+
+    def _repair(self, touched: set[int], frozen: int) -> set[int]:
+        """Speed up nodes that overrun the deadline (all but `frozen`), cheapest per second first, until none
+        does or none can; returns `touched` with every node whose slack changed."""
         times, costs, levels, d, es, ls = self.times, self.costs, self.levels, self.d, self.es, self.ls
         while True:
             best = (float("inf"), -1, -1)
-            for u in [u for u in touched if es[u] - ls[u] > self.tol and u != v]:
+            for u in [u for u in touched if es[u] - ls[u] > self.tol and u != frozen]:
                 excess = es[u] - ls[u]
                 cur = levels[u]
                 for k in range(cur):
@@ -467,13 +478,8 @@ class _Problem:
                     if ratio < best[0]:
                         best = (ratio, u, k)
             if best[1] < 0:
-                break
+                return touched
             touched |= self._set_level(best[1], best[2])
-        if any(es[u] - ls[u] > self.tol for u in touched):
-            self._restore(saved)
-            return False
-        self._fill(touched, frozen=-1)
-        return self._keep_if_better(before, saved)
 
     def _set_level(self, v: int, level: int) -> set[int]:
         """Change node `v`'s option and refresh the schedule; returns nodes whose slack changed."""
