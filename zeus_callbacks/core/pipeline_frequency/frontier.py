@@ -5,16 +5,30 @@ blocking power `P_blk[s]` for the time that stage is not computing, `P_blk[s] * 
 `T` this is `sum(e_i - P_blk[s_i] * t_i) + T * sum(P_blk)`, so each instruction only needs its *effective
 energy* `e - P_blk * t`, and options that are slower without a lower effective energy are never useful.
 
-The solver starts from every instruction at its fastest option and repeatedly slows down the instruction
-step that saves the most effective energy per second of added time, among the steps that fit within the
-instruction's current slack (latest start minus earliest start against the target time). Slacks are kept
-exact by propagating each change forward (earliest starts) and backward (latest starts) through the DAG;
-because slacks only shrink, the priorities only fall, and a lazy priority queue finds the best step. Local
-search then repairs the greedy's mistakes (see `_Problem.optimize`). Unlike Phillips-Dessouky (lowtime), which
-crashes the whole DAG one time quantum at a time with a max-flow per quantum on a fitted continuous cost
-model, this works on the exact (unquantised) profiled options and only touches the affected part of the DAG.
-Results are heuristic: exact on the brute-forced small cases at the all-max-frequency target, and within
-a fraction of a percent of lowtime (usually below it) on realistic profiles; see `benchmarks/`.
+How a plan is found (`solve`, and every `frontier` point):
+
+1. A greedy search slows down the instruction step that saves the most energy per second of added time,
+   among the steps that fit within the instruction's slack (latest minus earliest start against the
+   target); slacks are kept exact by propagating each change forward and backward through the DAG, and a
+   lazy priority queue finds the best step (slacks only shrink, so priorities only fall).
+2. With scipy (the `pipeline` extra), `exact.refine`: the LP relaxation of the exact integer program (each
+   instruction on the lower convex hull of its options: a time-cost tradeoff LP) gives a lower bound on
+   every plan; its durations rounded to the next faster option are improved by local search (below); while
+   the best plan is not proven within 0.1 % of that bound, HiGHS' branch and bound runs under a time limit
+   on small programs. The gap proven is logged (INFO when above 0.1 %).
+3. Local search repairs the greedy's mistakes: an *exchange* speeds one instruction up, freezes it and hands
+   the freed slack to the others; an *ejection* slows one down past its slack and speeds up the cheapest
+   instructions on the paths that overrun.
+
+Why this mix (measured on `benchmarks/pipeline_planner.py`'s profiles, 4x8 to 8x32, 29 clocks, and 100
+random small pipelines with 3-8 clocks): the greedy with local search alone ends 0.4-1.5 % above the LP bound
+and takes up to 20 s at 8x32 off the all-max time; rounding the LP and searching locally from there ends
+0.1-0.25 % above the bound (the bound itself is about 0.1 % below the optimum where the optimum is known) in
+about a second at 8x32. HiGHS' branch and bound alone needs 4-30 s to close 0.1 % at 4x8 and does not within a
+minute from 4x16 on (nor restricted to the LP's neighbourhood), but closes small programs (the 3-8-clock
+pipelines of the exact test) in milliseconds: there it makes the plan provably within 0.1 %. Unlike
+Phillips-Dessouky (lowtime), nothing is quantised: plans use the profiled options as measured. Without scipy
+the planner runs steps 1 and 3 only, over several deadlines, and cannot tell its distance to the optimum.
 """
 
 from __future__ import annotations
