@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("scipy.optimize")
 
 from zeus_callbacks.core.pipeline_frequency.dag import build_dag, build_schedule  # noqa: E402
-from zeus_callbacks.core.pipeline_frequency.exact import exact_plan  # noqa: E402
+from zeus_callbacks.core.pipeline_frequency.exact import exact_plan, lower_bound  # noqa: E402
 from zeus_callbacks.core.pipeline_frequency.frontier import (  # noqa: E402
     FrequencyOption,
     frontier,
@@ -73,4 +73,5 @@ def test_exact_plan_is_a_lower_bound_and_matches_brute_force_case():
     assert best is not None
     assert best.iteration_time_s <= ref.iteration_time_s * (1 + 1e-6)
     assert best.energy_j <= solve(dag, options, p_blk).energy_j * (1 + 1e-9)
+    assert lower_bound(dag, options, p_blk, ref.iteration_time_s) <= best.energy_j * (1 + 1e-9)
     assert exact_plan(dag, options, p_blk, 0.5 * ref.iteration_time_s) is None
