@@ -23,8 +23,8 @@ How a plan is found (`solve`, and every `frontier` point):
 Why this mix (measured on `benchmarks/pipeline_planner.py`'s profiles, 4x8 to 8x32, 29 clocks, and 100
 random small pipelines with 3-8 clocks): the greedy with local search alone ends 0.4-1.5 % above the LP bound
 and takes up to 20 s at 8x32 off the all-max time; rounding the LP and searching locally from there ends
-0.1-0.25 % above the bound (the bound itself is about 0.1 % below the optimum where the optimum is known) in
-about a second at 8x32. HiGHS' branch and bound alone needs 4-30 s to close 0.1 % at 4x8 and does not within a
+0.1-0.25 % above the bound (at 4x8, where the optimum is known, the bound is 0.13 % below it, and the plan
+0.06 % above it) in about a second at 8x32. HiGHS' branch and bound alone needs 4-30 s to close 0.1 % at 4x8 and does not within a
 minute from 4x16 on (nor restricted to the LP's neighbourhood), but closes small programs (the 3-8-clock
 pipelines of the exact test) in milliseconds: there it makes the plan provably within 0.1 %. Unlike
 Phillips-Dessouky (lowtime), nothing is quantised: plans use the profiled options as measured. Without scipy
