@@ -222,7 +222,7 @@ def frontier(
     options: OptionTable,
     p_blk_w: float | Sequence[float],
     num_points: int = 24,
-    max_passes: int = 2,
+    max_passes: int = 1,
     time_limit_s: float = 0.5,
 ) -> Frontier:
     """The time-energy frontier, from the fastest plan to the least-energy one.
