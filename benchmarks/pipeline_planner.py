@@ -12,7 +12,8 @@ For each size (stages x microbatches) it builds one synthetic A40-like profile, 
   above). A run stopped by `--lowtime-budget-s` is reported as cut off, with no energy.
 - ours: `solve(schedule, options, p_blk)` (timed at the all-max time; also `frontier(...)` with 24 points), and
   `solve` again at lowtime's iteration time when that is longer.
-- exact: `exact_plan` (HiGHS ILP) at the same time, where it proves optimality within `--exact-limit-s`.
+- exact: `exact_plan` (HiGHS ILP) at the same time, where it proves optimality within `--exact-limit-s`, and
+  `lower_bound` (its LP relaxation), a proven bound on how far ours is from the optimum at every size.
 
 Every plan is re-evaluated with the same exact energy model (`evaluate`). Run:
 `PYTHONPATH=. python benchmarks/pipeline_planner.py [--sizes 4x8,4x16,8x16,8x32] [--lowtime-budget-s 3600]`.
@@ -28,7 +29,7 @@ import time
 from typing import Any
 
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction, build_dag, build_schedule
-from zeus_callbacks.core.pipeline_frequency.exact import exact_plan
+from zeus_callbacks.core.pipeline_frequency.exact import exact_plan, lower_bound
 from zeus_callbacks.core.pipeline_frequency.frontier import (
     FrequencyOption,
     evaluate,
@@ -254,6 +255,7 @@ def main() -> None:
                 row["target"] = max(lt.iteration_time_s, ref.iteration_time_s)
                 at = solve(schedule, options, p_blk, row["target"])
                 row.update(ours_t=at.iteration_time_s, ours_e=at.energy_j)
+        row["lb_e"] = lower_bound(dag, options, p_blk, row["target"])
         if args.exact_limit_s > 0:
             tick = time.perf_counter()
             exact = exact_plan(dag, options, p_blk, row["target"], time_limit_s=args.exact_limit_s)
@@ -270,7 +272,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'size':>6} {'instr':>5} {'opts':>4} {'T_maxf s':>9} {'E_maxf J':>9} {'T cmp s':>8} | "
         f"{'ours s':>7} {'E J':>9} {'save%':>6} | {'lowtime s':>9} {'iters':>5} {'E J':>9} | "
-        f"{'exact s':>7} {'E J':>9} | {'ours-lt%':>8} {'ours-ex%':>8} {'lt-ex%':>7}"
+        f"{'exact s':>7} {'E J':>9} | {'ours-lt%':>8} {'ours-ex%':>8} {'lt-ex%':>7} {'ours-LB%':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -289,11 +291,12 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         line += f"{r['ex_s']:>7.2f} {r['ex_e']:>9.1f} | " if "ex_e" in r else f"{'-':>7} {'-':>9} | "
 
         line += f"{_gap(r, 'ours_e', 'lt_e')} {_gap(r, 'ours_e', 'ex_e')} {_gap(r, 'lt_e', 'ex_e'):>7}"
+        line += f" {_gap(r, 'ours_e', 'lb_e')}"
         print(line)
     print(
         "\nAll energies at the same iteration time 'T cmp' (the all-max-frequency time, or lowtime's iterate time"
         " when its\nquantisation keeps it above): ours = solve(target=T cmp), lowtime = its least-energy iterate"
-        " within T cmp, exact = the ILP\n(HiGHS; '-' = not proven optimal within --exact-limit-s). 'cut off' ="
+        " within T cmp, exact = the ILP\n(HiGHS; '-' = not proven optimal within --exact-limit-s); LB = the LP relaxation's lower bound, so ours-LB% bounds ours-ex%. 'cut off' ="
         " lowtime stopped at --lowtime-budget-s: no result.\nsave% = 1 - ours E / E_maxf (ours at T cmp). 'ours s' = solve from the schedule at the all-max"
         " time. frontier (24 targets) solve time: "
         + ", ".join(f"{r['size']} {r['front_s']:.3f} s" for r in rows)

@@ -5,16 +5,30 @@ blocking power `P_blk[s]` for the time that stage is not computing, `P_blk[s] * 
 `T` this is `sum(e_i - P_blk[s_i] * t_i) + T * sum(P_blk)`, so each instruction only needs its *effective
 energy* `e - P_blk * t`, and options that are slower without a lower effective energy are never useful.
 
-The solver starts from every instruction at its fastest option and repeatedly slows down the instruction
-step that saves the most effective energy per second of added time, among the steps that fit within the
-instruction's current slack (latest start minus earliest start against the target time). Slacks are kept
-exact by propagating each change forward (earliest starts) and backward (latest starts) through the DAG;
-because slacks only shrink, the priorities only fall, and a lazy priority queue finds the best step. Local
-search then repairs the greedy's mistakes (see `_Problem.optimize`). Unlike Phillips-Dessouky (lowtime), which
-crashes the whole DAG one time quantum at a time with a max-flow per quantum on a fitted continuous cost
-model, this works on the exact (unquantised) profiled options and only touches the affected part of the DAG.
-Results are heuristic: exact on the brute-forced small cases at the all-max-frequency target, and within
-a fraction of a percent of lowtime (usually below it) on realistic profiles; see `benchmarks/`.
+How a plan is found (`solve`, and every `frontier` point):
+
+1. A greedy search slows down the instruction step that saves the most energy per second of added time,
+   among the steps that fit within the instruction's slack (latest minus earliest start against the
+   target); slacks are kept exact by propagating each change forward and backward through the DAG, and a
+   lazy priority queue finds the best step (slacks only shrink, so priorities only fall).
+2. With scipy (the `pipeline` extra), `exact.refine`: the LP relaxation of the exact integer program (each
+   instruction on the lower convex hull of its options: a time-cost tradeoff LP) gives a lower bound on
+   every plan; its durations rounded to the next faster option are improved by local search (below); while
+   the best plan is not proven within 0.1 % of that bound, HiGHS' branch and bound runs under a time limit
+   on small programs. The gap proven is logged (INFO when above 0.1 %).
+3. Local search repairs the greedy's mistakes: an *exchange* speeds one instruction up, freezes it and hands
+   the freed slack to the others; an *ejection* slows one down past its slack and speeds up the cheapest
+   instructions on the paths that overrun.
+
+Why this mix (measured on `benchmarks/pipeline_planner.py`'s profiles, 4x8 to 8x32, 29 clocks, and 100
+random small pipelines with 3-8 clocks): the greedy with local search alone ends 0.4-1.5 % above the LP bound
+and takes up to 20 s at 8x32 off the all-max time; rounding the LP and searching locally from there ends
+0.1-0.25 % above the bound (at 4x8, where the optimum is known, the bound is 0.13 % below it, and the plan
+0.06 % above it) in about a second at 8x32. HiGHS' branch and bound alone needs 4-30 s to close 0.1 % at 4x8 and does not within a
+minute from 4x16 on (nor restricted to the LP's neighbourhood), but closes small programs (the 3-8-clock
+pipelines of the exact test) in milliseconds: there it makes the plan provably within 0.1 %. Unlike
+Phillips-Dessouky (lowtime), nothing is quantised: plans use the profiled options as measured. Without scipy
+the planner runs steps 1 and 3 only, over several deadlines, and cannot tell its distance to the optimum.
 """
 
 from __future__ import annotations
@@ -159,20 +173,24 @@ def solve(
     target_time_s: float | None = None,
     num_deadlines: int = 8,
     max_passes: int = 8,
+    time_limit_s: float = 1.0,
 ) -> Plan:
     """The least-energy plan found whose iteration time does not exceed `target_time_s`.
 
-    The best of one search that prices iteration time at the total blocking power, and searches that
-    minimise effective energy under `num_deadlines` deadlines spread from the fastest time to the target
-    (shorter deadlines can win: every stage burns blocking power for the whole iteration).
+    With scipy (the `pipeline` extra): the greedy search and the LP relaxation's rounded plan, each improved
+    by local search, then HiGHS' branch and bound for at most `time_limit_s` while the best plan is not proven
+    within 0.1 % of the optimum (see `exact.refine`); the proven gap is logged. Without scipy: the best of one
+    search that prices iteration time at the total blocking power and searches that minimise effective energy
+    under `num_deadlines` deadlines spread from the fastest time to the target.
 
     Args:
         dag: The iteration's DAG (`build_dag`) or a per-stage schedule (`build_schedule`).
         options: Profiled options of each `(stage, kind)`.
         p_blk_w: Blocking power (W) while a stage waits: one value, or one per stage.
         target_time_s: Deadline on the iteration time; defaults to the all-max-frequency iteration time.
-        num_deadlines: Number of deadlines tried between the fastest time and the target (at least 1).
-        max_passes: Local-search passes after each greedy search (0: greedy only; more: slower, better).
+        num_deadlines: Without scipy, deadlines tried between the fastest time and the target (at least 1).
+        max_passes: Local-search passes after each greedy search or rounding (0: none; more: slower, better).
+        time_limit_s: With scipy, the most time (s) branch and bound may take (0: never run it).
 
     Raises:
         ValueError: On missing or invalid options, or a target faster than the fastest options allow.
@@ -185,6 +203,8 @@ def solve(
             f"{problem.fastest_time_s:.6g} s."
         )
     target = max(target, problem.fastest_time_s)
+    if _refine_available():
+        return problem.plan(problem.best_levels(target, [0] * len(problem.dag), max_passes, time_limit_s))
     levels = [0] * len(problem.dag)
     problem.optimize(levels, target, priced=True, max_passes=max_passes)
     plans = [problem.plan(levels)]
@@ -202,43 +222,75 @@ def frontier(
     options: OptionTable,
     p_blk_w: float | Sequence[float],
     num_points: int = 24,
-    max_passes: int = 0,
+    max_passes: int = 1,
+    time_limit_s: float = 0.5,
 ) -> Frontier:
-    """The time-energy frontier, from the fastest plan to the slowest useful one.
+    """The time-energy frontier, from the fastest plan to the least-energy one.
 
-    Targets are spread evenly over that range; the plan for each target starts from the previous one (still
-    feasible under the looser deadline), so the whole sweep costs about as much as a few calls of `solve`.
-    Points that are slower without saving energy are dropped.
+    With scipy, each of `num_points` targets spread evenly from the fastest time to the least-energy plan's
+    time is solved as `solve` does, starting from the previous target's plan, so every point is as close to
+    the optimum at its own iteration time as `solve`'s plan. Without scipy, a greedy sweep over targets up to
+    the all-slowest time (local search only at the all-max-frequency time). Points that are slower without
+    saving energy are dropped; the all-max-frequency time is always one of the targets.
 
     Args:
         dag: The iteration's DAG (`build_dag`) or a per-stage schedule (`build_schedule`).
         options: Profiled options of each `(stage, kind)`.
         p_blk_w: Blocking power (W) while a stage waits: one value, or one per stage.
         num_points: Number of targets to solve for (at least 2).
-        max_passes: Local-search passes per target (default 0: greedy only). The all-max-frequency time is
-            always refined as `solve` does, so `choose()` with its default target agrees with `solve`.
+        max_passes: Local-search passes per target (with scipy; without, the greedy runs alone).
+        time_limit_s: With scipy, the most time (s) branch and bound may take per target (0: never run it).
     """
     if num_points < 2:
         raise ValueError(f"`frontier(num_points={num_points})` needs at least 2 points.")
     problem = _Problem(_as_dag(dag), options, p_blk_w)
-    lo, hi = problem.fastest_time_s, problem.slowest_time_s
-    targets = sorted(
-        {
+    lo = problem.fastest_time_s
+    plans: list[Plan] = []
+    if _refine_available():
+        least = problem.best_levels(problem.slowest_time_s, [0] * len(problem.dag), max_passes, time_limit_s)
+        plans.append(problem.plan(least))
+        hi = plans[0].iteration_time_s
+        targets = {lo + (hi - lo) * k / (num_points - 1) for k in range(num_points)}
+        if problem.max_frequency_time_s < hi:
+            targets.add(problem.max_frequency_time_s)
+        levels = [0] * len(problem.dag)
+        for target in sorted(targets):
+            levels = problem.best_levels(target, levels, max_passes, time_limit_s)
+            plans.append(problem.plan(levels))
+    else:
+        hi = problem.slowest_time_s
+        targets = {
             lo,
             problem.max_frequency_time_s,
             *(lo + (hi - lo) * k / (num_points - 1) for k in range(num_points)),
         }
-    )
-    plans = problem.sweep(targets, max_passes=max_passes)
-    # The default choice (no slowdown) is the point that matters most: refine it as `solve` does.
-    levels = [0] * len(problem.dag)
-    problem.optimize(levels, problem.max_frequency_time_s, priced=True, max_passes=8)
-    plans.append(problem.plan(levels))
+        plans = problem.sweep(sorted(targets), max_passes=0)
+        # The default choice (no slowdown) is the point that matters most: refine it as `solve` does.
+        levels = [0] * len(problem.dag)
+        problem.optimize(levels, problem.max_frequency_time_s, priced=True, max_passes=8)
+        plans.append(problem.plan(levels))
     kept: list[Plan] = []
     for plan in sorted(plans, key=lambda p: (p.iteration_time_s, p.energy_j)):
         if not kept or plan.energy_j < kept[-1].energy_j:
             kept.append(plan)
     return Frontier(plans=tuple(kept), max_frequency=problem.max_frequency_plan)
+
+
+_REFINE: list[bool] = []
+
+
+def _refine_available() -> bool:
+    """Whether `exact.refine` can run (scipy installed); says once, at INFO, when it cannot."""
+    if not _REFINE:
+        from zeus_callbacks.core.pipeline_frequency.exact import scipy_available
+
+        _REFINE.append(scipy_available())
+        if not _REFINE[0]:
+            logger.info(
+                "scipy is not installed: pipeline plans are heuristic, without a proven distance to the "
+                "optimum. Install it with `pip install 'zeus-callbacks[pipeline]'`."
+            )
+    return _REFINE[0]
 
 
 def _as_dag(dag: PipelineDAG | Sequence[Sequence[Instruction]]) -> PipelineDAG:
@@ -314,6 +366,32 @@ class _Problem:
     def plan(self, levels: Sequence[int]) -> Plan:
         return _make_plan(self.dag, self.p_blk, [opts[k] for opts, k in zip(self.opts, levels, strict=True)])
 
+    def feasible(self, levels: Sequence[int], target_time_s: float) -> bool:
+        """Whether the plan's iteration time is within `target_time_s`."""
+        durations = [t[k] for t, k in zip(self.times, levels, strict=True)]
+        return self.dag.iteration_time(durations) <= target_time_s * (1 + _REL_TOL)
+
+    def best_levels(
+        self, target_time_s: float, start: Sequence[int], max_passes: int, time_limit_s: float
+    ) -> list[int]:
+        """The priced greedy from `start` (feasible under the target), then `exact.refine`; logs the gap."""
+        from zeus_callbacks.core.pipeline_frequency.exact import GAP_GOAL, refine
+
+        levels = list(start)
+        # Local search pays off more from the relaxation's rounded plan than from the greedy: only there.
+        self.optimize(levels, target_time_s, priced=True, max_passes=0)
+        levels, bound = refine(self, levels, target_time_s, time_limit_s, max_passes)
+        energy = self.plan(levels).energy_j
+        gap = energy / bound - 1 if bound > 0 else float("inf")
+        log = logger.info if gap > GAP_GOAL else logger.debug
+        log(
+            "Plan for target %.6g s: %.6g J, proven within %.3g %% of the optimum.",
+            target_time_s,
+            energy,
+            100 * gap,
+        )
+        return levels
+
     def optimize(self, levels: list[int], target_time_s: float, priced: bool, max_passes: int) -> None:
         """Improve `levels` in place: least energy with the iteration time within `target_time_s`.
 
@@ -337,6 +415,8 @@ class _Problem:
         self.ls = [0.0] * n
         self._forward(range(n))
         self._backward(range(n))
+        # A start that overruns the deadline (HiGHS' plans can, by its feasibility tolerance) is sped up first.
+        self._repair(set(range(n)), frozen=-1)
         self._fill(range(n), frozen=-1)
         eject = sum(len(t) for t in self.times) <= _EJECT_MAX_WORK
         for _ in range(max_passes):
@@ -393,11 +473,20 @@ class _Problem:
     def _eject(self, v: int, level: int) -> bool:
         """Slow `v` down to `level`, speeding up others until the deadline holds; keep it if the energy drops."""
         saved, before = self._snapshot(), self._objective()
-        touched = self._set_level(v, level)
+        touched = self._repair(self._set_level(v, level), frozen=v)
+        if any(self.es[u] - self.ls[u] > self.tol for u in touched):
+            self._restore(saved)
+            return False
+        self._fill(touched, frozen=-1)
+        return self._keep_if_better(before, saved)
+
+    def _repair(self, touched: set[int], frozen: int) -> set[int]:
+        """Speed up nodes that overrun the deadline (all but `frozen`), cheapest per second first, until none
+        does or none can; returns `touched` with every node whose slack changed."""
         times, costs, levels, d, es, ls = self.times, self.costs, self.levels, self.d, self.es, self.ls
         while True:
             best = (float("inf"), -1, -1)
-            for u in [u for u in touched if es[u] - ls[u] > self.tol and u != v]:
+            for u in [u for u in touched if es[u] - ls[u] > self.tol and u != frozen]:
                 excess = es[u] - ls[u]
                 cur = levels[u]
                 for k in range(cur):
@@ -405,13 +494,8 @@ class _Problem:
                     if ratio < best[0]:
                         best = (ratio, u, k)
             if best[1] < 0:
-                break
+                return touched
             touched |= self._set_level(best[1], best[2])
-        if any(es[u] - ls[u] > self.tol for u in touched):
-            self._restore(saved)
-            return False
-        self._fill(touched, frozen=-1)
-        return self._keep_if_better(before, saved)
 
     def _set_level(self, v: int, level: int) -> set[int]:
         """Change node `v`'s option and refresh the schedule; returns nodes whose slack changed."""
