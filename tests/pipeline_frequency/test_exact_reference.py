@@ -25,7 +25,8 @@ FRONTIER_TOLERANCE = 0.001
 
 
 def random_instance(seed: int):
-    """1F1B or GPipe, 2-3 stages, 2-4 microbatches (at most 16 instructions), 3-8 clocks per type."""
+    """1F1B or GPipe, 2-3 stages, 2-4 microbatches (at most 16 instructions), 3-8 clocks per type; every
+    third instance with communication delays on the edges between stages."""
     rng = random.Random(seed)
     kind = rng.choice(["1f1b", "gpipe"])
     num_stages, num_microbatches, num_freqs = rng.randint(2, 3), rng.randint(2, 4), rng.randint(3, 8)
@@ -42,7 +43,10 @@ def random_instance(seed: int):
                 opts.append(FrequencyOption(f, t, p * t))
             options[s, k] = opts
     p_blk = [rng.uniform(40, 110) for _ in range(num_stages)]
-    return build_dag(build_schedule(kind, num_stages, num_microbatches)), options, p_blk
+    dag = build_dag(build_schedule(kind, num_stages, num_microbatches))
+    if seed % 3 == 2:
+        dag = dag.with_edge_delays(lambda u, v: rng.uniform(0.0, 0.2) if u.stage != v.stage else 0.0)
+    return dag, options, p_blk
 
 
 @pytest.mark.slow

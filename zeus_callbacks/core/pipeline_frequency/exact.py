@@ -225,7 +225,7 @@ class _Program:
         cost[:num_x] = np.concatenate([np.asarray(c, dtype=float) for c in costs])
         cost[t_col] = price_w
         flat_times = np.concatenate([np.asarray(t, dtype=float) for t in times])
-        delays = dag.edge_delays() if hasattr(dag, "edge_delays") else [0.0] * len(dag.edges)
+        delays = dag.edge_delays()
         indptr, indices, data, lower, upper = [0], [], [], [], []
 
         def add_row(
