@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,31 +108,53 @@ def _zeus_stats(path: Path, data: dict, steps: int) -> dict[int, PowerLimitStats
     return stats
 
 
-def measurement_problem(s: PowerLimitStats, range_w: tuple[int, int] | None) -> str | None:
+def measurement_problem(
+    s: PowerLimitStats, range_w: tuple[int, int] | None, saved: Mapping[str, Any] | None = None
+) -> str | None:
     """What makes one limit's saved measurement unusable (a limit outside `range_w` when given, no count of
-    steps, a sum that is not finite and non-negative), or None; shared by profile files and checkpoints."""
+    steps, a sum that is not finite and non-negative, a chunk that is not numbers), or None; shared by
+    profile files and checkpoints. `saved` is the entry as read: the sums are checked as written too, since
+    `PowerLimitStats` recounts them from its chunks."""
     if not isinstance(s.power_limit_w, int) or isinstance(s.power_limit_w, bool):
         return f"power limit {s.power_limit_w!r} is not a whole number of watts"
     if range_w is not None and not range_w[0] <= s.power_limit_w <= range_w[1]:
         return f"power limit {s.power_limit_w} W is outside the GPU's range {range_w[0]}-{range_w[1]} W"
-    if not isinstance(s.steps, int) or s.steps < 0 or (s.steps == 0 and (s.time_s or s.energy_j)):
-        return f"{s.power_limit_w} W: steps={s.steps!r} is not a count of measured steps"
-    if s.steps == 0 and not s.pruned:
-        return f"{s.power_limit_w} W: steps=0 with no measurement"
-    for name in ("time_s", "energy_j", "time_sq", "energy_sq"):
-        value = getattr(s, name)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value < 0
-        ):
-            return f"{s.power_limit_w} W: {name}={value!r} is not a finite, non-negative number"
+    for values in ([saved] if saved is not None else []) + [asdict(s)]:
+        problem = _sums_problem(s.power_limit_w, values, s.pruned)
+        if problem is not None:
+            return problem
+    for chunk in saved.get("chunks") or [] if saved is not None else []:
+        if not isinstance(chunk, list) or not all(_finite(x) for x in chunk) or not chunk or chunk[0] < 0:
+            return f"{s.power_limit_w} W: chunk {chunk!r} is not a list of finite numbers"
     return None
 
 
-def _check_measurement(path: Path, s: PowerLimitStats, range_w: tuple[int, int]) -> None:
-    problem = measurement_problem(s, range_w)
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _sums_problem(power_limit_w: int, values: Mapping[str, Any], pruned: bool) -> str | None:
+    steps = values.get("steps", 0)
+    if (
+        not isinstance(steps, int)
+        or isinstance(steps, bool)
+        or steps < 0
+        or (steps == 0 and (values.get("time_s") or values.get("energy_j")))
+    ):
+        return f"{power_limit_w} W: steps={steps!r} is not a count of measured steps"
+    if steps == 0 and not pruned:
+        return f"{power_limit_w} W: steps=0 with no measurement"
+    for name in ("time_s", "energy_j", "time_sq", "energy_sq"):
+        value = values.get(name, 0.0)
+        if not _finite(value) or value < 0:
+            return f"{power_limit_w} W: {name}={value!r} is not a finite, non-negative number"
+    return None
+
+
+def _check_measurement(
+    path: Path, s: PowerLimitStats, range_w: tuple[int, int], saved: Mapping[str, Any] | None = None
+) -> None:
+    problem = measurement_problem(s, range_w, saved)
     if problem is not None:
         raise InvalidInputError(
             f"The power-limit profile {str(path)!r} is corrupted: {problem}. Delete it to profile again, or pass "
@@ -183,8 +206,8 @@ def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -
             f"The power-limit profile {str(path)!r} was measured on {saved.describe()}, but this job runs on "
             f"{context.describe()}. Pass another profile_path, or delete the file to profile again."
         )
-    for stats_at in stats.values():
-        _check_measurement(path, stats_at, context.power_limit_range_w)
+    for entry in data["measurements"]:
+        _check_measurement(path, stats[int(entry["power_limit_w"])], context.power_limit_range_w, entry)
     # Files written before the selector was recorded: valid for no selector in particular.
     return SavedProfile(
         stats, bool(data.get("complete")), data.get("selector"), str(data.get("search", "adaptive"))
