@@ -733,12 +733,11 @@ class GlobalPowerLimitOptimizer(Callback):
         # rounding (a refresh fell between steps), which the next chunk's reading makes up for.
         stuck = phase.chunk_energy_j <= 0 and not self.energy_refresh_s
         power_w, missing = self._one_second_power_w()
-        # The chunk's end: the ranks' mean, so that every rank sees the same samples (and decides the same).
-        end_s = self.monitor.gpus.clock()
-        total = self._all_reduce([phase.chunk_energy_j, float(stuck), power_w, missing, end_s, 1.0], op="sum")
+        total = self._all_reduce([phase.chunk_energy_j, float(stuck), power_w, missing], op="sum")
         if total[1] == 0 and phase.chunk_time_s > 0:
             power_w = total[2] if total[3] == 0 else math.nan
-            phase.stats.add(phase.chunk_time_s, total[0], phase.chunk_steps, power_w, total[4] / total[5])
+            end_s = self.monitor.gpus.clock()
+            phase.stats.add(phase.chunk_time_s, total[0], phase.chunk_steps, power_w, end_s)
         phase.chunk_steps, phase.chunk_time_s, phase.chunk_energy_j, phase.chunk_own_s = 0, 0.0, 0.0, 0.0
         phase.samples_done += 1
         self._decide(phase)
