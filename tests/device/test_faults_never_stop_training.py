@@ -45,9 +45,9 @@ def _train(framework: str, fault: str, tmp_path: Path, sim_state_dir: Path) -> t
             "not_supported=clocks" if framework == "pipeline" else "not_supported=power"
         ) + at
     else:
-        # Lost mid-run, once the optimizer has changed the GPU twice (a count of NVML calls would break
+        # Lost mid-run, once the optimizer has changed the GPU once (a count of NVML calls would break
         # whenever the package makes a call more or less).
-        env["ZEUS_CALLBACKS_SIM_FAULTS"] = "lost_after_changes=2" + at
+        env["ZEUS_CALLBACKS_SIM_FAULTS"] = "lost_after_changes=1" + at
         # A simulated GPU is lost to one process only; the restore watchdog would still reach it.
         env["ZEUS_CALLBACKS_WATCHDOG"] = "0"
     if framework == "torchrun":
