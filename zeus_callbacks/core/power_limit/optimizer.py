@@ -58,7 +58,6 @@ CHUNK_REFRESHES = 1
 # end, up to this many steps, so that it keeps samples from after it. One seen to end early in a visit
 # that did not expect it began before: the visits of up to this many steps before are set aside.
 BURST_STEPS = 20
-MAX_VISITS = 3  # visits of one limit after which its samples are no longer set aside as burst-ridden
 
 
 # -- phases -----------------------------------------------------------------------------------------
@@ -834,14 +833,10 @@ class GlobalPowerLimitOptimizer(Callback):
             own = [c for c in s.chunks if len(c) > 3 and c[3] == s.visits]
             before = sum(own[i][0] for i in inside)  # the burst's steps in this visit
             for pl, visit in burst_lookback(self._timeline, self.stats, BURST_STEPS - before):
-                if not self._may_measure_again(pl, s):
-                    continue
                 logger.info("Samples at %d W (visit %d) set aside: they ran inside a burst.", pl, visit)
                 self.stats[pl].set_aside_visit(visit)
                 self.stats[pl].pruned = False
         for pl, visit in slower_above(self.stats, s) if s.steps else []:
-            if not self._may_measure_again(pl, s):
-                continue
             logger.info(
                 "Samples at %d W (visit %d) set aside: slower than at %d W.", pl, visit, s.power_limit_w
             )
@@ -850,12 +845,6 @@ class GlobalPowerLimitOptimizer(Callback):
         self._burst_open = goes_on
         self._visit_in_burst = False
         self._timeline.append((s.power_limit_w, s.visits))
-
-    def _may_measure_again(self, power_limit_w: int, current: PowerLimitStats) -> bool:
-        """Whether a limit's visit may still be set aside and measured again: not once the limit has had
-        `MAX_VISITS` visits or the search's budget is spent (noise that keeps looking like bursts, e.g. the
-        host's own on ms-long steps, must not keep profiling going for ever)."""
-        return self.stats[power_limit_w].visits < MAX_VISITS and self._budget_left_steps(current) > 0
 
     def _budget_left_steps(self, current: PowerLimitStats) -> int:
         """Steps the adaptive search may still spend (`adaptive_budget_steps`), `current` counted."""
