@@ -164,13 +164,6 @@ def _import_zeus():
                 "zeus was imported before the fake NVML could be installed; run this as a script."
             )
         zeus_energy.sync_execution_fn = lambda *a, **k: None  # a virtual GPU has no queued work to wait for
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            # Zeus asks torch (or jax) whether it runs distributed; one process without either is not, and
-            # there Zeus's own all_reduce returns its input.
-            zeus_pl.is_distributed = lambda: False
-            zeus_pl.all_reduce = lambda values, operation: values
         _ZEUS = (zeus_gpu, zeus_nvidia, zeus_energy, zeus_pl)
     return _ZEUS
 
