@@ -357,7 +357,8 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         monitor: The `ZeusMonitor` measuring this process's GPU(s) (under torch.distributed, this rank's).
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
         wait_steps: Steps to let pass before profiling starts.
-        warmup_steps: Steps run at each power limit before it is measured.
+        warmup_steps: Steps run at a power limit before it is measured (the adaptive search: at the
+            first limit only; later ones, in force at once, settle for a step or two).
         profile_steps: Steps measured at each power limit.
         pl_step: Stride between profiled power limits (W).
         profile_path: JSON profile: loaded if it exists, written (by rank 0) as profiling goes.

@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from zeus_callbacks import PipelineFrequencyOptimizer, ZeusMonitor, instrument, sim
+from zeus_callbacks import PipelineFrequencyOptimizer, ZeusMonitor, instrument
+from zeus_callbacks.sim import SimulatedKernels
 
 NUM_STAGES = 4
 
@@ -56,34 +57,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=200, help="give up if the plan is not applied by then")
     p.add_argument("--verbose", action="store_true", help="print every step's phase, time and energy")
     return p.parse_args()
-
-
-class _SimulatedKernel(torch.autograd.Function):
-    """Identity whose forward and backward queue work on this rank's simulated GPU (no host CPU used)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, gpu: int, work_s: float) -> torch.Tensor:
-        ctx.gpu, ctx.work_s = gpu, work_s
-        if not x.is_meta:  # not during the stage's shape inference
-            sim.enqueue_work(gpu, work_s)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        sim.enqueue_work(ctx.gpu, 2 * ctx.work_s)
-        return grad, None, None
-
-
-class SimulatedKernels(nn.Module):
-    """The GPU time of a stage's layers, as simulated kernels: 4 ranks then share 2 CPU cores without the
-    host's contention setting the pace of their GPUs."""
-
-    def __init__(self, gpu: int, work_s: float) -> None:
-        super().__init__()
-        self.gpu, self.work_s = gpu, work_s
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SimulatedKernel.apply(x, self.gpu, self.work_s)
 
 
 def make_stage_module(layers: int, width: int, gpu: int, kernel_ms: float) -> nn.Module:

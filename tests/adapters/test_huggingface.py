@@ -82,7 +82,22 @@ def tiny_model() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
+class GPUWork(TrainerCallback):
+    """Each step queues `STEP_GPU_WORK_S` of simulated GPU work (no host CPU): as on a real GPU, the step's
+    pace is the GPU's, slowed by the limit in force, not the host's, whose speed and load vary; a step then
+    spans a refresh of the 10 ms energy counter on any host, so a profile needs as many steps on each."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if sim.active() is not None:
+            sim.enqueue_work(0, STEP_GPU_WORK_S)
+
+
+STEP_GPU_WORK_S = 0.012
+
+
 def make_trainer(tmp_path: Path, callbacks: list, max_steps: int, model=None, **kw) -> Trainer:
+    """A `Trainer` of `tiny_model` on `ToyData`; every step also runs `GPUWork` on the simulated GPU."""
+    callbacks = [*callbacks, GPUWork()]
     kw = {"logging_steps": 5, "save_strategy": "no", **kw}
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from zeus_callbacks import ZeusMonitor
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.device.state_guard import guard
+from zeus_callbacks.sim import SimulatedKernels
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -36,7 +37,8 @@ class Flavour:
     def module(
         self, burn: Callable[[float], float], plo=None, fail_below_w: int | None = None, stop_when_done=True
     ):
-        """A tiny LightningModule whose steps are `burn`ed host work (what a simulated GPU counts as work).
+        """A tiny LightningModule whose steps are `burn`ed host work (what a simulated GPU counts as work) and
+        simulated GPU work (`SimulatedKernels`).
 
         Records `(global_step, power limit W, optimizer phase)` after every batch; stops training once the
         optimizer is done (with `stop_when_done`).
@@ -45,7 +47,8 @@ class Flavour:
         class Tiny(self.L.LightningModule):
             def __init__(self) -> None:
                 super().__init__()
-                self.layer = torch.nn.Linear(8, 1)
+                # The step's GPU work (12 ms, simulated): its pace is the GPU's, whatever the host's speed.
+                self.layer = torch.nn.Sequential(torch.nn.Linear(8, 1), SimulatedKernels(0, 0.004))
                 self.seen: list[tuple[int, int, str | None]] = []
 
             def training_step(self, batch, batch_idx):

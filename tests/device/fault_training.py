@@ -54,6 +54,12 @@ def _observe() -> None:
         seen.add("locked")
 
 
+def _gpu_work() -> None:
+    """A step's GPU work (simulated, no host CPU): the step's pace is the GPU's, not the host's, so the
+    optimizer reaches its second limit within the same few steps on a fast host and on a slow one."""
+    sim.enqueue_work(_rank(), 0.012)
+
+
 def _burn(seconds: float) -> None:
     end = time.process_time() + seconds
     while time.process_time() < end:
@@ -67,6 +73,7 @@ def plain() -> None:
     for _ in range(STEPS):
         plo.on_step_begin()
         _burn(0.002)
+        _gpu_work()
         dist.all_reduce([1.0], op="sum")
         plo.on_step_end()
         _observe()
@@ -116,6 +123,9 @@ def hf() -> None:
     from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer
 
     class Observe(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            _gpu_work()
+
         def on_step_end(self, args, state, control, **kwargs):
             _burn(0.002)
             _observe()
@@ -140,6 +150,7 @@ def lightning() -> None:
 
         def training_step(self, batch, batch_idx):
             _burn(0.002)
+            _gpu_work()
             return self.layer(batch["x"]).pow(2).mean()
 
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:

@@ -16,13 +16,19 @@ from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.search import (
     PowerLimitStats,
     adaptive_budget_steps,
+    burst_runs,
+    burst_suspects,
     chunk_steps,
     clearly_worse,
     contenders,
+    level_shift,
     measurement_verdict,
     next_power_limit,
     pooled_noise,
     power_limit_grid,
+    robust_chunks,
+    settle_steps,
+    slower_above,
 )
 from zeus_callbacks.core.power_limit.selectors import Energy, MaxSlowdownConstraint, Time, ZeusCost
 
@@ -116,16 +122,17 @@ def test_adaptive_within_one_percent_in_fewer_steps_than_a_sweep(workload, selec
     chosen = costs[opt.grid.index(opt.optimal_power_limit_w)]
     assert chosen <= 1.01 * costs.min(), (opt.optimal_power_limit_w, opt.report())
     sweep_steps = len(opt.grid) * (10 + 40)
-    # One run may refine near-ties up to 3/4 of a sweep (of samples spanning the counter's refresh);
-    # without a refinement it takes at most ~0.6 of a sweep's steps (issue 11 asks for half: not reached
-    # on a 100 ms counter, where settling a 1% near-tie needs seconds of measurement per limit).
+    # The budget (3/4 of a sweep of samples spanning the counter's refresh) caps the whole search; these
+    # runs took 0.21-0.43 of a sweep's steps (one warm-up, then a settling step per limit; near-ties
+    # measured to 1.25% in their first visit or a later one; energy from whole seconds of the one-second
+    # power average, free of the counter's rounding).
     budget = adaptive_budget_steps(len(opt.grid), 10, 40, chunk_steps(opt.stats))
-    assert opt.profiling_steps <= budget + 10 + 2 * 40
-    assert any(s.visits > 1 for s in opt.stats.values()) or opt.profiling_steps <= 0.65 * sweep_steps
+    assert opt.profiling_steps <= budget + 10 + 40
+    assert opt.profiling_steps <= 0.5 * sweep_steps
 
 
 def test_adaptive_takes_well_under_a_sweep_on_average():
-    # Measured mean 0.53-0.57 of a sweep's steps on the 100 ms counter (issue 11's goal, 0.5, is not met).
+    # Measured mean 0.33 of a sweep's steps on the 100 ms counter (at most 0.55 in one run).
     ratios = []
     for workload in ("a40:imagenet/resnet50/256", "a40:librispeech/deepspeech2/192", "v100:resnet50"):
         for selector in (ZeusCost(0.5), Energy(), Time(), MaxSlowdownConstraint(1.1)):
@@ -135,7 +142,7 @@ def test_adaptive_takes_well_under_a_sweep_on_average():
                 drive(opt, system)
                 ratios.append(opt.profiling_steps / (len(opt.grid) * (10 + 40)))
                 sim.disable()
-    assert np.mean(ratios) <= 0.6, ratios
+    assert np.mean(ratios) <= 0.4, ratios
 
 
 def _stats(pl: int, mean_t: float, mean_e: float, steps: int, rel_sd: float = 0.02) -> PowerLimitStats:
@@ -181,8 +188,9 @@ def test_refinement_revisits_the_contender_with_fewest_steps_within_the_budget()
     assert next_power_limit(grid[:2] + [225], stats, Energy(), 300) == 225  # unvisited limits first
     assert next_power_limit(grid, stats, Energy(), 300, warmup_steps=10, profile_steps=40) == 250
     assert next_power_limit(grid, stats, Energy(), 300, search="sweep") is None
-    # With 66 steps and 4 warm-ups spent of a budget of 3/4 x 3 x 50 = 112, no room for 10 + 5 more.
-    stats[275].visits = 2
+    # With 66 steps and 5 warm-ups spent of a budget of 3/4 x 3 x 50 = 112, no room for a settling step
+    # (a limit takes effect at once: one sample's worth, not the warm-up) and 5 more.
+    stats[275].visits = 3
     assert next_power_limit(grid, stats, Energy(), 300, warmup_steps=10, profile_steps=40) is None
     # A revisit adds to the earlier samples and goes on while the limit is a contender.
     again = replace(stats[250], visits=2)
@@ -208,8 +216,14 @@ def test_refinement_adds_to_the_earlier_visits():
         and sorted(limits[len(opt.grid) :]) == sorted(revisited)
     )
     measured = sum(s.spent_steps for s in opt.stats.values())
-    warmups = 10 * sum(s.visits for s in opt.stats.values())
+    # The run's first limit warms up for `warmup_steps`; every later visit settles for one sample's worth
+    # of steps (enough to span the counter's refresh), as a limit takes effect at once.
+    # (100 ms steps on the 100 ms counter: one step, two where the steps so far averaged a bit less).
+    visits = sum(s.visits for s in opt.stats.values())
+    warmups = sum(s.warmed_steps for s in opt.stats.values())
+    assert 10 + (visits - 1) <= warmups <= 10 + 2 * (visits - 1)
     assert opt.profiling_steps == measured + warmups
+    assert settle_steps(10, 1.0) == 1 and settle_steps(10, 1.3) == 2 and settle_steps(1, 3.0) == 1
     # At most `profile_steps` samples' worth of steps (one sample: at least one refresh of the counter).
     assert all(s.steps <= 40 * chunk_steps({0: s}) + 2 for s in opt.stats.values())
 
@@ -263,7 +277,7 @@ def test_profile_written_as_it_goes_resumed_and_reused(tmp_path: Path):
     path = tmp_path / "plo.json"
     system = vsim()
     opt = GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), profile_path=path)
-    for _ in range(120):
+    for _ in range(50):
         opt.on_step_begin()
         system.run_step(WORK_S)
         opt.on_step_end()
@@ -552,3 +566,187 @@ def test_step_finished_after_sigterm_is_not_attributed_to_the_old_limit():
         assert profiled not in opt.stats  # nothing measured at 300 W is kept as the profiled limit's
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_level_shift_within_a_visit_is_a_burst():
+    steady = [1.0, 1.02, 0.98, 1.01, 0.99, 1.0, 1.02, 0.98]
+    assert level_shift(steady) is None
+    assert level_shift([0.95, 1.05] * 8) is None  # noisy, not shifted
+    assert level_shift([1.0, 1.02, 0.99, 1.4, 1.41, 1.39, 1.42]) == (3, 1)  # a burst began
+    assert level_shift([1.81, 1.8, 1.82, 5.5, 1.35, 1.34, 1.31]) == (4, -1)  # one ended (a stall within)
+    # Began and ended inside the visit: only the middle is set aside, the burst neither before nor after.
+    inside, before, after = burst_runs([1.0, 1.01, 0.99, 1.3, 1.31, 1.29, 1.3, 1.0, 0.99, 1.01])
+    assert inside == [3, 4, 5, 6] and not before and not after
+    assert burst_runs([1.3, 1.31, 1.29, 1.0, 0.99, 1.01]) == ([0, 1, 2], True, False)
+    assert burst_runs([1.0, 0.99, 1.01, 1.3, 1.31, 1.29]) == ([3, 4, 5], False, True)
+
+
+def test_samples_inside_a_burst_are_set_aside():
+    s = PowerLimitStats(250)
+    for t in (0.100, 0.101, 0.099, 0.140, 0.141, 0.139, 0.140):
+        s.add(t, 20.0 * t)
+    assert s.steps == 3 and s.mean_time_s == pytest.approx(0.1, rel=0.01)
+    # A second visit slower all along than the first ran inside a burst (nothing makes steps faster).
+    s = replace(s, visits=2, chunks=[list(c) for c in s.chunks])
+    for t in (0.130, 0.131, 0.129, 0.130):
+        s.add(t, 20.0 * t)
+    assert s.steps == 3 and s.mean_time_s == pytest.approx(0.1, rel=0.01)
+    s.set_aside_visit(1)
+    assert s.steps == 4 and s.mean_time_s == pytest.approx(0.13, rel=0.01)
+
+
+def test_a_higher_limit_slower_than_a_lower_one_ran_inside_a_burst():
+    def visit(pl: int, t: float) -> PowerLimitStats:
+        s = PowerLimitStats(pl)
+        for d in (0.0, 0.01, -0.01, 0.0, 0.005):
+            s.add(t * (1 + d), 20.0 * t)
+        return s
+
+    stats = {300: visit(300, 0.100), 275: visit(275, 0.130), 250: visit(250, 0.104)}
+    assert slower_above(stats, stats[250]) == [(275, 1)]  # 25% slower than a lower limit
+    stats[275] = visit(275, 0.108)  # within the traces' wiggles
+    assert slower_above(stats, stats[250]) == []
+
+
+def test_energy_from_whole_seconds_of_the_one_second_power_average():
+    # The counter read 0 or 2 refreshes' worth per step (100 ms refresh, 100 ms steps): rounding alone.
+    s = PowerLimitStats(250, refresh_s=0.1)
+    for i in range(25):
+        s.add(0.1, 40.0 if i % 2 else 0.0, power_w=200.0, end_s=0.1 * (i + 1))
+    assert len(s.power_windows_w) == 2  # disjoint seconds, latest first: steps 16-25 and 6-15
+    assert s.mean_energy_j == pytest.approx(200.0 * 0.1)
+    # A second that holds a stall (set aside) or a gap between steps is not a window.
+    gap = PowerLimitStats(250, refresh_s=0.1)
+    for i in range(25):
+        gap.add(0.1, 20.0, power_w=150.0, end_s=0.2 * (i + 1))
+    assert gap.power_windows_w == [] and gap.mean_energy_j == pytest.approx(20.0)
+    # Not read (a counter that keeps up with the steps): stored so that profile files stay strict JSON.
+    unread = PowerLimitStats(250)
+    unread.add(0.1, 20.0)
+    json.dumps(unread.to_dict(), allow_nan=False)
+
+
+def test_bursts_do_not_hide_the_best_limit():
+    # Seed 1 on this trace: a burst begins two steps into 200 W's visit and covers 175 W's (the best
+    # under the bound); before, 225 W was chosen. Seen beginning (with the settling steps), the next visit
+    # waits for it to end, and the choice is right.
+    system = sim.simulate(
+        "a40:imagenet/resnet50/16/adadelta", virtual_clock=True, noise=0.02, seed=1, bursts=True
+    )
+    selector = MaxSlowdownConstraint(1.1)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), selector)
+    drive(opt, system)
+    trace = system.gpus[0].trace
+    t = np.array([trace.relative_time(pl) for pl in opt.grid])
+    e = t * np.array([trace.power(pl) for pl in opt.grid])
+    feasible = t <= 1.1 * t[0]
+    chosen = opt.grid.index(opt.optimal_power_limit_w)
+    assert feasible[chosen] and e[chosen] <= 1.01 * e[feasible].min(), opt.report()
+
+
+def _visit(pl: int, t: float, n: int = 5) -> PowerLimitStats:
+    s = PowerLimitStats(pl)
+    for i in range(n):
+        d = (0.0, 0.01, -0.01, 0.005, -0.005)[i % 5]
+        s.add(t * (1 + d), 20.0 * t)
+    return s
+
+
+def test_a_visit_slower_than_a_lower_limit_or_above_the_chord_is_visited_again():
+    # 200 W's whole visit ran inside a 15% burst: slower than 150 W's, though not by the 10% that sets a
+    # visit aside at once. It is a suspect: measured again; the faster of its visits is kept.
+    stats = {
+        250: _visit(250, 0.100),
+        225: _visit(225, 0.103),
+        200: _visit(200, 0.121),
+        150: _visit(150, 0.118),
+    }
+    noise = pooled_noise(stats)
+    assert slower_above(stats, stats[150]) == []
+    assert burst_suspects(stats, noise) == [200]
+    grid = [250, 225, 200, 175, 150]
+    stats[175] = _visit(175, 0.109)
+    assert next_power_limit(grid, stats, ZeusCost(0.5), 250.0) == 200
+    # Above the chord of a higher and a lower limit (time is convex in the limit): 175 W between 225 W
+    # and 125 W, though faster than every lower limit.
+    chord = {225: _visit(225, 0.103), 175: _visit(175, 0.128), 125: _visit(125, 0.128 * 1.01)}
+    assert burst_suspects(chord, pooled_noise(chord)) == [175]
+    # Within the traces' wiggles, or measured twice already: not a suspect.
+    calm = {250: _visit(250, 0.100), 225: _visit(225, 0.1005), 200: _visit(200, 0.104)}
+    assert burst_suspects(calm, pooled_noise(calm)) == []
+    again = replace(stats[200], visits=2, chunks=[list(c) for c in stats[200].chunks])
+    for t in (0.105, 0.106, 0.104, 0.105, 0.105):
+        again.add(t, 20.0 * t)
+    assert again.mean_time_s == pytest.approx(0.105, rel=0.01)  # the slower visit set aside
+    assert burst_suspects({**stats, 200: again}, noise) == []
+
+
+def test_several_bursts_in_one_visit_are_all_set_aside():
+    # A long visit (a contender refined to 40 samples): 3 samples, a 30% burst of 12, 8 samples, then a
+    # 55% burst of 9. Looking for one burst set aside the last only, and kept the first's 12 samples.
+    wiggle = [1, 1.01, 0.99, 1, 1.005, 0.995] * 2
+    times = [0.1 * w for w in wiggle[:3] + wiggle + wiggle[:8]] + [0.155 * w for w in wiggle[:9]]
+    times[3:15] = [0.13 * w for w in wiggle]
+    kept = robust_chunks([[1, t, 20.0 * t, 1] for t in times])
+    assert len(kept) == 11 and max(c[1] for c in kept) < 0.11
+
+
+def test_an_imprecise_best_stays_a_contender():
+    # One short visit on a 100 ms counter: the best by mean, but its energy is known to +-10% only.
+    short = PowerLimitStats(175, refresh_s=0.1)
+    for t in (0.135, 0.136, 0.134, 0.135, 0.136):
+        short.add(t, 1.9 * t / 0.135)
+    stats = {250: _visit(250, 0.100, 20), 200: _visit(200, 0.110, 20), 175: short}
+    stats[250].energy_j *= 1.3  # clearly worse
+    stats[200].energy_j *= 1.2
+    ref = stats[250]
+    noise = pooled_noise(stats)
+    assert contenders(stats, Energy(), 250.0, ref, noise) == [175]
+    for t in [0.135] * 35:  # measured further: known well enough
+        short.add(t, 1.9 * t / 0.135)
+    assert contenders(stats, Energy(), 250.0, ref, noise) == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_budget_caps_the_search_under_noise_that_always_looks_like_bursts(seed):
+    # 30% noise and bursts on every limit: samples keep being set aside and limits measured again; the
+    # search still ends within its budget (warm-up and the least each unvisited limit needs beyond it).
+    system = vsim("a40:imagenet/resnet50/256", noise=0.3, seed=seed, bursts=True)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), MaxSlowdownConstraint(1.1))
+    drive(opt, system)
+    budget = adaptive_budget_steps(len(opt.grid), 10, 40, chunk_steps(opt.stats))
+    assert opt.optimal_power_limit_w is not None
+    assert opt.profiling_steps <= budget + 10
+
+
+@pytest.mark.parametrize(
+    "workload, selector",
+    [
+        # A burst spans the visits of two limits (nothing in either shifts): they are burst suspects.
+        ("v100:imagenet/resnet50/128/adadelta", ZeusCost(0.5)),
+        ("v100:librispeech/deepspeech2/128/adamw", MaxSlowdownConstraint(1.1)),
+        # Above the chord of a higher and a lower limit, though faster than every lower one.
+        ("v100:squad/bert_base_uncased/48/adamw", MaxSlowdownConstraint(1.1)),
+        # The best measured in one short visit on the A40's 100 ms counter, 13% too low: measured further.
+        ("a40:bert-base-uncased", Energy()),
+        # The lowest limit, inside a burst from its first sample: a neighbour's suspect check, then more.
+        ("v100:cifar100/shufflenetv2/1024/adadelta", Energy()),
+    ],
+    ids=lambda x: x if isinstance(x, str) else repr(x),
+)
+def test_bursts_spanning_whole_visits_do_not_hide_the_best_limit(workload, selector):
+    # Seed 1 of the search benchmark's bursty noise: each of these chose a limit more than 1% from the
+    # trace's best before (benchmarks/power_limit_search.py --misses).
+    system = vsim(workload, seed=1, bursts=True)
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), selector)
+    drive(opt, system)
+    trace = system.gpus[0].trace
+    t = np.array([WORK_S * trace.relative_time(pl) for pl in opt.grid])
+    e = t * np.array([trace.power(pl) for pl in opt.grid])
+    chosen = opt.grid.index(opt.optimal_power_limit_w)
+    if isinstance(selector, MaxSlowdownConstraint):
+        feasible = t <= 1.1 * t[0]
+        assert t[chosen] <= 1.1 * 1.01 * t[0] and e[chosen] <= 1.01 * e[feasible].min(), opt.report()
+    else:
+        costs = selector.score(t, e, float(opt.grid[0]), t[0])
+        assert costs[chosen] <= 1.01 * costs.min(), opt.report()

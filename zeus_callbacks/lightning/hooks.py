@@ -181,7 +181,8 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
             `ZeusMonitor(gpu_indices=[local_rank()])`.
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
         wait_steps: Optimizer steps to let pass before profiling starts.
-        warmup_steps: Optimizer steps run at each power limit before it is measured.
+        warmup_steps: Optimizer steps run at a power limit before it is measured (the adaptive search:
+            at the first limit only; later ones, in force at once, settle for a step or two).
         profile_steps: Optimizer steps measured at each power limit.
         pl_step: Stride between profiled power limits (W).
         profile_path: JSON file of the profile, loaded if it exists and written by rank 0.

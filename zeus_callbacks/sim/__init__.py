@@ -74,6 +74,7 @@ __all__ = [
     "parse_ideal",
     "IDEAL_BEHAVIOURS",
     "DATA_FORMATS_HELP",
+    "SimulatedKernels",
 ]
 
 SIMULATE_ENV = "ZEUS_CALLBACKS_SIMULATE"
@@ -83,6 +84,15 @@ _FAULTS_ENV = "ZEUS_CALLBACKS_SIM_FAULTS"
 _STATE_ENV = "ZEUS_CALLBACKS_SIM_STATE_DIR"
 _IDEAL_ENV = "ZEUS_CALLBACKS_SIM_IDEAL"
 _REFRESH_ENV = "ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS"
+
+
+def __getattr__(name: str) -> Any:
+    """`SimulatedKernels` (an `nn.Module`) is imported on first use, so the simulator loads without torch."""
+    if name == "SimulatedKernels":
+        from zeus_callbacks.sim.kernels import SimulatedKernels
+
+        return SimulatedKernels
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def simulate(

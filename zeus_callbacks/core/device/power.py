@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "instant_power_mw",
     "average_power_mw",
+    "one_second_power_mw",
     "energy_refresh_period_s",
     "forget_refresh_periods",
     "MAX_REFRESH_PERIOD_S",
@@ -62,6 +63,12 @@ def _field_value_mw(gpu: GPU, field_name: str) -> int | None:
 def average_power_mw(gpu: GPU) -> int:
     """Power as `nvmlDeviceGetPowerUsage` reports it (a 1 s average on Ampere and newer), mW."""
     return gpu.power_mw()
+
+
+def one_second_power_mw(gpu: GPU) -> int | None:
+    """Power averaged over the last second (mW), `NVML_FI_DEV_POWER_AVERAGE`; None where the GPU or NVML
+    does not offer it (before Ampere, the A100 class)."""
+    return _field_value_mw(gpu, "NVML_FI_DEV_POWER_AVERAGE")
 
 
 def instant_power_mw(gpu: GPU) -> int:

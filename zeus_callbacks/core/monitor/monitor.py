@@ -15,7 +15,12 @@ from typing import TextIO
 
 from zeus_callbacks.core.device.errors import SIMULATION_HINT, GPUError, InvalidInputError
 from zeus_callbacks.core.device.gpus import GPU, get_gpus
-from zeus_callbacks.core.device.power import MAX_REFRESH_PERIOD_S, energy_refresh_period_s, instant_power_mw
+from zeus_callbacks.core.device.power import (
+    MAX_REFRESH_PERIOD_S,
+    energy_refresh_period_s,
+    instant_power_mw,
+    one_second_power_mw,
+)
 from zeus_callbacks.core.monitor import rapl
 
 __all__ = ["ZeusMonitor", "Measurement", "MeasurementState"]
@@ -253,6 +258,12 @@ class ZeusMonitor:
     def sync(self) -> None:
         """Wait for the work queued on the monitored GPUs."""
         self.gpus.synchronize(self.gpu_indices)
+
+    def one_second_power_w(self) -> float | None:
+        """The monitored GPUs' power averaged over the last second (W, summed), as they report it
+        (`NVML_FI_DEV_POWER_AVERAGE`, Ampere and newer except the A100 class); None where one does not."""
+        readings = [one_second_power_mw(self.gpus[i]) for i in self.gpu_indices]
+        return None if any(r is None for r in readings) else sum(readings) / 1000
 
     # begin_window/end_window are the hot path (called every step): plain tuples and inlined reads.
     def begin_window(self, key: str, sync_execution: bool = True, restart: bool = False) -> None:

@@ -21,8 +21,9 @@ class ReplayZeusMonitor(ZeusMonitor):
 
     Each `end_window` consumes the next row (a cancelled window consumes none, as a cancelled window
     is not logged); with `match_window_name` the row's window name must be the one ended. Nothing is
-    read from the GPUs for windows; `gpus` (for an optimizer that sets power limits while replaying)
-    are the process's GPUs, discovered when first asked for.
+    read from the GPUs for windows, nor for the one-second power (`one_second_power_w` is None: a power-
+    limit optimizer replaying decides on the log's energies alone); `gpus` (for an optimizer that sets
+    power limits while replaying) are the process's GPUs, discovered when first asked for.
 
     Args:
         gpu_indices: GPU indices of the log's columns; default: read from its header.
@@ -84,6 +85,10 @@ class ReplayZeusMonitor(ZeusMonitor):
             self._gpus = get_gpus()
             self.simulated = self._gpus.simulated
         return self._gpus
+
+    def one_second_power_w(self) -> float | None:
+        """None: nothing is read from the GPUs while replaying."""
+        return None
 
     def _sync(self, sync_execution: bool) -> None:
         if sync_execution and not self.ignore_sync_execution:

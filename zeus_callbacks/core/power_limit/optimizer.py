@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,16 +27,21 @@ from zeus_callbacks.core.power_limit.profile_file import (
 )
 from zeus_callbacks.core.power_limit.ranks import all_ranks_take_part
 from zeus_callbacks.core.power_limit.search import (
+    MAX_VISITS,
     SEARCHES,
     PowerLimitStats,
     adaptive_budget_steps,
+    burst_lookback,
     choose_power_limit,
     chunk_steps,
     measurement_verdict,
     min_measured_steps,
     next_power_limit,
     power_limit_grid,
+    settle_steps,
+    slower_above,
     spent_steps,
+    visit_bursts,
 )
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector, ZeusCost
 from zeus_callbacks.core.power_limit.states import Done, Inactive, PowerLimitState, Profiling, Ready, Warmup
@@ -48,6 +54,11 @@ _WINDOW = "__GlobalPowerLimitOptimizer_step"
 # A sample (chunk of contiguous steps) spans at least this many refreshes of the energy counter, so that
 # the counter's rounding (up to one refresh's energy at either end) is a small part of it.
 CHUNK_REFRESHES = 1
+# Bursts (another job on the node, throttling, a slow stretch of input) slow every step for a while. One
+# that lasts past the end of a visit runs on into the next: that visit goes on until the burst is seen to
+# end, up to this many steps, so that it keeps samples from after it. One seen to end early in a visit
+# that did not expect it began before: the visits of up to this many steps before are set aside.
+BURST_STEPS = 20
 
 
 # -- phases -----------------------------------------------------------------------------------------
@@ -81,6 +92,7 @@ class _Warmup:
     power_limit_w: int
     steps_left: int
     stats: PowerLimitStats  # what the measurement adds to: empty, or the samples of earlier visits
+    settling: bool = False  # a later visit's settling steps: their times help see a burst begin
 
 
 @dataclass
@@ -131,10 +143,14 @@ class GlobalPowerLimitOptimizer(Callback):
 
     Each power limit is profiled over whole training steps (step begin to step end, so evaluation,
     logging and checkpointing between steps are not charged to it), after `warmup_steps` steps at that
-    limit. The adaptive search measures each limit only until it is clearly worse than the best so far
-    or cannot beat it by more than 1% (at least `profile_steps // 8` steps), then revisits the few limits
-    still within 1% of the best (warm-up again, then up to `profile_steps` steps in all) while a budget
-    of 3/4 of a sweep's steps lasts; see `power_limit_search`. Profiling carries on across epochs
+    limit (the adaptive search: at the first limit of a run; a later limit, in force within
+    milliseconds, settles for a step or two). The adaptive search measures each limit only until it is
+    clearly worse than the best so far or cannot beat it by more than 1% (at least
+    `profile_steps // 8` steps), then revisits the few limits still within 1% of the best (up to
+    `profile_steps` steps in all); samples taken inside a burst of slow steps are set aside, a limit left
+    without any or whose time stands out against the others' is measured again, and the whole search
+    stays within 3/4 of a sweep's steps, whatever the noise; see
+    `zeus_callbacks.core.power_limit.search`. Profiling carries on across epochs
     (`search="zeus"`: an epoch's end interrupts it as in Zeus). Under torch.distributed every rank
     measures its own GPU; each measured step's energy is summed and its time maxed over ranks, so every
     rank reaches the same decision at the same step. Every change goes through the process's GPU-state
@@ -153,7 +169,9 @@ class GlobalPowerLimitOptimizer(Callback):
         monitor: The `ZeusMonitor` measuring this process's GPU(s).
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
         wait_steps: Steps to let pass before profiling starts.
-        warmup_steps: Steps run at each power limit before it is measured (0 allowed).
+        warmup_steps: Steps run at a power limit before it is measured (0 allowed): at each limit for
+            the sweeps, at the run's first limit for the adaptive search (later ones settle for one
+            sample's worth of steps, at most this many).
         profile_steps: Steps measured at each power limit (the most, for the adaptive search).
         pl_step: Stride between profiled power limits (W); the minimum limit is always profiled.
         profile_path: JSON file of the profile: loaded if it exists (a complete one is applied at once, a
@@ -235,6 +253,10 @@ class GlobalPowerLimitOptimizer(Callback):
         self.profiling_energy_j = 0.0
         self.power_limit_w: int | None = None
         self._failed = False
+        self._warmed_up = False  # this run's first limit had its full warm-up (later ones settle)
+        self._burst_open = False  # the last visit ended inside a burst
+        self._visit_in_burst = False  # the current visit began inside one
+        self._timeline: list[tuple[int, int]] = []  # (limit, visit) of this run's finished visits, in order
         # The slowest rank's energy-counter refresh period (0: steps are long enough, or the counter is
         # always current); learned at the first measured step.
         self.energy_refresh_s: float | None = None
@@ -374,9 +396,16 @@ class GlobalPowerLimitOptimizer(Callback):
             if phase.steps_left <= 0:
                 self._begin_next()
         elif isinstance(phase, _Warmup):
-            self._record_step(None)
+            own_s = self._record_step(None)
+            if phase.settling and self._phase is phase:
+                # The limit is in force already: the step's time (not its energy: the counter lags) is
+                # one more look at whether a burst begins.
+                top = self._all_reduce([own_s if own_s is not None else 0.0, float(own_s is None)], op="max")
+                if top[1] == 0 and top[0] > 0:
+                    phase.stats.add_settling(top[0])
             phase.steps_left -= 1
             if phase.steps_left <= 0 and self._phase is phase:
+                self._warmed_up = True
                 self._phase = _Profiling(phase.power_limit_w, phase.stats)
         elif isinstance(phase, _Profiling):
             self._record_step(phase)
@@ -415,6 +444,9 @@ class GlobalPowerLimitOptimizer(Callback):
         if self._started and isinstance(self._phase, (_Waiting, _Warmup, _Profiling)):
             self._say_unfinished()
         self._started = False
+        self._warmed_up = False
+        self._burst_open = False
+        self._timeline = []
         if isinstance(self._phase, (_Warmup, _Profiling)):
             self._phase = _Waiting(self.wait_steps)
 
@@ -644,12 +676,18 @@ class GlobalPowerLimitOptimizer(Callback):
             chunks = [list(c) for c in earlier.chunks]
             stats = replace(earlier, visits=earlier.visits + 1, chunks=chunks)
         logger.info("Profiling power limit %d W%s.", pl, "" if earlier is None else " again")
-        if self.warmup_steps > 0:
-            self._phase = _Warmup(pl, self.warmup_steps, stats)
+        warmup = self.warmup_steps
+        if self._warmed_up and not self._by_steps():
+            warmup = settle_steps(self.warmup_steps, chunk_steps(self.stats))
+        stats.warmed_steps = max(0, stats.warmed_steps) + warmup
+        self._visit_in_burst = self._burst_open
+        if warmup > 0:
+            self._phase = _Warmup(pl, warmup, stats, settling=warmup < self.warmup_steps)
         else:
+            self._warmed_up = True
             self._phase = _Profiling(pl, stats)
 
-    def _record_step(self, phase: _Profiling | None) -> None:
+    def _record_step(self, phase: _Profiling | None) -> float | None:
         """Close the step's window and add it to the profiling cost; when measuring, add the job's step
         (time maxed over ranks) to the chunk being measured; once the chunk spans `CHUNK_REFRESHES`
         refreshes of the energy counter, add it (energy summed over ranks) to the limit's samples and
@@ -663,7 +701,7 @@ class GlobalPowerLimitOptimizer(Callback):
             except (GPUError, ValueError) as e:
                 self._gpu_failed(e)
         if phase is None or (self._phase is not phase and not self._collective):
-            return
+            return m.time if m is not None else None
         t, e = (m.time, m.total_energy) if m is not None else (0.0, 0.0)
         # One collective per measured step and one per chunk, on every rank, whatever happened to its GPU.
         phase.chunk_own_s += t
@@ -696,12 +734,26 @@ class GlobalPowerLimitOptimizer(Callback):
         # A counter that did not move is not a sample, unless it moves by refreshes: then 0 J is its
         # rounding (a refresh fell between steps), which the next chunk's reading makes up for.
         stuck = phase.chunk_energy_j <= 0 and not self.energy_refresh_s
-        total = self._all_reduce([phase.chunk_energy_j, float(stuck)], op="sum")
+        power_w, missing = self._one_second_power_w()
+        total = self._all_reduce([phase.chunk_energy_j, float(stuck), power_w, missing], op="sum")
         if total[1] == 0 and phase.chunk_time_s > 0:
-            phase.stats.add(phase.chunk_time_s, total[0], phase.chunk_steps)
+            power_w = total[2] if total[3] == 0 else math.nan
+            end_s = self.monitor.gpus.clock()
+            phase.stats.add(phase.chunk_time_s, total[0], phase.chunk_steps, power_w, end_s)
         phase.chunk_steps, phase.chunk_time_s, phase.chunk_energy_j, phase.chunk_own_s = 0, 0.0, 0.0, 0.0
         phase.samples_done += 1
         self._decide(phase)
+
+    def _one_second_power_w(self) -> tuple[float, float]:
+        """(this rank's GPUs' power averaged over the last second in W, 1.0 if a GPU does not report it,
+        or the monitor replays a log). Read only where the energy counter's rounding matters."""
+        if not self.energy_refresh_s or self._failed:
+            return 0.0, 1.0
+        try:
+            power_w = self.monitor.one_second_power_w()
+        except GPUError:
+            return 0.0, 1.0
+        return (0.0, 1.0) if power_w is None else (power_w, 0.0)
 
     def _limit_moved(self) -> bool:
         """Whether a GPU's power limit is no longer the one being profiled (restored on a signal, or
@@ -738,29 +790,87 @@ class GlobalPowerLimitOptimizer(Callback):
         if self._by_steps():
             verdict = "measured" if s.spent_steps >= self.profile_steps else "more"
         else:
-            verdict = measurement_verdict(
-                s,
-                self.stats,
-                self.optimum_selector,
-                self.max_power_w,
-                self.stats.get(self.grid[0], s),
-                self.min_steps,
-                self.profile_steps,
-                self._budget_left_steps(s),
-            )
+            # The budget is a hard cap on the whole search, whatever the noise: what is left of it, less
+            # the least the limits not yet visited need.
+            left = self._budget_left_steps(s) - self._unvisited_need_steps(s)
+            if left > 0 and self._burst_open and not self._burst_seen_ending(s):
+                verdict = "more"
+            else:
+                verdict = measurement_verdict(
+                    s,
+                    self.stats,
+                    self.optimum_selector,
+                    self.max_power_w,
+                    self.stats.get(self.grid[0], s),
+                    self.min_steps,
+                    self.profile_steps,
+                    left,
+                )
         if verdict == "more" and phase.samples_done >= 4 * self.profile_steps:
             verdict = "measured"  # the counter barely moves: settle for what was measured
         if verdict == "more":
             return
         if not s.steps:
             logger.warning(
-                "No valid measurement at %d W in %d samples (energy counter not moving); skipping it.",
+                "No valid measurement at %d W in %d samples (%s); skipping it.",
                 s.power_limit_w,
                 phase.samples_done,
+                "every sample set aside as slowed by a burst, and the search's budget is spent"
+                if s.spent_steps
+                else "energy counter not moving",
             )
         s.pruned = verdict == "pruned" or not s.steps
         self.stats[s.power_limit_w] = s
+        if not self._by_steps():
+            self._track_bursts(s)
         self._after_limit()
+
+    def _burst_seen_ending(self, s: PowerLimitStats) -> bool:
+        """While a visit that began inside a burst waits for it to end: whether it has (or waited long
+        enough: it ended with the last visit)."""
+        _, began_before, _ = visit_bursts(s.chunks, s.visits)
+        taken = sum(c[0] for c in s.chunks if len(c) > 3 and c[3] == s.visits)
+        if began_before or taken >= BURST_STEPS:
+            self._burst_open = False
+        return not self._burst_open
+
+    def _track_bursts(self, s: PowerLimitStats) -> None:
+        """At a visit's end: note a burst still going on, or set aside the earlier visits that ran inside
+        one that this visit saw end (`burst_lookback`); a limit that loses every sample is measured again."""
+        inside, began_before, goes_on = visit_bursts(s.chunks, s.visits)
+        if began_before and not self._visit_in_burst:
+            own = [c for c in s.chunks if len(c) > 3 and c[3] == s.visits]
+            before = sum(own[i][0] for i in inside)  # the burst's steps in this visit
+            for pl, visit in burst_lookback(self._timeline, self.stats, BURST_STEPS - before):
+                if not self._may_measure_again(pl, s):
+                    continue
+                logger.info("Samples at %d W (visit %d) set aside: they ran inside a burst.", pl, visit)
+                self.stats[pl].set_aside_visit(visit)
+                self.stats[pl].pruned = False
+        for pl, visit in slower_above(self.stats, s) if s.steps else []:
+            if not self._may_measure_again(pl, s):
+                continue
+            logger.info(
+                "Samples at %d W (visit %d) set aside: slower than at %d W.", pl, visit, s.power_limit_w
+            )
+            self.stats[pl].set_aside_visit(visit)
+            self.stats[pl].pruned = False
+        self._burst_open = goes_on
+        self._visit_in_burst = False
+        self._timeline.append((s.power_limit_w, s.visits))
+
+    def _may_measure_again(self, power_limit_w: int, current: PowerLimitStats) -> bool:
+        """Whether a limit's visit may still be set aside and measured again: not once the limit has had
+        `MAX_VISITS` visits or the search's budget is spent (noise that keeps looking like bursts, e.g. the
+        host's own on ms-long steps, must not keep profiling going for ever)."""
+        return self.stats[power_limit_w].visits < MAX_VISITS and self._budget_left_steps(current) > 0
+
+    def _unvisited_need_steps(self, current: PowerLimitStats) -> float:
+        """Steps the limits not visited yet (`current` aside) need at least: a settling and
+        `min_measured_steps` samples each."""
+        unvisited = sum(1 for pl in self.grid if pl not in self.stats and pl != current.power_limit_w)
+        per = chunk_steps({**self.stats, current.power_limit_w: current})
+        return unvisited * (settle_steps(self.warmup_steps, per) + self.min_steps * per)
 
     def _budget_left_steps(self, current: PowerLimitStats) -> int:
         """Steps the adaptive search may still spend (`adaptive_budget_steps`), `current` counted."""

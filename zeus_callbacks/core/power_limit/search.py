@@ -7,16 +7,39 @@ Searches over the grid of power limits (highest first, the minimum always includ
   `min_measured_steps` steps a limit stops as soon as it is clearly worse than the best so far (its
   optimistic cost above the best's pessimistic cost, `_Z` standard errors each way) or is not one of the
   `contenders` (it cannot beat the best by more than `_TOLERANCE`); a contender goes on until its cost
-  is known to within `_PRECISION`. The refinement pass then revisits the final contenders, fewest steps
-  first, each until it is no longer one or has `profile_steps` steps, while the budget
-  (`adaptive_budget_steps`, warm-ups included) lasts. Standard errors use the noise pooled over every
-  limit (`pooled_noise`) as a floor, since a handful of similar steps says little about the noise.
+  is known to within `_PRECISION`. The refinement pass then revisits, in this order, the limits whose
+  every sample was set aside as burst-ridden, the `burst_suspects` (visited once, slower than a lower
+  limit or above the chord of two others), and the final contenders, fewest steps first, each until it
+  is no longer one or has `profile_steps` steps (the best is a contender while its own cost is not known
+  to within twice `_PRECISION`). The budget (`adaptive_budget_steps`) caps the whole search, warm-ups,
+  set-aside samples and revisits included, whatever the noise: a visit ends once what is left of it is
+  what the limits not yet visited need at least. Standard errors use the noise pooled over every limit
+  (`pooled_noise`) as a floor, since a handful of similar steps says little about the noise.
 
 Why a refinement pass: the misses of a single pass were near-ties, two limits within 1-2% of each
 other, one measured for a few steps as the best so far and the other, met later, measured against it;
 only more steps of both settle them, and which limits tie is known only once every limit was seen.
 Its budget is three quarters of a sweep for one run (in steps: a sweep of samples that each span a refresh of the
 energy counter), enough to settle a flat curve with several near-ties (the benchmark).
+
+What a limit's measurement rests on (`PowerLimitStats`, `robust_chunks`):
+- Warm-up once: the run's first limit gets `warmup_steps` (the job warms up there); a power limit takes
+  effect within milliseconds, so every later visit only settles for one sample's worth of steps
+  (`settle_steps`: the energy counter lags by up to one refresh).
+- Energy from whole seconds: where the counter's refresh is long against the steps, its rounding (up
+  to one refresh's energy at either end of a visit) dwarfs the differences between limits. The GPU's
+  one-second average power (`NVML_FI_DEV_POWER_AVERAGE`), read at the end of samples whose times cover
+  that second back to back, is the exact mean power of those steps; disjoint such seconds
+  (`power_windows`) times the mean step time give the step energy without rounding.
+- Bursts (another job, throttling, a slow stretch of input) slow every step for a while; a limit never
+  makes steps faster than it allows. A lasting shift of the step time within one visit (`level_shift`,
+  the settling steps included) is a burst beginning or ending: the slower run is set aside. A visit of a
+  limit slower all along than another visit of it, or a higher limit slower by more than 10% than a
+  lower one (`slower_above`), ran inside a burst. The optimizer carries what one visit saw into the
+  next (a visit that begins inside a burst waits for it to end; visits before one that saw a burst end
+  are set aside, `burst_lookback`), and a limit left without samples is measured again. A burst as long
+  as a visit shifts nothing within it: the limit's time then stands out against the other limits'
+  (`burst_suspects`), and it is visited again; the faster visit is kept (`robust_chunks`).
 
 Why every limit and not a shape-guided jump (below the power drawn at the maximum limit, descend while
 the cost improves): measured curves are not smooth. Where the GPU never reaches the cap (small batches,
@@ -47,16 +70,25 @@ __all__ = [
     "min_measured_steps",
     "adaptive_budget_steps",
     "spent_steps",
+    "settle_steps",
     "chunk_steps",
     "robust_chunks",
+    "power_windows",
+    "level_shift",
+    "burst_runs",
+    "visit_bursts",
     "pooled_noise",
     "contenders",
     "next_power_limit",
     "measurement_verdict",
+    "burst_lookback",
+    "slower_above",
+    "burst_suspects",
     "clearly_worse",
     "best_power_limit",
     "choose_power_limit",
     "SEARCHES",
+    "MAX_VISITS",
 ]
 
 SEARCHES = ("adaptive", "sweep", "zeus")
@@ -75,6 +107,37 @@ _Z_CHOICE = 1.75
 # 1.4826) from the median of its limit's chunks, and at least `_OUTLIER_FLOOR` of it, is set aside.
 _OUTLIER_MADS = 4.0
 _OUTLIER_FLOOR = 0.03
+# A level shift of the per-step time within one visit (the limit unchanged all along) is a burst (another
+# job, throttling, a slow stretch of data) starting or ending: two runs of at least `_SHIFT_MIN` samples
+# whose medians differ by `_SHIFT_SDS` standard errors (from the samples' successive differences, at least
+# `_SHIFT_NOISE_FLOOR` a step) and at least `_SHIFT_FLOOR`. The slower run is set aside.
+_SHIFT_MIN = 2
+_SHIFT_SDS = 4.0
+_SHIFT_FLOOR = 0.05
+_SHIFT_NOISE_FLOOR = 0.01
+# The one-second average power: the length of its window (s), the most time between a window's samples
+# that is not theirs (a fraction of theirs), and the windows a limit needs before its energy rests on them.
+_WINDOW_S = 1.0
+_GAP = 0.05
+_MIN_WINDOWS = 1
+# A higher limit's visit whose steps were this much slower than a lower limit's ran inside a burst: a
+# lower limit does not make steps faster (the shipped traces' wiggles stay within about 6%).
+_MONOTONE_SLACK = 0.10
+# Bursts looked for, one after another, in the samples of one visit.
+_BURSTS_PER_VISIT = 3
+# Visits of one limit after which its samples are no longer set aside as burst-ridden (noise that keeps
+# looking like bursts, e.g. the host's own on ms-long steps, must not keep profiling going); a limit whose
+# every sample was set aside is measured again up to this many visits.
+MAX_VISITS = 3
+# A limit visited once whose mean step time is above a lower limit's by this fraction and by `_Z_SUSPECT`
+# standard errors of the difference may have run inside a burst that spanned its whole visit: it is visited
+# once more (`burst_suspects`); the slower of its visits is then set aside by `robust_chunks`.
+_SUSPECT_FLOOR = 0.015
+_Z_SUSPECT = 2.0
+# Time against the limit is convex on the shipped traces (flat near the top, ever steeper below), within
+# wiggles of a few percent: a limit's time this far above the chord of a higher and a lower limit's is
+# suspect too.
+_CHORD_FLOOR = 0.03
 
 
 @dataclass
@@ -103,10 +166,16 @@ class PowerLimitStats:
     refresh_s: float = 0.0  # the energy counter's refresh period when it was measured (0: always current)
     chunks: list[list[float]] = field(default_factory=list)
     dropped_steps: int = 0  # steps of chunks set aside as stalls or bursts
+    warmed_steps: int = -1  # warm-up steps run at this limit over its visits (-1: `warmup_steps` per visit)
+    bad_visits: list[int] = field(default_factory=list)  # visits found inside a burst: all set aside
 
     def __post_init__(self) -> None:
         if self.samples < 0:
             self.samples = self.steps
+        self._kept: list[list[float]] = []  # `robust_chunks(chunks, bad_visits)`, kept up to date
+        self._windows: list[float] = []  # `power_windows(chunks, kept)`
+        if self.chunks:
+            self._recount()
 
     @property
     def mean_time_s(self) -> float:
@@ -115,20 +184,76 @@ class PowerLimitStats:
 
     @property
     def mean_energy_j(self) -> float:
-        """Mean step energy (J, all GPUs of the job)."""
-        return self.energy_j / self.steps if self.steps else math.nan
+        """Mean step energy (J, all GPUs of the job): the one-second power windows' mean power times the
+        mean step time where there are `_MIN_WINDOWS` of them, else the energy counter's."""
+        if not self.steps:
+            return math.nan
+        if len(self._windows) >= _MIN_WINDOWS:
+            return float(np.mean(self._windows)) * self.mean_time_s
+        return self.energy_j / self.steps
+
+    def windows_rel_var(self) -> float | None:
+        """Relative variance of the mean power of the one-second windows (None: too few windows)."""
+        w = self._windows
+        if len(w) < _MIN_WINDOWS:
+            return None
+        mean = float(np.mean(w))
+        if mean <= 0:
+            return None
+        return float(np.var(w, ddof=1)) / (mean * mean) / len(w) if len(w) > 1 else 0.0
 
     @property
     def spent_steps(self) -> int:
         """Every measured step, kept or set aside (warm-ups not included)."""
         return self.steps + self.dropped_steps
 
-    def add(self, time_s: float, energy_j: float, steps: int = 1) -> None:
-        """Add one sample: a chunk of `steps` contiguous steps that took `time_s` and `energy_j` in all."""
-        self.chunks.append([int(steps), float(time_s), float(energy_j)])
-        kept = robust_chunks(self.chunks)
+    def add(
+        self,
+        time_s: float,
+        energy_j: float,
+        steps: int = 1,
+        power_w: float = math.nan,
+        end_s: float = math.nan,
+    ) -> None:
+        """Add one sample of the current visit: a chunk of `steps` contiguous steps that took `time_s` and
+        `energy_j` in all, ending at `end_s` (the monitor's clock) with the job's GPUs drawing `power_w`
+        on average over the last second (nan: not read; stored as -1, as profile files are strict JSON)."""
+        self.chunks.append(
+            [int(steps), float(time_s), float(energy_j), self.visits, _or_unread(power_w), _or_unread(end_s)]
+        )
+        self._recount()
+
+    def add_settling(self, step_s: float) -> None:
+        """Note the time of a settling step of the current visit (not a sample: the energy counter still
+        lags; it helps `level_shift` see a burst begin with the visit)."""
+        self.chunks.append([1, float(step_s), 0.0, self.visits, -1.0, -1.0, 1])
+        self._recount()
+
+    def set_aside_visit(self, visit: int) -> None:
+        """Set aside every sample of `visit` (it ran inside a burst seen only later)."""
+        if visit not in self.bad_visits:
+            self.bad_visits.append(visit)
+        self._recount()
+
+    def visit_samples(self, visit: int) -> int:
+        """Samples taken in `visit`, kept or not."""
+        return sum(1 for c in self.chunks if _visit(c) == visit and not _settling(c))
+
+    @property
+    def kept_chunks(self) -> list[list[float]]:
+        """The chunks the measurement rests on (`robust_chunks`)."""
+        return self._kept
+
+    @property
+    def power_windows_w(self) -> list[float]:
+        """Power over disjoint one-second windows of kept samples (`power_windows`)."""
+        return self._windows
+
+    def _recount(self) -> None:
+        kept = self._kept = robust_chunks(self.chunks, self.bad_visits)
+        self._windows = power_windows(self.chunks, kept)
         self.steps = sum(int(c[0]) for c in kept)
-        self.dropped_steps = sum(int(c[0]) for c in self.chunks) - self.steps
+        self.dropped_steps = sum(int(c[0]) for c in self.chunks if not _settling(c)) - self.steps
         self.samples = len(kept)
         self.time_s = sum(c[1] for c in kept)
         self.energy_j = sum(c[2] for c in kept)
@@ -138,7 +263,8 @@ class PowerLimitStats:
     @property
     def breaks(self) -> int:
         """Unbroken runs of chunks: each visit is one, and each chunk set aside splits one."""
-        return self.visits + len(self.chunks) - self.samples if self.chunks else self.visits
+        measured = sum(1 for c in self.chunks if not _settling(c))
+        return self.visits + measured - self.samples if self.chunks else self.visits
 
     def _rel_var(self, total: float, sq: float) -> float:
         """Variance of one step's value relative to the mean squared, from the samples' spread (each
@@ -160,7 +286,7 @@ class PowerLimitStats:
         time_var = self._rel_var(self.time_s, self.time_sq)
         energy_var = self._rel_var(self.energy_j, self.energy_sq)
         if self.refresh_s > 0 and self.chunks and math.isfinite(energy_var):
-            kept = robust_chunks(self.chunks)
+            kept = self._kept
             rounding = sum(c[0] * self.refresh_s**2 / (6 * c[1] ** 2) for c in kept if c[1] > 0) / len(kept)
             energy_var = max(time_var, energy_var - rounding) if rounding <= energy_var / 2 else 2 * time_var
         return time_var, energy_var
@@ -195,16 +321,238 @@ class PowerLimitStats:
         return asdict(self)
 
 
-def robust_chunks(chunks: list[list[float]]) -> list[list[float]]:
-    """The chunks whose per-step time is within `_OUTLIER_MADS` robust standard deviations (at least
-    `_OUTLIER_FLOOR` of the median) of the median: a data-loader stall, an evaluation or another job
-    sharing the GPU makes a chunk far slower than the limit makes it; all of them from 3 chunks down."""
+def _or_unread(value: float) -> float:
+    """A reading as stored in a chunk: -1 for none (nan), as profile files are strict JSON."""
+    return float(value) if math.isfinite(value) else -1.0
+
+
+def _visit(chunk: list[float]) -> int:
+    return int(chunk[3]) if len(chunk) > 3 else 1
+
+
+def _settling(chunk: list[float]) -> bool:
+    """A settling step's time (`PowerLimitStats.add_settling`), not a sample."""
+    return len(chunk) > 6 and bool(chunk[6])
+
+
+def level_shift(per_step_s: list[float]) -> tuple[int, int] | None:
+    """Where a visit's per-step times shift level, if they do: `(k, +1)` when the samples from `k` on
+    are slower than those before (a burst began), `(k, -1)` when those before `k` are slower (a burst
+    ended); None when no split into runs of `_SHIFT_MIN` samples or more differs significantly.
+
+    The limit is the same all visit long, so a lasting shift is not its doing. Medians keep a single
+    stall from passing for a shift (stalls are `robust_chunks`'s to set aside).
+    """
+    x = np.asarray(per_step_s, dtype=float)
+    n = len(x)
+    if n < 2 * _SHIFT_MIN or np.any(x <= 0):
+        return None
+    lx = np.log(x)
+
+    def cost(k: int) -> float:  # absolute deviations of the two runs from their medians
+        return float(np.abs(lx[:k] - np.median(lx[:k])).sum() + np.abs(lx[k:] - np.median(lx[k:])).sum())
+
+    k = min(range(_SHIFT_MIN, n - _SHIFT_MIN + 1), key=cost)
+    before, after = float(np.median(x[:k])), float(np.median(x[k:]))
+    gap = abs(math.log(after / before))
+    # The noise from successive differences: a shift moves only one of them.
+    sd = max(1.4826 * float(np.median(np.abs(np.diff(lx)))) / math.sqrt(2), _SHIFT_NOISE_FLOOR)
+    need = max(_SHIFT_FLOOR, _SHIFT_SDS * sd * math.sqrt(1 / k + 1 / (n - k)))
+    if gap < math.log1p(need):
+        return None
+    return k, 1 if after > before else -1
+
+
+def burst_runs(per_step_s: list[float]) -> tuple[list[int], bool, bool]:
+    """A visit's samples seen inside a burst (indices), whether the burst began before the visit, and
+    whether it goes on after it: a `level_shift`, and within the slower run a second one back (a burst
+    that began and ended inside the visit)."""
+    shift = level_shift(per_step_s)
+    if shift is None:
+        return [], False, False
+    k, sign = shift
+    n = len(per_step_s)
+    if sign > 0:
+        inner = level_shift(per_step_s[k:])
+        if inner is not None and inner[1] < 0:
+            return list(range(k, k + inner[0])), False, False
+        return list(range(k, n)), False, True
+    inner = level_shift(per_step_s[:k])
+    if inner is not None and inner[1] > 0:
+        return list(range(inner[0], k)), False, False
+    return list(range(k)), True, False
+
+
+def visit_bursts(chunks: list[list[float]], visit: int) -> tuple[list[int], bool, bool]:
+    """`burst_runs` of the samples of one visit."""
+    own = [c for c in chunks if _visit(c) == visit]
+    if any(c[0] <= 0 for c in own):
+        return [], False, False
+    return burst_runs([c[1] / c[0] for c in own])
+
+
+def power_windows(chunks: list[list[float]], kept: list[list[float]]) -> list[float]:
+    """Readings of the one-second average power (`NVML_FI_DEV_POWER_AVERAGE`) whose second is covered by
+    kept samples of one visit, back to back (their times add up to the clock's, within `_GAP`), and no
+    two of which overlap: each is the exact mean power of a second of this limit's steps, with none of
+    the energy counter's rounding (up to a refresh's energy at each end of a window).
+
+    Latest first within each visit, as the first second of a visit may still carry the previous limit.
+    """
+    kept_ids = {id(c) for c in kept}
+    out: list[float] = []
+    for visit in sorted({_visit(c) for c in chunks}):
+        own = [c for c in chunks if _visit(c) == visit and not _settling(c)]
+        i = len(own) - 1
+        while i >= 0:
+            c = own[i]
+            if len(c) < 6 or c[4] < 0 or c[5] < 0 or id(c) not in kept_ids:
+                i -= 1
+                continue
+            span, j = 0.0, i
+            while j >= 0 and span < _WINDOW_S and id(own[j]) in kept_ids:
+                span += own[j][1]
+                j -= 1
+            start = own[j][5] if j >= 0 else own[0][5] - own[0][1]
+            if span >= _WINDOW_S and c[5] - start <= span * (1 + _GAP) + 1e-9:
+                out.append(c[4])
+                i = j
+                continue
+            i -= 1
+    return out
+
+
+def _fastest_visits(visits: dict[int, list[list[float]]]) -> list[list[list[float]]]:
+    """The visits whose per-step times are not significantly slower (as `level_shift` judges two runs)
+    than the fastest visit's: nothing makes a limit's steps faster than it allows, so a visit that is
+    slower all along ran inside a burst."""
+    per = {v: np.log([c[1] / c[0] for c in own if c[0] > 0]) for v, own in visits.items()}
+    some = {v: x for v, x in per.items() if len(x) >= _SHIFT_MIN}
+    if len(some) < 2:
+        return list(visits.values())
+    diffs = np.concatenate([np.diff(x) for x in some.values()])
+    sd = max(1.4826 * float(np.median(np.abs(diffs))) / math.sqrt(2), _SHIFT_NOISE_FLOOR)
+    fast = min(some, key=lambda v: float(np.median(some[v])))
+    lo, n_lo = float(np.median(some[fast])), len(some[fast])
+    out = []
+    for v, own in visits.items():
+        x = some.get(v)
+        if x is not None and v != fast:
+            need = max(_SHIFT_FLOOR, _SHIFT_SDS * sd * math.sqrt(1 / len(x) + 1 / n_lo))
+            if float(np.median(x)) - lo > math.log1p(need):
+                continue
+        out.append(own)
+    return out
+
+
+def robust_chunks(chunks: list[list[float]], bad_visits: list[int] | tuple = ()) -> list[list[float]]:
+    """The chunks a limit's measurement rests on.
+
+    Set aside: the visits in `bad_visits`; within each visit, the slower run of samples on either side of
+    a `level_shift` (a burst began or ended during it), then again in what is left (up to
+    `_BURSTS_PER_VISIT` bursts); then every chunk whose per-step time is more than
+    `_OUTLIER_MADS` robust standard deviations (at least `_OUTLIER_FLOOR` of the median) from the median
+    of those left: a data-loader stall, an evaluation or another job sharing the GPU makes a chunk far
+    slower than the limit makes it (this last test from 3 chunks up).
+    """
+    visits = {}
+    for visit in sorted({_visit(c) for c in chunks} - set(bad_visits)):
+        own = [c for c in chunks if _visit(c) == visit]
+        for _ in range(_BURSTS_PER_VISIT):  # a long visit may see several bursts
+            inside = set(visit_bursts(own, visit)[0])
+            if not inside:
+                break
+            own = [c for i, c in enumerate(own) if i not in inside]
+        visits[visit] = [c for c in own if not _settling(c)]
+    chunks = [c for own in _fastest_visits(visits) for c in own]
     if len(chunks) < 3:
         return list(chunks)
     per_step = np.array([c[1] / c[0] for c in chunks])
     med = float(np.median(per_step))
     spread = max(_OUTLIER_MADS * 1.4826 * float(np.median(np.abs(per_step - med))), _OUTLIER_FLOOR * med)
     return [c for c, x in zip(chunks, per_step, strict=True) if abs(x - med) <= spread]
+
+
+def burst_lookback(
+    timeline: list[tuple[int, int]], stats: dict[int, PowerLimitStats], steps: float
+) -> list[tuple[int, int]]:
+    """The latest visits of `timeline` (`(power_limit_w, visit)`, oldest first) that may have run inside a
+    burst seen only when it ended, early in the visit after them: back over `steps` steps at most, and
+    not past a visit in which the burst was seen to begin (its slower end is set aside already)."""
+    out: list[tuple[int, int]] = []
+    for pl, visit in reversed(timeline):
+        s = stats[pl]
+        if steps <= 0 or visit_bursts(s.chunks, visit)[2]:
+            break
+        out.append((pl, visit))
+        steps -= sum(c[0] for c in s.chunks if _visit(c) == visit)
+    return out
+
+
+def slower_above(stats: dict[int, PowerLimitStats], current: PowerLimitStats) -> list[tuple[int, int]]:
+    """`(power_limit_w, visit)` of the visits to higher limits whose median step time is more than
+    `_MONOTONE_SLACK` above `current`'s (a lower limit): they ran inside a burst that began and ended
+    with visits, where no visit could see it shift."""
+    if len(current.kept_chunks) < _SHIFT_MIN:
+        return []
+    here = float(np.median([c[1] / c[0] for c in current.kept_chunks]))
+    out = []
+    for pl, s in stats.items():
+        if pl <= current.power_limit_w:
+            continue
+        for visit in sorted({_visit(c) for c in s.kept_chunks}):
+            own = [c[1] / c[0] for c in s.kept_chunks if _visit(c) == visit]
+            if len(own) >= _SHIFT_MIN and float(np.median(own)) > here * (1 + _MONOTONE_SLACK):
+                out.append((pl, visit))
+    return out
+
+
+def burst_suspects(stats: dict[int, PowerLimitStats], noise: tuple[float, float]) -> list[int]:
+    """Limits measured in a single visit whose mean step time is above a lower limit's by more than
+    `_SUSPECT_FLOOR` and `_Z_SUSPECT` standard errors of the difference (`noise`: `pooled_noise`), highest
+    first.
+
+    A lower limit never makes steps faster; a burst as long as a visit (another job for a few seconds)
+    slows every sample of it alike, so nothing within the visit shifts and only the comparison with the
+    limits measured outside the burst shows it. Traces do wiggle (up to about 6% on flat curves), so a
+    suspect is not set aside but measured again: a second visit at its true pace is faster, and
+    `robust_chunks` keeps the faster visit; one that agrees with the first keeps both.
+    """
+    measured = [s for s in stats.values() if s.samples >= _SHIFT_MIN and not s.bad_visits]
+    out = []
+    for s in sorted(measured, key=lambda s: -s.power_limit_w):
+        if s.visits > 1:
+            continue
+        if _above_lower_limits(s, measured, noise):
+            out.append(s.power_limit_w)
+    return out
+
+
+def _above_lower_limits(
+    s: PowerLimitStats, measured: list[PowerLimitStats], noise: tuple[float, float]
+) -> bool:
+    """Whether `s`'s mean step time is significantly above a lower limit's, or above the chord of a higher
+    and a lower limit's (`burst_suspects`)."""
+
+    def rel_se(a: PowerLimitStats) -> float:
+        return math.sqrt(max(a.rel_vars()[0], noise[0]) / a.steps)
+
+    pl, t = s.power_limit_w, s.mean_time_s
+    for low in measured:
+        if low.power_limit_w >= pl:
+            continue
+        se = math.hypot(rel_se(s), rel_se(low))
+        if t > low.mean_time_s * (1 + max(_SUSPECT_FLOOR, _Z_SUSPECT * se)):
+            return True
+        for high in measured:
+            if high.power_limit_w <= pl:
+                continue
+            w = (high.power_limit_w - pl) / (high.power_limit_w - low.power_limit_w)
+            chord = high.mean_time_s + w * (low.mean_time_s - high.mean_time_s)
+            se = math.sqrt(rel_se(s) ** 2 + ((1 - w) * rel_se(high)) ** 2 + (w * rel_se(low)) ** 2)
+            if t > chord * (1 + max(_CHORD_FLOOR, _Z_SUSPECT * se)):
+                return True
+    return False
 
 
 def power_limit_grid(min_w: float, max_w: float, step_w: int) -> list[int]:
@@ -244,9 +592,23 @@ def chunk_steps(stats: dict[int, PowerLimitStats]) -> float:
     return max(1.0, refresh / mean_time) if mean_time > 0 else 1.0
 
 
+def settle_steps(warmup_steps: int, per_sample: float = 1.0) -> int:
+    """Unmeasured steps the adaptive search runs at a limit after the first it profiles in a run.
+
+    A power limit takes effect within milliseconds; what lags is the energy counter (up to one refresh),
+    so a visit skips one sample's worth of steps (`chunk_steps`), never more than `warmup_steps`. The
+    first limit of a run gets all `warmup_steps`: that is where the job itself warms up.
+    """
+    return min(warmup_steps, max(1, math.ceil(per_sample - 1e-9)))
+
+
 def spent_steps(stats: dict[int, PowerLimitStats], warmup_steps: int) -> int:
-    """Steps the search has spent on `stats` so far: each visit's warm-up and every measured step."""
-    return sum(s.spent_steps + warmup_steps * s.visits for s in stats.values())
+    """Steps the search has spent on `stats` so far: each visit's warm-up (`warmup_steps` a visit where
+    the limit does not say) and every measured step."""
+    return sum(
+        s.spent_steps + (s.warmed_steps if s.warmed_steps >= 0 else warmup_steps * s.visits)
+        for s in stats.values()
+    )
 
 
 def pooled_noise(stats: dict[int, PowerLimitStats]) -> tuple[float, float]:
@@ -271,6 +633,13 @@ def _rses(s: PowerLimitStats, noise: tuple[float, float]) -> tuple[float, float]
     own = s.rel_vars()
     time_var = max(own[0], noise[0])
     energy_var = max(own[1], noise[1])
+    windows = s.windows_rel_var()
+    if windows is not None:
+        # Mean power of whole seconds times mean step time: no counter rounding; power's own noise
+        # averaged over a second is at least the per-step noise spread over the steps of a second.
+        per_second = max(energy_var - time_var, time_var) * s.mean_time_s
+        power_var = max(windows, per_second / len(s.power_windows_w))
+        return math.sqrt(time_var / s.steps), math.sqrt(time_var / s.steps + power_var)
     return math.sqrt(time_var / s.steps), math.sqrt(energy_var / s.steps + s.rounding_rel_var())
 
 
@@ -350,7 +719,8 @@ def contenders(
 ) -> list[int]:
     """The limits the choice is still unsure between: the best by mean cost, and every limit whose cost
     might be more than `_TOLERANCE` below the best's (optimistic bound, `_Z_CHOICE` standard errors, more
-    than the tolerance under the best's pessimistic one). Empty when the best is settled."""
+    than the tolerance under the best's pessimistic one); the best alone while its cost is not known to
+    within `_PRECISION`. Empty when the best is settled."""
     best = best_power_limit(stats, selector, max_power_w, ref.mean_time_s)
     if best is None:
         return []
@@ -362,7 +732,10 @@ def contenders(
         and _bounds(s, selector, max_power_w, ref, noise, _Z_CHOICE)[0] * (1 + _TOLERANCE) < pes_best
     ]
     if not rivals:
-        return []
+        # Settled, once the best's own cost is known to within `_PRECISION` (a visit too short for the
+        # energy counter's rounding to average out can be off by more than the gaps between limits).
+        opt, mean, pes = _bounds(stats[best], selector, max_power_w, ref, noise)
+        return [] if math.isfinite(pes) and pes - opt <= 4 * _PRECISION * mean else [best]
     out = [best, *rivals]
     # Where the reference time decides a contender's cost (a slowdown bound), the reference is one too.
     rr = _Z_CHOICE * min(_rses(ref, noise)[0], 1.0)
@@ -400,8 +773,11 @@ def measurement_verdict(
     On a revisit (`current.visits > 1`, the refinement pass) `current` is measured while it is one of
     the `contenders`, up to `max_steps` steps in all and `budget_left_steps` more.
     """
-    revisit = current.visits > 1
+    revisit = any(_visit(c) < current.visits for c in current.kept_chunks)
     if current.samples < min_steps and not revisit:
+        return "more"
+    # Every visit takes `min_steps` samples, enough to see a burst begin or end within it.
+    if revisit and current.visit_samples(current.visits) < min_steps and budget_left_steps > 0:
         return "more"
     same = reference is None or not reference.steps or reference.power_limit_w == current.power_limit_w
     ref = current if same else reference
@@ -459,8 +835,17 @@ def next_power_limit(
     per = chunk_steps(stats)
     budget = adaptive_budget_steps(len(grid), warmup_steps, profile_steps, per)
     spent = spent_steps(stats, warmup_steps) - spent_before
-    if spent + warmup_steps + min_measured_steps(profile_steps) * per > budget:
+    if spent + settle_steps(warmup_steps, per) + min_measured_steps(profile_steps) * per > budget:
         return None
+    # A limit whose every visit ran inside a burst is measured again (a few times at most).
+    lost = [
+        pl for pl in grid if not stats[pl].steps and stats[pl].bad_visits and stats[pl].visits < MAX_VISITS
+    ]
+    if lost:
+        return lost[0]
+    suspects = burst_suspects(stats, pooled_noise(stats))
+    if suspects:
+        return suspects[0]
     ref = stats.get(grid[0])
     if ref is None or not ref.steps:
         return None
