@@ -19,7 +19,7 @@ those steps, counted the same way for both.
 The grid is the optimizer's own: from the maximum limit down by `pl_step`, 25 W, or the trace's own
 spacing where that is finer (T4: 60-70 W in 5 W steps, where 25 W would leave Zeus a single limit).
 
-Run: `python benchmarks/power_limit_search.py [--seeds 2] [--jobs 2] [--gpus a40,v100,a10g,t4]`
+Run: `python benchmarks/power_limit_search.py [--seeds 4] [--jobs 2] [--gpus a40,v100,a10g,t4]`
 """
 
 from __future__ import annotations
@@ -164,6 +164,13 @@ def _import_zeus():
                 "zeus was imported before the fake NVML could be installed; run this as a script."
             )
         zeus_energy.sync_execution_fn = lambda *a, **k: None  # a virtual GPU has no queued work to wait for
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            # Zeus asks torch (or jax) whether it runs distributed; one process without either is not, and
+            # there Zeus's own all_reduce returns its input.
+            zeus_pl.is_distributed = lambda: False
+            zeus_pl.all_reduce = lambda values, operation: values
         _ZEUS = (zeus_gpu, zeus_nvidia, zeus_energy, zeus_pl)
     return _ZEUS
 
@@ -209,15 +216,15 @@ def run_zeus(
     return chosen, steps, energy
 
 
-def run_case(args: tuple[str, str, int, str, bool]) -> list[Result]:
-    kind, workload, seeds, search, with_zeus = args
+def run_case(args: tuple[str, str, int, str, bool, tuple[str, ...]]) -> list[Result]:
+    kind, workload, seeds, search, with_zeus, selectors = args
     logging.disable(logging.WARNING)  # the optimizers' per-limit logs; the table says what matters
     trace = sim.shipped_trace(kind, workload)
     pl_step = pl_step_for(trace)
     grid = power_limit_grid(trace.min_power_limit_w, trace.max_power_limit_w, pl_step)
     out = []
     for noise in NOISES:
-        for selector in SELECTORS:
+        for selector in selectors:
             for seed in range(seeds):
                 runs = [("ours", run_ours(kind, workload, selector, seed, pl_step, search, noise))]
                 if with_zeus:
@@ -287,26 +294,54 @@ def print_report(results: list[Result], with_zeus: bool, command: str, elapsed_s
     print(f"\n# {len(results)} runs in {elapsed_s:.0f} s")
 
 
+def _miss_detail(r: Result) -> str:
+    """The chosen limit against the trace's best on the grid: true slowdowns and cost (SIMULATED truth)."""
+    trace = sim.shipped_trace(r.kind, r.workload)
+    grid = power_limit_grid(trace.min_power_limit_w, trace.max_power_limit_w, pl_step_for(trace))
+    te = np.array([true_time_energy(trace, pl) for pl in grid])
+    t, e = te[:, 0], te[:, 1]
+    if r.selector == "MaxSlowdownConstraint(1.1)":
+        feasible = np.flatnonzero(t <= 1.1 * t[0])
+        best = int(feasible[np.argmin(e[feasible])])
+        cost = e
+    else:
+        cost = our_selector(r.selector).score(t, e, float(grid[0]), t[0])
+        best = int(np.argmin(cost))
+    i = grid.index(r.chosen_w)
+    return (
+        f"slowdown {t[i] / t[0]:.4f} (best {grid[best]} W: {t[best] / t[0]:.4f}), "
+        f"cost {100 * (cost[i] / cost[best] - 1):+.2f}%"
+    )
+
+
 def print_misses(results: list[Result]) -> None:
-    print("\n# misses (SIMULATED): who kind workload selector seed chosen")
+    print("\n# misses (SIMULATED): who noise kind workload selector seed chosen, against the trace's best")
     for r in results:
         if not r.ok:
             print(
                 f"  {r.who:<5}{r.noise:<9}{r.kind:<6}{r.workload:<42}{r.selector:<28}{r.seed:>3}{r.chosen_w:>6}"
+                f"  {_miss_detail(r)}"
             )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=2, help="noise seeds per workload and selector")
+    parser.add_argument("--seeds", type=int, default=4, help="noise seeds per workload and selector")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes")
     parser.add_argument("--gpus", default=",".join(KINDS), help="comma-separated simulated GPU kinds")
     parser.add_argument("--workload", default="", help="only workloads whose key contains this")
+    parser.add_argument(
+        "--selectors", default=",".join(SELECTORS), help="comma-separated subset of the selectors"
+    )
     parser.add_argument("--search", default="adaptive", choices=("adaptive", "sweep"))
     parser.add_argument("--no-zeus", action="store_true", help="run only this package's optimizer")
     parser.add_argument("--misses", action="store_true", help="list the runs that missed the 1% band")
     args = parser.parse_args(argv)
     kinds = [k.strip() for k in args.gpus.split(",") if k.strip()]
+    selectors = tuple(s.strip() for s in args.selectors.split(",") if s.strip())
+    unknown = [s for s in selectors if s not in SELECTORS]
+    if unknown:
+        parser.error(f"unknown selector(s) {unknown}; choose from {', '.join(SELECTORS)}")
     with_zeus = not args.no_zeus
     if with_zeus:
         try:
@@ -315,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"zeus is not importable ({e}); install `zeus==0.16.*` or pass --no-zeus", file=sys.stderr)
             return 2
     cases = [
-        (kind, w, args.seeds, args.search, with_zeus)
+        (kind, w, args.seeds, args.search, with_zeus, selectors)
         for kind in kinds
         for w in sim.shipped_workloads(kind)
         if args.workload in w

@@ -402,7 +402,7 @@ class GlobalPowerLimitOptimizer(Callback):
                 # one more look at whether a burst begins.
                 top = self._all_reduce([own_s if own_s is not None else 0.0, float(own_s is None)], op="max")
                 if top[1] == 0 and top[0] > 0:
-                    phase.stats.add_settling(top[0])
+                    phase.stats.add_settling(top[0], self.monitor.gpus.clock())
             phase.steps_left -= 1
             if phase.steps_left <= 0 and self._phase is phase:
                 self._warmed_up = True
@@ -840,7 +840,8 @@ class GlobalPowerLimitOptimizer(Callback):
         inside, began_before, goes_on = visit_bursts(s.chunks, s.visits)
         if began_before and not self._visit_in_burst:
             own = [c for c in s.chunks if len(c) > 3 and c[3] == s.visits]
-            before = sum(own[i][0] for i in inside)  # the burst's steps in this visit
+            lead = next((k for k, i in enumerate(inside) if i != k), len(inside))  # the visit's first run
+            before = sum(own[i][0] for i in inside[:lead])  # the burst's steps in this visit
             for pl, visit in burst_lookback(self._timeline, self.stats, BURST_STEPS - before):
                 if not self._may_measure_again(pl, s):
                     continue

@@ -223,10 +223,11 @@ class PowerLimitStats:
         )
         self._recount()
 
-    def add_settling(self, step_s: float) -> None:
-        """Note the time of a settling step of the current visit (not a sample: the energy counter still
-        lags; it helps `level_shift` see a burst begin with the visit)."""
-        self.chunks.append([1, float(step_s), 0.0, self.visits, -1.0, -1.0, 1])
+    def add_settling(self, step_s: float, end_s: float = math.nan) -> None:
+        """Note the time of a settling step of the current visit, ending at `end_s` (not a sample: the
+        energy counter still lags; it helps `level_shift` see a burst begin with the visit, and, the limit
+        being in force, its time counts towards a one-second power window)."""
+        self.chunks.append([1, float(step_s), 0.0, self.visits, -1.0, _or_unread(end_s), 1])
         self._recount()
 
     def set_aside_visit(self, visit: int) -> None:
@@ -384,36 +385,67 @@ def burst_runs(per_step_s: list[float]) -> tuple[list[int], bool, bool]:
 
 
 def visit_bursts(chunks: list[list[float]], visit: int) -> tuple[list[int], bool, bool]:
-    """`burst_runs` of the samples of one visit."""
+    """`burst_runs` of the samples of one visit (indices among its chunks, settling steps included),
+    looked for again in what is left, up to `_BURSTS_PER_VISIT` bursts: a long visit may see several, and
+    one that began before the visit may hide behind a stronger one inside it."""
     own = [c for c in chunks if _visit(c) == visit]
     if any(c[0] <= 0 for c in own):
         return [], False, False
-    return burst_runs([c[1] / c[0] for c in own])
+    left = list(range(len(own)))
+    inside_all: list[int] = []
+    began_before = goes_on = False
+    for _ in range(_BURSTS_PER_VISIT):
+        inside, before, after = burst_runs([own[i][1] / own[i][0] for i in left])
+        if not inside:
+            break
+        began_before |= before and left[0] == 0
+        goes_on |= after and left[-1] == len(own) - 1
+        inside_all.extend(left[i] for i in inside)
+        left = [i for k, i in enumerate(left) if k not in set(inside)]
+        if len(left) < 2 * _SHIFT_MIN:
+            break
+    return sorted(inside_all), began_before, goes_on
 
 
 def power_windows(chunks: list[list[float]], kept: list[list[float]]) -> list[float]:
     """Readings of the one-second average power (`NVML_FI_DEV_POWER_AVERAGE`) whose second is covered by
-    kept samples of one visit, back to back (their times add up to the clock's, within `_GAP`), and no
-    two of which overlap: each is the exact mean power of a second of this limit's steps, with none of
-    the energy counter's rounding (up to a refresh's energy at each end of a window).
+    steps of one visit at this limit, back to back (their times add up to the clock's, within `_GAP`),
+    and no two of which overlap: each is the exact mean power of a second of this limit's steps, with none
+    of the energy counter's rounding (up to a refresh's energy at each end of a window).
 
-    Latest first within each visit, as the first second of a visit may still carry the previous limit.
+    The steps are kept samples and the visit's settling steps (the limit is in force from the first: only
+    the energy counter lags) as long as a settling step's time is not an outlier among the kept samples'
+    (`_OUTLIER_FLOOR`): a short visit, under a second of samples, still gets a window. Latest first
+    within each visit, as the first second of a visit may still carry the previous limit.
     """
     kept_ids = {id(c) for c in kept}
     out: list[float] = []
     for visit in sorted({_visit(c) for c in chunks}):
-        own = [c for c in chunks if _visit(c) == visit and not _settling(c)]
+        own = [c for c in chunks if _visit(c) == visit]
+        samples = [c[1] / c[0] for c in own if id(c) in kept_ids and c[0] > 0]
+        if not samples:
+            continue
+        med = float(np.median(samples))
+
+        def usable(c: list[float]) -> bool:
+            if id(c) in kept_ids:
+                return True
+            return (
+                _settling(c) and len(c) > 5 and c[5] >= 0 and abs(c[1] / c[0] - med) <= _OUTLIER_FLOOR * med
+            )
+
         i = len(own) - 1
         while i >= 0:
             c = own[i]
-            if len(c) < 6 or c[4] < 0 or c[5] < 0 or id(c) not in kept_ids:
+            if _settling(c) or len(c) < 6 or c[4] < 0 or c[5] < 0 or id(c) not in kept_ids:
                 i -= 1
                 continue
             span, j = 0.0, i
-            while j >= 0 and span < _WINDOW_S and id(own[j]) in kept_ids:
+            while j >= 0 and span < _WINDOW_S and usable(own[j]):
                 span += own[j][1]
                 j -= 1
-            start = own[j][5] if j >= 0 else own[0][5] - own[0][1]
+            first = own[j + 1]
+            start = own[j][5] if j >= 0 and own[j][5] >= 0 else first[5] - first[1]
             if span >= _WINDOW_S and c[5] - start <= span * (1 + _GAP) + 1e-9:
                 out.append(c[4])
                 i = j
@@ -458,12 +490,8 @@ def robust_chunks(chunks: list[list[float]], bad_visits: list[int] | tuple = ())
     visits = {}
     for visit in sorted({_visit(c) for c in chunks} - set(bad_visits)):
         own = [c for c in chunks if _visit(c) == visit]
-        for _ in range(_BURSTS_PER_VISIT):  # a long visit may see several bursts
-            inside = set(visit_bursts(own, visit)[0])
-            if not inside:
-                break
-            own = [c for i, c in enumerate(own) if i not in inside]
-        visits[visit] = [c for c in own if not _settling(c)]
+        inside = set(visit_bursts(own, visit)[0])
+        visits[visit] = [c for i, c in enumerate(own) if i not in inside and not _settling(c)]
     chunks = [c for own in _fastest_visits(visits) for c in own]
     if len(chunks) < 3:
         return list(chunks)
@@ -654,16 +682,19 @@ def _bounds(
     ref: PowerLimitStats,
     noise: tuple[float, float] = (0.0, 0.0),
     z: float = _Z,
+    slack: float = 0.0,
 ) -> tuple[float, float, float]:
     """(optimistic, mean, pessimistic) cost of `s`, `z` standard errors each way; the reference time's
-    own error counts too."""
+    own error counts too. `slack` loosens a slowdown bound for the pessimistic cost (by that fraction
+    of the reference time)."""
     rt, re_ = (min(x, 1.0) for x in _rses(s, noise))
     rr = min(_rses(ref, noise)[0], 1.0) if ref is not s else 0.0
     t, e, r = s.mean_time_s, s.mean_energy_j, ref.mean_time_s
     # A longer reference time loosens a slowdown bound, so it is the optimistic one.
     opt = _score(selector, t * max(0.0, 1 - z * rt), e * max(0.0, 1 - z * re_), max_power_w, r * (1 + z * rr))
     mean = _score(selector, t, e, max_power_w, r)
-    pes = _score(selector, t * (1 + z * rt), e * (1 + z * re_), max_power_w, r * max(0.0, 1 - z * rr))
+    pes_r = r * max(0.0, 1 - z * rr) * (1 + slack)
+    pes = _score(selector, t * (1 + z * rt), e * (1 + z * re_), max_power_w, pes_r)
     return opt, mean, pes
 
 
@@ -724,7 +755,17 @@ def contenders(
     best = best_power_limit(stats, selector, max_power_w, ref.mean_time_s)
     if best is None:
         return []
-    pes_best = _bounds(stats[best], selector, max_power_w, ref, noise, _Z_CHOICE)[2]
+    b = stats[best]
+    bound = _uses_reference(selector, b, max_power_w)
+    if bound:
+        # A slowdown bound: the best is within it at its mean. Whether a rival's cost beats the best's is
+        # a question of energy; whether the best stays within the bound is the best's own (below), where
+        # a slowdown within `_TOLERANCE` past the bound is as good as one on it.
+        re_ = min(_rses(b, noise)[1], 1.0)
+        pes_e = b.mean_energy_j * (1 + _Z_CHOICE * re_)
+        pes_best = _score(selector, b.mean_time_s, pes_e, max_power_w, ref.mean_time_s)
+    else:
+        pes_best = _bounds(b, selector, max_power_w, ref, noise, _Z_CHOICE)[2]
     rivals = [
         s.power_limit_w
         for s in _valid(stats)
@@ -734,27 +775,49 @@ def contenders(
     if not rivals:
         # Settled, once the best's own cost is known to within `_PRECISION` (a visit too short for the
         # energy counter's rounding to average out can be off by more than the gaps between limits).
-        opt, mean, pes = _bounds(stats[best], selector, max_power_w, ref, noise)
+        slack = _TOLERANCE if bound else 0.0
+        opt, mean, pes = _bounds(b, selector, max_power_w, ref, noise, slack=slack)
         return [] if math.isfinite(pes) and pes - opt <= 4 * _PRECISION * mean else [best]
     out = [best, *rivals]
-    # Where the reference time decides a contender's cost (a slowdown bound), the reference is one too.
-    rr = _Z_CHOICE * min(_rses(ref, noise)[0], 1.0)
-    r = ref.mean_time_s
+    # Where the reference time decides a contender's cost (a slowdown bound): the reference is a contender
+    # too while a contender's cost changes within the two's errors together (whichever of them has fewer
+    # steps is then measured first).
     if ref.power_limit_w not in out and any(
-        _score(selector, stats[pl].mean_time_s, stats[pl].mean_energy_j, max_power_w, r * (1 + rr))
-        != _score(selector, stats[pl].mean_time_s, stats[pl].mean_energy_j, max_power_w, r * max(0.0, 1 - rr))
-        for pl in out
+        _reference_decides(stats[pl], selector, max_power_w, ref, noise) for pl in out
     ):
         out.append(ref.power_limit_w)
     return out
 
 
-def _uses_reference(selector: OptimumSelector, s: PowerLimitStats, max_power_w: float) -> bool:
-    """Whether the selector's cost depends on the reference time (a slowdown bound does)."""
-    t, e = s.mean_time_s, s.mean_energy_j
-    return _score(selector, 1.05 * t, e, max_power_w, t) != _score(
-        selector, 1.05 * t, e, max_power_w, 1.1 * t
+def _reference_decides(
+    s: PowerLimitStats,
+    selector: OptimumSelector,
+    max_power_w: float,
+    ref: PowerLimitStats,
+    noise: tuple[float, float],
+) -> bool:
+    """Whether `s`'s cost at its mean time and energy changes with the reference time within `_Z_CHOICE`
+    standard errors of `s`'s time and the reference's together."""
+    rt = min(_rses(s, noise)[0], 1.0)
+    rr = min(_rses(ref, noise)[0], 1.0)
+    z = _Z_CHOICE * math.sqrt(rt**2 + rr**2)
+    t, e, r = s.mean_time_s, s.mean_energy_j, ref.mean_time_s
+    return _score(selector, t, e, max_power_w, r * (1 + z)) != _score(
+        selector, t, e, max_power_w, r * max(0.0, 1 - z)
     )
+
+
+def _uses_reference(selector: OptimumSelector, s: PowerLimitStats, max_power_w: float) -> bool:
+    """Whether the selector's cost depends on the reference time (a slowdown bound does): probed at
+    slowdowns from none to 4x, with the reference 5% longer, since a bound changes the cost only near it."""
+    t, e = s.mean_time_s, s.mean_energy_j
+    return any(
+        _score(selector, k * t, e, max_power_w, t) != _score(selector, k * t, e, max_power_w, 1.05 * t)
+        for k in _SLOWDOWN_PROBES
+    )
+
+
+_SLOWDOWN_PROBES = tuple(1.0 + 0.01 * 1.1**i for i in range(60))  # 1.01 up to about 4
 
 
 def measurement_verdict(
