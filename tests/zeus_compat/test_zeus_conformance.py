@@ -234,10 +234,13 @@ def test_a_limit_pruned_for_one_selector_counts_for_another(tmp_path: Path):
     assert other.state == Done(optimal_power_limit=100_000)  # before: 200 W, 33% more energy
 
 
-def _zeus_measurements(stats) -> list:
+def _zeus_measurements(stats, steps: int = 40) -> list:
+    """Our measurements as Zeus's: each limit's time and energy over `steps` steps (per-step means, so
+    limits that set aside a different number of steps compare fairly)."""
     return [
-        zeus_pl.PowerLimitMeasurement(power_limit=pl, energy=s.energy_j, time=s.time_s)
+        zeus_pl.PowerLimitMeasurement(power_limit=pl, energy=m.energy, time=m.time)
         for pl, s in sorted(stats.items(), reverse=True)
+        for m in [s.measurement(steps)]
     ]
 
 

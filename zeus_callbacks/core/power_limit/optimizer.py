@@ -578,7 +578,7 @@ class GlobalPowerLimitOptimizer(Callback):
             for s in stats.values():
                 s.pruned = False
             if self.search != "adaptive" or not self.optimum_selector.has_score():
-                stats = {pl: s for pl, s in stats.items() if s.steps >= self.profile_steps}
+                stats = {pl: s for pl, s in stats.items() if s.spent_steps >= self.profile_steps}
             self._spent_before = spent_steps(stats, self.warmup_steps)
         self.stats = stats
         if same and saved.complete or self._next_power_limit() is None and stats:

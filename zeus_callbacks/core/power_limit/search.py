@@ -107,6 +107,9 @@ _Z_CHOICE = 1.75
 # 1.4826) from the median of its limit's chunks, and at least `_OUTLIER_FLOOR` of it, is set aside.
 _OUTLIER_MADS = 4.0
 _OUTLIER_FLOOR = 0.03
+# Above the median the bound is tighter: nothing makes a step faster than its limit allows, while a mild
+# burst (another job, throttling) slows a few chunks by 10% or so without shifting the visit's level.
+_OUTLIER_MADS_SLOW = 2.5
 # A level shift of the per-step time within one visit (the limit unchanged all along) is a burst (another
 # job, throttling, a slow stretch of data) starting or ending: two runs of at least `_SHIFT_MIN` samples
 # whose medians differ by `_SHIFT_SDS` standard errors (from the samples' successive differences, at least
@@ -134,6 +137,8 @@ MAX_VISITS = 3
 # once more (`burst_suspects`); the slower of its visits is then set aside by `robust_chunks`.
 _SUSPECT_FLOOR = 0.015
 _Z_SUSPECT = 2.0
+# The most of `profile_steps` a contender is measured in the first pass (the refinement pass goes on).
+_FIRST_PASS_SHARE = 0.5
 # Time against the limit is convex on the shipped traces (flat near the top, ever steeper below), within
 # wiggles of a few percent: a limit's time this far above the chord of a higher and a lower limit's is
 # suspect too.
@@ -426,14 +431,6 @@ def power_windows(chunks: list[list[float]], kept: list[list[float]]) -> list[fl
         if not samples:
             continue
         med = float(np.median(samples))
-
-        def usable(c: list[float]) -> bool:
-            if id(c) in kept_ids:
-                return True
-            return (
-                _settling(c) and len(c) > 5 and c[5] >= 0 and abs(c[1] / c[0] - med) <= _OUTLIER_FLOOR * med
-            )
-
         i = len(own) - 1
         while i >= 0:
             c = own[i]
@@ -441,7 +438,7 @@ def power_windows(chunks: list[list[float]], kept: list[list[float]]) -> list[fl
                 i -= 1
                 continue
             span, j = 0.0, i
-            while j >= 0 and span < _WINDOW_S and usable(own[j]):
+            while j >= 0 and span < _WINDOW_S and _in_window(own[j], kept_ids, med):
                 span += own[j][1]
                 j -= 1
             first = own[j + 1]
@@ -452,6 +449,19 @@ def power_windows(chunks: list[list[float]], kept: list[list[float]]) -> list[fl
                 continue
             i -= 1
     return out
+
+
+def _in_window(chunk: list[float], kept_ids: set[int], median_step_s: float) -> bool:
+    """Whether `chunk` may make up part of a power window: a kept sample, or a settling step with its end
+    time whose step time is within `_OUTLIER_FLOOR` of the kept samples' median."""
+    if id(chunk) in kept_ids:
+        return True
+    return (
+        _settling(chunk)
+        and len(chunk) > 5
+        and chunk[5] >= 0
+        and abs(chunk[1] / chunk[0] - median_step_s) <= _OUTLIER_FLOOR * median_step_s
+    )
 
 
 def _fastest_visits(visits: dict[int, list[list[float]]]) -> list[list[list[float]]]:
@@ -497,8 +507,10 @@ def robust_chunks(chunks: list[list[float]], bad_visits: list[int] | tuple = ())
         return list(chunks)
     per_step = np.array([c[1] / c[0] for c in chunks])
     med = float(np.median(per_step))
-    spread = max(_OUTLIER_MADS * 1.4826 * float(np.median(np.abs(per_step - med))), _OUTLIER_FLOOR * med)
-    return [c for c, x in zip(chunks, per_step, strict=True) if abs(x - med) <= spread]
+    sd = 1.4826 * float(np.median(np.abs(per_step - med)))
+    below = max(_OUTLIER_MADS * sd, _OUTLIER_FLOOR * med)
+    above = max(_OUTLIER_MADS_SLOW * sd, _OUTLIER_FLOOR * med)
+    return [c for c, x in zip(chunks, per_step, strict=True) if -below <= x - med <= above]
 
 
 def burst_lookback(
@@ -866,7 +878,11 @@ def measurement_verdict(
     if revisit:
         return "more"
     # A contender of the best so far: known to within `_PRECISION` on the first pass, as the choice
-    # may still fall elsewhere; the refinement pass measures the final contenders further.
+    # may still fall elsewhere, for half of `max_steps` at most; the refinement pass measures the final
+    # contenders further, fewest steps first (on a flat curve every limit is a contender: measured to the
+    # full `max_steps` in the first pass, the first limits spend what the last ones would need).
+    if current.steps >= _FIRST_PASS_SHARE * max_steps * chunk_steps({0: current}):
+        return "measured"
     opt, mean, pes = _bounds(current, selector, max_power_w, ref, noise)
     if math.isfinite(pes) and mean > 0 and pes - opt <= 2 * _PRECISION * mean:
         return "measured"
