@@ -99,3 +99,15 @@ def assert_clear(error: BaseException, *words: str) -> None:
     assert "\n" not in message, message
     for w in words:
         assert w in message, (w, message)
+
+
+def alternating_stats(pl: int, mean_t: float, mean_e: float, steps: int, rel_sd: float = 0.02):
+    """A power limit's `PowerLimitStats` of `steps` one-step samples alternating around the means by
+    `rel_sd` (sample SD about `rel_sd`)."""
+    from zeus_callbacks.core.power_limit.search import PowerLimitStats
+
+    s = PowerLimitStats(pl)
+    for i in range(steps):
+        d = rel_sd if i % 2 else -rel_sd
+        s.add(mean_t * (1 + d), mean_e * (1 + d))
+    return s

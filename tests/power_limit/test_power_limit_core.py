@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import alternating_stats as _stats
 
 from zeus_callbacks import sim
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -144,15 +145,6 @@ def test_adaptive_takes_well_under_a_sweep_on_average():
                 ratios.append(opt.profiling_steps / (len(opt.grid) * (10 + 40)))
                 sim.disable()
     assert np.mean(ratios) <= 0.4, ratios
-
-
-def _stats(pl: int, mean_t: float, mean_e: float, steps: int, rel_sd: float = 0.02) -> PowerLimitStats:
-    """Stats of `steps` steps alternating around the means by `rel_sd` (sample SD about `rel_sd`)."""
-    s = PowerLimitStats(pl)
-    for i in range(steps):
-        d = rel_sd if i % 2 else -rel_sd
-        s.add(mean_t * (1 + d), mean_e * (1 + d))
-    return s
 
 
 def test_pooled_noise_is_a_floor_under_a_lucky_limit():

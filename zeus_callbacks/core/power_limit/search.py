@@ -7,11 +7,13 @@ Searches over the grid of power limits (highest first, the minimum always includ
   `min_measured_steps` steps a limit stops as soon as it is clearly worse than the best so far (its
   optimistic cost above the best's pessimistic cost, `_Z` standard errors each way) or is not one of the
   `contenders` (it cannot beat the best by more than `_TOLERANCE`); a contender goes on until its cost
-  is known to within `_PRECISION`. The refinement pass then revisits, in this order, the limits whose
-  every sample was set aside as burst-ridden, the `burst_suspects` (visited once, slower than a lower
-  limit or above the chord of two others), and the final contenders, fewest steps first, each until it
-  is no longer one or has `profile_steps` steps (the best is a contender while its own cost is not known
-  to within twice `_PRECISION`). The budget (`adaptive_budget_steps`) caps the whole search, warm-ups,
+  is known to within `_PRECISION`, for `_FIRST_PASS_SHARE` of `profile_steps` at most. The refinement
+  pass then revisits, in this order, the limits whose every sample was set aside as burst-ridden, the
+  `burst_suspects` (visited once, slower than a lower limit or above the chord of two others), and the
+  final contenders, fewest steps first, each until it is no longer one or has `profile_steps` steps (the
+  best is a contender while its own cost is not known to within twice `_PRECISION`; under a slowdown
+  bound, also while it may be more than `_TOLERANCE` past the bound, and the reference is one while it
+  decides on which side of the bound a contender lies). The budget (`adaptive_budget_steps`) caps the whole search, warm-ups,
   set-aside samples and revisits included, whatever the noise: a visit ends once what is left of it is
   what the limits not yet visited need at least. Standard errors use the noise pooled over every limit
   (`pooled_noise`) as a floor, since a handful of similar steps says little about the noise.

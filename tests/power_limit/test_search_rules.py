@@ -1,0 +1,101 @@
+"""The adaptive search's rules for a slowdown bound, the first pass, power windows and bursts, tested on
+hand-made measurements (each rule here was missing before and cost a choice in the search benchmark)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import alternating_stats as _stats
+
+from zeus_callbacks.core.power_limit.search import (
+    PowerLimitStats,
+    contenders,
+    measurement_verdict,
+    pooled_noise,
+    robust_chunks,
+    visit_bursts,
+)
+from zeus_callbacks.core.power_limit.selectors import Energy, MaxSlowdownConstraint
+
+
+def test_the_reference_is_measured_to_precision_for_a_slowdown_bound():
+    # Alone at the maximum limit, 6 samples of 2% noise: its time is known to +-1.6%, not the 1.25% every
+    # other limit's slowdown is judged against (a bound that changes the cost only near 1.1x).
+    ref = _stats(250, 0.1, 22.0, 6)
+    stats = {250: ref}
+    verdict = measurement_verdict(ref, stats, MaxSlowdownConstraint(1.1), 250.0, ref, 5, 40)
+    assert verdict == "more"
+    ref = _stats(250, 0.1, 22.0, 14)
+    assert measurement_verdict(ref, {250: ref}, MaxSlowdownConstraint(1.1), 250.0, ref, 5, 40) == "measured"
+
+
+def test_the_reference_is_a_contender_while_it_decides_a_contender_side_of_the_bound():
+    # 175 W is 11.1% slower than 250 W: within the bound, or not, by the errors of both times together
+    # (though not by the reference's alone); it would save energy, so the reference is measured again too.
+    stats = {
+        250: _stats(250, 0.1000, 22.0, 16),
+        200: _stats(200, 0.1055, 19.5, 16),
+        175: _stats(175, 0.1111, 18.0, 16),
+    }
+    out = contenders(stats, MaxSlowdownConstraint(1.1), 250.0, stats[250], pooled_noise(stats))
+    assert 175 in out and 250 in out
+
+
+def test_a_best_within_the_tolerance_past_the_bound_is_settled():
+    # The best is 9.6% slower, known to +-0.9%: at worst 1% past the bound, as good a choice as one on it.
+    # Lower limits are far past the bound; the higher ones use more energy.
+    stats = {
+        250: _stats(250, 0.1000, 22.0, 40),
+        225: _stats(225, 0.1030, 21.5, 40),
+        200: _stats(200, 0.1096, 19.0, 40),
+        175: _stats(175, 0.1400, 18.0, 10),
+    }
+    assert contenders(stats, MaxSlowdownConstraint(1.1), 250.0, stats[250], pooled_noise(stats)) == []
+
+
+def test_a_contender_is_measured_for_half_of_profile_steps_in_the_first_pass():
+    # A near-tie with 10% noise stays a contender; the first pass stops it at half of profile_steps and
+    # leaves the rest to the refinement pass, which measures the contenders with fewest steps first.
+    best = _stats(250, 0.1, 20.0, 40, rel_sd=0.1)
+    current = _stats(225, 0.1, 20.1, 19, rel_sd=0.1)
+    stats = {250: best, 225: current}
+    assert measurement_verdict(current, stats, Energy(), 250.0, best, 5, 40) == "more"
+    current.add(0.1, 20.1)
+    assert measurement_verdict(current, stats, Energy(), 250.0, best, 5, 40) == "measured"
+
+
+def test_settling_steps_count_towards_a_one_second_power_window():
+    # 0.9 s of samples after 0.2 s of settling steps at the same limit: one window, the energy from the
+    # one-second average (200 W x 0.1 s), not from the counter's rounding (0 or 40 J a sample).
+    s = PowerLimitStats(250, refresh_s=0.1)
+    s.add_settling(0.1, end_s=0.1)
+    s.add_settling(0.1, end_s=0.2)
+    for i in range(9):
+        s.add(0.1, 40.0 if i % 2 else 0.0, power_w=200.0, end_s=0.2 + 0.1 * (i + 1))
+    assert s.power_windows_w == [200.0] and s.mean_energy_j == pytest.approx(20.0)
+    # A settling step far slower than the samples (a stall) does not count: no window.
+    stalled = PowerLimitStats(250, refresh_s=0.1)
+    stalled.add_settling(0.3, end_s=0.3)
+    for i in range(9):
+        stalled.add(0.1, 40.0 if i % 2 else 0.0, power_w=200.0, end_s=0.3 + 0.1 * (i + 1))
+    assert stalled.power_windows_w == []
+
+
+def test_a_burst_that_began_before_the_visit_is_seen_behind_a_stronger_one():
+    # Steps 25% slow from the visit's start (a burst met on the way in), one fast sample, then a 45% burst
+    # inside, then the true pace: the 25% one began before the visit, so the visits before it ran in it.
+    per_step = [1.24, 1.28, 1.33, 0.98, 1.24, 1.41, 1.42, 1.46, 1.47, 1.43, 1.46]
+    per_step += [0.99, 0.99, 1.01, 1.00, 0.99, 1.03, 1.01, 1.00]
+    chunks = [[1, 0.1 * t, 20.0, 2, -1.0, -1.0] for t in per_step]
+    chunks[0] += [1]  # a settling step
+    inside, began_before, goes_on = visit_bursts(chunks, 2)
+    assert began_before and not goes_on
+    assert set(range(5, 11)) <= set(inside)
+
+
+def test_a_sample_well_above_the_median_is_set_aside_more_readily_than_one_below():
+    # 2% noise (a robust SD of 2.2%): 7% below the median is noise; 7% above it is a mild burst (steps
+    # are never faster than the limit allows, but a burst slows a few of them).
+    base = [1.00, 1.02, 0.98, 1.01, 0.99] * 2
+    kept = robust_chunks([[1, 0.1 * t, 20.0 * t] for t in [*base, 0.93, 1.07]])
+    per_step = sorted(round(c[1] / 0.1, 4) for c in kept)
+    assert 0.93 in per_step and 1.07 not in per_step
