@@ -21,6 +21,7 @@ from zeus_callbacks.accelerate import (
 )
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.device.state_guard import guard
+from zeus_callbacks.sim import SimulatedKernels
 
 MAX_W = 300  # the simulated A40's maximum power limit
 FAST = dict(wait_steps=1, warmup_steps=1, profile_steps=6)
@@ -45,7 +46,9 @@ def _train(
 ) -> list[tuple[int, str, int | None]]:
     """A tiny Accelerate loop, until the optimizer is done (10 batches at least); returns `(optimizer steps
     so far, phase, limit W in force)` per batch."""
-    model = torch.nn.Linear(8, 1)
+    # The step's GPU work, simulated (4 ms forward, 8 ms backward, no host CPU): its pace is the GPU's,
+    # whatever the host's speed and load, so a toy step's noise does not pass for bursts.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 1), SimulatedKernels(local_gpu_index(accelerator), 0.004))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = DataLoader(TensorDataset(torch.randn(4 * batches, 8)), batch_size=4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

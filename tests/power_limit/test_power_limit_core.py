@@ -13,7 +13,7 @@ from helpers import alternating_stats as _stats
 
 from zeus_callbacks import sim
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
+from zeus_callbacks.core.power_limit.optimizer import CorruptedStateError, GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.search import (
     PowerLimitStats,
     adaptive_budget_steps,
@@ -747,3 +747,23 @@ def test_bursts_spanning_whole_visits_do_not_hide_the_best_limit(workload, selec
     else:
         costs = selector.score(t, e, float(opt.grid[0]), t[0])
         assert costs[chosen] <= 1.01 * costs.min(), opt.report()
+
+
+def test_a_limit_whose_samples_were_all_set_aside_survives_a_checkpoint():
+    # Mid-profiling, 225 W's only visit was found inside a burst: no kept step, not pruned, to be measured
+    # again. Its state is a checkpoint's like any other (it was refused as corrupted, and a resume then
+    # profiled from scratch); a limit with no sample at all still is refused.
+    vsim()
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), MaxSlowdownConstraint(1.1))
+    burst = PowerLimitStats(225)
+    for t in (0.14, 0.141, 0.139):
+        burst.add(t, 20.0 * t)
+    burst.set_aside_visit(1)
+    assert burst.steps == 0 and not burst.pruned
+    opt.stats = {300: _stats(300, 0.1, 22.0, 10), 225: burst}
+    resumed = GlobalPowerLimitOptimizer(ZeusMonitor(), MaxSlowdownConstraint(1.1))
+    resumed.load_state_dict(opt.state_dict())
+    state = opt.state_dict()
+    state["stats"][1]["chunks"] = []
+    with pytest.raises(CorruptedStateError, match="225 W: steps=0 with no measurement"):
+        resumed.load_state_dict(state)

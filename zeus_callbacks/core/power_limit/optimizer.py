@@ -400,9 +400,13 @@ class GlobalPowerLimitOptimizer(Callback):
             if phase.settling and self._phase is phase:
                 # The limit is in force already: the step's time (not its energy: the counter lags) is
                 # one more look at whether a burst begins.
-                top = self._all_reduce([own_s if own_s is not None else 0.0, float(own_s is None)], op="max")
+                # Its end time as every rank sees it (the latest rank clock), like a sample's.
+                clock = self.monitor.gpus.clock()
+                top = self._all_reduce(
+                    [own_s if own_s is not None else 0.0, float(own_s is None), clock], op="max"
+                )
                 if top[1] == 0 and top[0] > 0:
-                    phase.stats.add_settling(top[0], self.monitor.gpus.clock())
+                    phase.stats.add_settling(top[0], top[2])
             phase.steps_left -= 1
             if phase.steps_left <= 0 and self._phase is phase:
                 self._warmed_up = True
@@ -707,8 +711,11 @@ class GlobalPowerLimitOptimizer(Callback):
         phase.chunk_own_s += t
         # The chunk closes once every rank's own windows span the refreshes (ranks' steps may differ).
         moved = float(self._limit_moved())
+        # The step's end: the latest of the ranks' clocks, so that every rank dates a chunk the same and
+        # finds the same one-second power windows (and decides the same).
+        clock = self.monitor.gpus.clock()
         top = self._all_reduce(
-            [t, float(self._failed), -phase.chunk_own_s, self._own_refresh_s(t), moved], op="max"
+            [t, float(self._failed), -phase.chunk_own_s, self._own_refresh_s(t), moved, clock], op="max"
         )
         if top[1] > 0:
             self._deactivate("a GPU failed during profiling")
@@ -738,8 +745,7 @@ class GlobalPowerLimitOptimizer(Callback):
         total = self._all_reduce([phase.chunk_energy_j, float(stuck), power_w, missing], op="sum")
         if total[1] == 0 and phase.chunk_time_s > 0:
             power_w = total[2] if total[3] == 0 else math.nan
-            end_s = self.monitor.gpus.clock()
-            phase.stats.add(phase.chunk_time_s, total[0], phase.chunk_steps, power_w, end_s)
+            phase.stats.add(phase.chunk_time_s, total[0], phase.chunk_steps, power_w, top[5])
         phase.chunk_steps, phase.chunk_time_s, phase.chunk_energy_j, phase.chunk_own_s = 0, 0.0, 0.0, 0.0
         phase.samples_done += 1
         self._decide(phase)

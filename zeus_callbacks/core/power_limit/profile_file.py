@@ -142,7 +142,9 @@ def _sums_problem(power_limit_w: int, values: Mapping[str, Any], pruned: bool) -
         or (steps == 0 and (values.get("time_s") or values.get("energy_j")))
     ):
         return f"{power_limit_w} W: steps={steps!r} is not a count of measured steps"
-    if steps == 0 and not pruned:
+    # No kept step is a measurement still to come when samples were taken and set aside (a burst): the
+    # search measures that limit again. Without any sample, nothing was measured.
+    if steps == 0 and not pruned and not values.get("chunks"):
         return f"{power_limit_w} W: steps=0 with no measurement"
     for name in ("time_s", "energy_j", "time_sq", "energy_sq"):
         value = values.get(name, 0.0)

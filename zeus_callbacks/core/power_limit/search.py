@@ -13,9 +13,9 @@ Searches over the grid of power limits (highest first, the minimum always includ
   final contenders, fewest steps first, each until it is no longer one or has `profile_steps` steps (the
   best is a contender while its own cost is not known to within twice `_PRECISION`; under a slowdown
   bound, also while it may be more than `_TOLERANCE` past the bound, and the reference is one while it
-  decides on which side of the bound a contender lies). The budget (`adaptive_budget_steps`) caps the whole search, warm-ups,
-  set-aside samples and revisits included, whatever the noise: a visit ends once what is left of it is
-  what the limits not yet visited need at least. Standard errors use the noise pooled over every limit
+  decides on which side of the bound a contender lies). The budget (`adaptive_budget_steps`) caps the
+  whole search, warm-ups, set-aside samples and revisits included, whatever the noise: a visit ends once
+  what is left of it is what the limits not yet visited need at least. Standard errors use the noise pooled over every limit
   (`pooled_noise`) as a floor, since a handful of similar steps says little about the noise.
 
 Why a refinement pass: the misses of a single pass were near-ties, two limits within 1-2% of each
@@ -141,6 +141,9 @@ _SUSPECT_FLOOR = 0.015
 _Z_SUSPECT = 2.0
 # The most of `profile_steps` a contender is measured in the first pass (the refinement pass goes on).
 _FIRST_PASS_SHARE = 0.5
+# Slowdowns at which a selector is asked whether the reference time changes its cost (1.01x to about 4x):
+# a bound changes the cost only near it.
+_SLOWDOWN_PROBES = 1.0 + 0.01 * 1.1 ** np.arange(60)
 # Time against the limit is convex on the shipped traces (flat near the top, ever steeper below), within
 # wiggles of a few percent: a limit's time this far above the chord of a higher and a lower limit's is
 # suspect too.
@@ -822,16 +825,16 @@ def _reference_decides(
 
 
 def _uses_reference(selector: OptimumSelector, s: PowerLimitStats, max_power_w: float) -> bool:
-    """Whether the selector's cost depends on the reference time (a slowdown bound does): probed at
-    slowdowns from none to 4x, with the reference 5% longer, since a bound changes the cost only near it."""
+    """Whether the selector's cost depends on the reference time (a slowdown bound does), probed at
+    `_SLOWDOWN_PROBES` with the reference 5% longer."""
     t, e = s.mean_time_s, s.mean_energy_j
-    return any(
-        _score(selector, k * t, e, max_power_w, t) != _score(selector, k * t, e, max_power_w, 1.05 * t)
-        for k in _SLOWDOWN_PROBES
+    times, energies = _SLOWDOWN_PROBES * t, np.full(len(_SLOWDOWN_PROBES), e)
+    return bool(
+        np.any(
+            selector.score(times, energies, max_power_w, t)
+            != selector.score(times, energies, max_power_w, 1.05 * t)
+        )
     )
-
-
-_SLOWDOWN_PROBES = tuple(1.0 + 0.01 * 1.1**i for i in range(60))  # 1.01 up to about 4
 
 
 def measurement_verdict(
