@@ -411,7 +411,8 @@ def visit_bursts(chunks: list[list[float]], visit: int) -> tuple[list[int], bool
         began_before |= before and left[0] == 0
         goes_on |= after and left[-1] == len(own) - 1
         inside_all.extend(left[i] for i in inside)
-        left = [i for k, i in enumerate(left) if k not in set(inside)]
+        drop = set(inside)
+        left = [i for k, i in enumerate(left) if k not in drop]
         if len(left) < 2 * _SHIFT_MIN:
             break
     return sorted(inside_all), began_before, goes_on
