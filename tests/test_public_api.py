@@ -33,6 +33,7 @@ def test_star_import_needs_no_framework(run_python) -> None:
         "HFHeterogeneousCallback",
         "HeterogeneousTrainer",
         "HFEpochLog",
+        "HFSimulatedGPUWork",
         "LightningZeusMonitor",
         "LightningGlobalPowerLimitOptimizer",
         "LightningPipelineFrequencyOptimizer",

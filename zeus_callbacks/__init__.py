@@ -87,6 +87,7 @@ _ADAPTERS = {
             "HFHeterogeneousCallback",
             "HeterogeneousTrainer",
             "HFEpochLog",
+            "HFSimulatedGPUWork",
         ],
         "zeus_callbacks.huggingface",
     ),
@@ -165,6 +166,7 @@ if TYPE_CHECKING:  # pragma: no cover
         HFGlobalPowerLimitOptimizer,
         HFHeterogeneousCallback,
         HFPipelineFrequencyOptimizer,
+        HFSimulatedGPUWork,
         HFZeusMonitor,
     )
     from zeus_callbacks.lightning.pytorch import (  # noqa: F401

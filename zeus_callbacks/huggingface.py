@@ -6,6 +6,7 @@ core calls out.
 - `HFPipelineFrequencyOptimizer`: Perseus (`PipelineFrequencyOptimizer`) for pipeline-parallel steps.
 - `HeterogeneousTrainer` and `HFHeterogeneousCallback`: training on a heterogeneous plan.
 - `HFEpochLog`: each epoch's time, energy and power in Zeus's profiler files (`EpochLog`).
+- `HFSimulatedGPUWork`: toy steps paced by simulated GPU work (examples and tests on simulated GPUs).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ __all__ = [
     "HFHeterogeneousCallback",
     "HeterogeneousTrainer",
     "HFEpochLog",
+    "HFSimulatedGPUWork",
 ]
 
 logger = logging.getLogger(__name__)
@@ -775,3 +777,30 @@ class HFEpochLog(TrainerCallback):
     ) -> None:
         """`on_train_end` → `EpochLog.close()`."""
         self.log.close()
+
+
+class HFSimulatedGPUWork(TrainerCallback):
+    """On simulated GPUs, each training step also queues `work_s` seconds of GPU work (at the maximum limit
+    and clock, no host CPU: `zeus_callbacks.sim.enqueue_work`), so a toy model's step is paced by the
+    simulated GPU, slowed by the limit in force, rather than by the host's speed and load. Nothing happens
+    without an active simulation, so a script that uses it runs unchanged on real GPUs.
+
+    Args:
+        gpu: The simulated GPU's CUDA index (this process's `local_rank()` under torch.distributed).
+        work_s: Seconds of work per step, >= 0.
+    """
+
+    def __init__(self, gpu: int = 0, work_s: float = 0.012) -> None:
+        if not work_s >= 0:
+            raise ValueError(f"HFSimulatedGPUWork: work_s must be >= 0 seconds, got {work_s!r}.")
+        self.gpu, self.work_s = int(gpu), float(work_s)
+
+    @override
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_step_begin` → `sim.enqueue_work(gpu, work_s)` while a simulation is active."""
+        from zeus_callbacks import sim
+
+        if sim.active() is not None:
+            sim.enqueue_work(self.gpu, self.work_s)

@@ -16,10 +16,11 @@ import os
 import random
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from zeus_callbacks import (
     HFGlobalPowerLimitOptimizer,
+    HFSimulatedGPUWork,
     HFZeusMonitor,
     MaxSlowdownConstraint,
     ZeusMonitor,
@@ -27,20 +28,6 @@ from zeus_callbacks import (
 )
 
 SEQ_LEN = 64
-
-
-class SimulatedGPUWork(TrainerCallback):
-    """On simulated GPUs, each step queues 12 ms of GPU work (no host CPU), so the step's pace is the GPU's,
-    slowed by the limit in force, not the host's; nothing on real GPUs."""
-
-    def __init__(self, gpu: int) -> None:
-        self.gpu = gpu
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        from zeus_callbacks import sim
-
-        if sim.active() is not None:
-            sim.enqueue_work(self.gpu, 0.012)
 
 
 class ToyCorpus(torch.utils.data.Dataset):
@@ -109,7 +96,7 @@ def main() -> None:
             eos_token_id=10,
         )
     )
-    callbacks = [HFZeusMonitor(monitor), plo, SimulatedGPUWork(local_rank())]
+    callbacks = [HFZeusMonitor(monitor), plo, HFSimulatedGPUWork(local_rank(), 0.012)]
     trainer = Trainer(model=model, args=training_args, train_dataset=ToyCorpus(), callbacks=callbacks)
     trainer.train()
 

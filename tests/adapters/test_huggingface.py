@@ -27,7 +27,11 @@ from transformers import (  # noqa: E402
 from zeus_callbacks import sim  # noqa: E402
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor  # noqa: E402
 from zeus_callbacks.core.monitor.reporting import POWER_LIMIT_PREFIX as OPTIMIZER_PREFIX  # noqa: E402
-from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer, HFZeusMonitor  # noqa: E402
+from zeus_callbacks.huggingface import (  # noqa: E402
+    HFGlobalPowerLimitOptimizer,
+    HFSimulatedGPUWork,
+    HFZeusMonitor,
+)
 
 MAX_W = 300  # the simulated A40's maximum power limit
 # Small profiles: the grid is 300, 200, 100 W; each limit gets 1 warm-up step and 2 to 4 measured steps.
@@ -82,22 +86,14 @@ def tiny_model() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-class GPUWork(TrainerCallback):
-    """Each step queues `STEP_GPU_WORK_S` of simulated GPU work (no host CPU): as on a real GPU, the step's
-    pace is the GPU's, slowed by the limit in force, not the host's, whose speed and load vary; a step then
-    spans a refresh of the 10 ms energy counter on any host, so a profile needs as many steps on each."""
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if sim.active() is not None:
-            sim.enqueue_work(0, STEP_GPU_WORK_S)
-
-
 STEP_GPU_WORK_S = 0.012
 
 
 def make_trainer(tmp_path: Path, callbacks: list, max_steps: int, model=None, **kw) -> Trainer:
-    """A `Trainer` of `tiny_model` on `ToyData`; every step also runs `GPUWork` on the simulated GPU."""
-    callbacks = [*callbacks, GPUWork()]
+    """A `Trainer` of `tiny_model` on `ToyData`; every step also queues `STEP_GPU_WORK_S` of simulated GPU work
+    (`HFSimulatedGPUWork`): the step's pace is the simulated GPU's, not the host's; a step then spans a refresh
+    of the 10 ms energy counter on any host."""
+    callbacks = [*callbacks, HFSimulatedGPUWork(0, STEP_GPU_WORK_S)]
     kw = {"logging_steps": 5, "save_strategy": "no", **kw}
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
@@ -109,6 +105,28 @@ def make_trainer(tmp_path: Path, callbacks: list, max_steps: int, model=None, **
         **kw,
     )
     return Trainer(model=model or tiny_model(), args=args, train_dataset=ToyData(), callbacks=callbacks)
+
+
+def test_simulated_gpu_work_paces_each_step_by_the_limit_in_force(node, tmp_path):
+    def step_time_s(limit_w: int) -> float:
+        node.gpus[0].set_power_limit_mw(limit_w * 1000)
+        monitor = ZeusMonitor([0])
+        trainer = make_trainer(tmp_path, [HFSimulatedGPUWork(0, 0.05)], max_steps=8)
+        monitor.begin_window("train")
+        trainer.train()
+        return monitor.end_window("train").time / 8
+
+    fast, slow = step_time_s(MAX_W), step_time_s(100)
+    assert fast >= 0.05  # 50 ms of GPU work a step, beside the toy model's host time
+    # The step (the work and the host time the simulator counts as GPU work) stretched by the trace's
+    # slowdown at 100 W (about 2.7x on the A40's), less what the host's share of the step leaves unslowed.
+    rel = node.gpus[0].trace.relative_time(100)
+    assert slow > 0.8 * rel * fast, (fast, slow, rel)
+
+
+def test_simulated_gpu_work_refuses_negative_work():
+    with pytest.raises(ValueError, match="work_s must be >= 0"):
+        HFSimulatedGPUWork(0, -1.0)
 
 
 def test_optimizer_chooses_applies_and_restores(node, tmp_path):

@@ -18,8 +18,11 @@ from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 
 STEPS_AFTER_CHOICE = 10  # steps trained at the chosen limit before the demo stops
 _WAIT_STEPS = 5  # the first steps of a run are slow (allocation, caches): not charged to the maximum limit
-_SEQ_LEN = 128
+_SEQ_LEN = 64
 _BATCH = 8
+# Each step's simulated GPU work (at the maximum limit), beside the tiny model's host CPU time (about 25 ms),
+# which the simulator counts as GPU work too: the GPU's pace, not the host's load, then decides the choice.
+_STEP_GPU_WORK_S = 0.1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -123,7 +126,7 @@ def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: 
 
     from zeus_callbacks import sim
     from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-    from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer
+    from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer, HFSimulatedGPUWork
 
     transformers.logging.set_verbosity_error()
     monitor = ZeusMonitor(gpu_indices=[0])
@@ -140,7 +143,11 @@ def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: 
     system = sim.active()
     workload = system.gpus[0].trace.workload if system is not None else None
     if workload is not None:
-        print(f"SIMULATED {name} (traced workload {workload}); a tiny GPT-2 trains on the CPU.", file=out)
+        print(
+            f"SIMULATED {name} (traced workload {workload}); a tiny GPT-2 trains on the CPU, each step with "
+            f"{1000 * _STEP_GPU_WORK_S:.0f} ms of simulated GPU work.",
+            file=out,
+        )
     training_args = TrainingArguments(
         output_dir=str(tmp / "trainer"),
         max_steps=args.steps,
@@ -157,7 +164,7 @@ def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: 
         model=tiny_model(args.seed),
         args=training_args,
         train_dataset=ToyCorpus(args.seed),
-        callbacks=[plo, _progress_callback(plo, out, label)],
+        callbacks=[plo, HFSimulatedGPUWork(0, _STEP_GPU_WORK_S), _progress_callback(plo, out, label)],
     )
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
@@ -193,8 +200,8 @@ def tiny_model(seed: int):
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        n_layer=4,
-        n_embd=128,
+        n_layer=2,
+        n_embd=64,
         n_head=4,
         vocab_size=256,
         n_positions=_SEQ_LEN,
@@ -232,7 +239,7 @@ class ToyCorpus:
 
 def _progress_callback(plo, out: TextIO, label: str):
     """A callback (built here so that transformers is imported only when the demo runs) that prints each
-    power limit as its profile finishes and stops training a few steps after the choice."""
+    visit of a power limit as it ends and stops training a few steps after the choice."""
     from transformers import TrainerCallback
 
     class Progress(TrainerCallback):
@@ -240,16 +247,16 @@ def _progress_callback(plo, out: TextIO, label: str):
             self._optimizer = plo.optimizer
             self._out = out
             self._label = label
-            self._seen: set[int] = set()
+            self._visiting: int | None = None
             self._done_at: int | None = None
 
         def on_step_end(self, args, state, control, **kwargs):
             opt = self._optimizer
-            if len(opt.stats) != len(self._seen):
-                for row in opt.report()["power_limits"]:
-                    if row["power_limit_w"] not in self._seen:
-                        self._seen.add(row["power_limit_w"])
-                        print(f"  {_row_text(row)}  ({self._label})", file=self._out, flush=True)
+            visiting = opt.power_limit_w if opt.phase in ("warmup", "profiling") else None
+            if visiting != self._visiting:
+                if self._visiting is not None:
+                    self._visit_ended(self._visiting)
+                self._visiting = visiting
             if opt.phase == "inactive":
                 control.should_training_stop = True
             elif opt.phase == "done":
@@ -261,6 +268,15 @@ def _progress_callback(plo, out: TextIO, label: str):
                     )
                 if state.global_step - self._done_at >= STEPS_AFTER_CHOICE:
                     control.should_training_stop = True
+
+        def _visit_ended(self, pl: int) -> None:
+            stats = self._optimizer.stats.get(pl)
+            visit = f"visit {stats.visits}" if stats is not None else "visit"
+            row = next(
+                (r for r in self._optimizer.report()["power_limits"] if r["power_limit_w"] == pl), None
+            )
+            text = _row_text(row) if row is not None else f"{pl:>4} W  every sample set aside (a burst)"
+            print(f"  {text}  {visit}  ({self._label})", file=self._out, flush=True)
 
     return Progress(plo, out, label)
 
