@@ -27,9 +27,11 @@ def test_predicted_iteration_time_is_the_measured_one(run_example, tmp_path) -> 
     assert measured and predicted, out[-2000:]
     error = float(predicted.group(1)) / float(measured.group(1)) - 1
     print(f"PREDICTION_ERROR {error:+.4f}")
-    # The planner's goal is 1% (benchmarks/pipeline_example.py measures it over 40 iterations); 4 ranks on
-    # 2 shared cores with 20 baseline steps measured +1.03% once while other tests ran beside them.
-    assert abs(error) <= 0.015, out[-2000:]
+    # The planner's goal is 1% (benchmarks/pipeline_example.py measures it over 40 interleaved iterations:
+    # -1.1% to +0.5% in four runs). Here, 4 ranks on 2 cores with 20 baseline steps run one after the other
+    # measured +0.3% to +1.8% in eight runs (one a fresh-clone CI run); the same profile without the edge
+    # delays predicts -2.6%. So 2% says the delays are in the model, within this host's spread.
+    assert abs(error) <= 0.02, out[-2000:]
     # The delays travel beside the profile: every link between stages took time.
     delays = EdgeDelays.from_rows(read_edge_delays(edge_delays_path(tmp_path / "profile.csv")))
     links = {(a, b): d for (a, _, b, _), d in delays.delays_s.items() if a != b}
