@@ -791,16 +791,15 @@ class HFSimulatedGPUWork(TrainerCallback):
     """
 
     def __init__(self, gpu: int = 0, work_s: float = 0.012) -> None:
-        if not work_s >= 0:
-            raise ValueError(f"HFSimulatedGPUWork: work_s must be >= 0 seconds, got {work_s!r}.")
-        self.gpu, self.work_s = int(gpu), float(work_s)
+        from zeus_callbacks import sim
+
+        self.gpu, self.work_s = int(gpu), sim.work_seconds("HFSimulatedGPUWork", work_s)
 
     @override
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_step_begin` → `sim.enqueue_work(gpu, work_s)` while a simulation is active."""
+        """`on_step_begin` → `sim.enqueue_if_simulated(gpu, work_s)`."""
         from zeus_callbacks import sim
 
-        if sim.active() is not None:
-            sim.enqueue_work(self.gpu, self.work_s)
+        sim.enqueue_if_simulated(self.gpu, self.work_s)

@@ -61,6 +61,8 @@ __all__ = [
     "simulate",
     "active",
     "enqueue_work",
+    "enqueue_if_simulated",
+    "work_seconds",
     "disable",
     "SimulatedSystem",
     "SimulatedGPU",
@@ -191,6 +193,24 @@ def enqueue_work(gpu_index: int, work_s: float) -> None:
             "enqueue_work needs simulated GPUs: set ZEUS_CALLBACKS_SIMULATE (see zeus_callbacks.sim)."
         )
     system.cuda_gpus()[gpu_index].enqueue(work_s)
+
+
+def enqueue_if_simulated(gpu_index: int, work_s: float) -> None:
+    """`enqueue_work` while a simulation is active; nothing otherwise, so that code which paces toy steps
+    by simulated work runs unchanged on real GPUs."""
+    if active() is not None:
+        enqueue_work(gpu_index, work_s)
+
+
+def work_seconds(owner: str, work_s: float) -> float:
+    """`work_s` as seconds of simulated work for `owner`'s argument.
+
+    Raises:
+        ValueError: `work_s` is not a number >= 0.
+    """
+    if not work_s >= 0:
+        raise ValueError(f"{owner}: work_s must be >= 0 seconds, got {work_s!r}.")
+    return float(work_s)
 
 
 def disable() -> None:

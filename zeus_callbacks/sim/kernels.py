@@ -23,16 +23,15 @@ class _SimulatedKernel(torch.autograd.Function):
         from zeus_callbacks import sim
 
         ctx.gpu, ctx.work_s = gpu, work_s
-        if not x.is_meta and sim.active() is not None:  # not during a stage's shape inference
-            sim.enqueue_work(gpu, work_s)
+        if not x.is_meta:  # not during a stage's shape inference
+            sim.enqueue_if_simulated(gpu, work_s)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         from zeus_callbacks import sim
 
-        if sim.active() is not None:
-            sim.enqueue_work(ctx.gpu, 2 * ctx.work_s)
+        sim.enqueue_if_simulated(ctx.gpu, 2 * ctx.work_s)
         return grad, None, None
 
 
@@ -48,9 +47,9 @@ class SimulatedKernels(nn.Module):
 
     def __init__(self, gpu: int, work_s: float) -> None:
         super().__init__()
-        if not work_s >= 0:
-            raise ValueError(f"SimulatedKernels: work_s must be >= 0 seconds, got {work_s!r}.")
-        self.gpu, self.work_s = int(gpu), float(work_s)
+        from zeus_callbacks import sim
+
+        self.gpu, self.work_s = int(gpu), sim.work_seconds("SimulatedKernels", work_s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _SimulatedKernel.apply(x, self.gpu, self.work_s)

@@ -15,14 +15,15 @@ Searches over the grid of power limits (highest first, the minimum always includ
   bound, also while it may be more than `_TOLERANCE` past the bound, and the reference is one while it
   decides on which side of the bound a contender lies). The budget (`adaptive_budget_steps`) caps the
   whole search, warm-ups, set-aside samples and revisits included, whatever the noise: a visit ends once
-  what is left of it is what the limits not yet visited need at least. Standard errors use the noise pooled over every limit
-  (`pooled_noise`) as a floor, since a handful of similar steps says little about the noise.
+  what is left of it is what the limits not yet visited need at least. Standard errors use the noise
+  pooled over every limit (`pooled_noise`) as a floor, since a handful of similar steps says little about
+  the noise.
 
 Why a refinement pass: the misses of a single pass were near-ties, two limits within 1-2% of each
 other, one measured for a few steps as the best so far and the other, met later, measured against it;
 only more steps of both settle them, and which limits tie is known only once every limit was seen.
-Its budget is three quarters of a sweep for one run (in steps: a sweep of samples that each span a refresh of the
-energy counter), enough to settle a flat curve with several near-ties (the benchmark).
+Its budget is three quarters of a sweep for one run (in steps: a sweep of samples that each span a
+refresh of the energy counter), enough to settle a flat curve with several near-ties (the benchmark).
 
 What a limit's measurement rests on (`PowerLimitStats`, `robust_chunks`):
 - Warm-up once: the run's first limit gets `warmup_steps` (the job warms up there); a power limit takes
