@@ -70,3 +70,35 @@ def test_examples_import_only_public_modules() -> None:
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     assert not alias.name.startswith("zeus_callbacks."), f"{script} imports {alias.name}"
+
+
+def test_zeus_small_utilities_are_exported_with_zeus_signatures(monkeypatch) -> None:
+    """Zeus's `zeus.utils.env.get_env` (its `train_single.py` reads `ZEUS_MAX_SLOWDOWN` with it) and
+    `zeus.utils.metric.zeus_cost`, importable from the package root with the same parameters."""
+    import inspect
+
+    from zeus_callbacks import get_env, zeus_cost
+
+    assert {"get_env", "zeus_cost"} <= set(zeus_callbacks.__all__)
+    assert list(inspect.signature(get_env).parameters) == ["name", "valtype", "default"]
+    assert list(inspect.signature(zeus_cost).parameters) == ["energy", "time", "eta_knob", "max_power"]
+    monkeypatch.delenv("ZEUS_MAX_SLOWDOWN", raising=False)
+    assert get_env("ZEUS_MAX_SLOWDOWN", float, 1.1) == 1.1  # train_single.py's call
+    monkeypatch.setenv("ZC_TEST_INT", "123")
+    assert get_env("ZC_TEST_INT", int) == 123 and get_env("ZC_TEST_INT", int, default=321) == 123
+    assert get_env("ZC_TEST_INT", str) == "123"
+    for raw, want in (("true", True), ("True", True), ("false", False), ("FALSE", False)):
+        monkeypatch.setenv("ZC_TEST_BOOL", raw)
+        assert get_env("ZC_TEST_BOOL", bool) is want
+    monkeypatch.setenv("ZC_TEST_BOOL", "fault")
+    with pytest.raises(ValueError, match=r"Strange boolean .*ZC_TEST_BOOL='fault'.*true or false"):
+        get_env("ZC_TEST_BOOL", bool)
+    monkeypatch.delenv("ZC_TEST_NONE", raising=False)
+    with pytest.raises(ValueError, match=r"Missing environment variable 'ZC_TEST_NONE': set it"):
+        get_env("ZC_TEST_NONE", str)
+    assert get_env("ZC_TEST_NONE", int, default=123) == 123
+    monkeypatch.setenv("ZC_TEST_INT", "12x")
+    with pytest.raises(ValueError, match=r"ZC_TEST_INT='12x' is not a valid int"):
+        get_env("ZC_TEST_INT", int)
+    assert zeus_cost(energy=2000.0, time=10.0, eta_knob=0.25, max_power=300) == 0.25 * 2000 + 0.75 * 300 * 10
+    assert zeus_cost(100.0, 1.0, 1.0, 300) == 100.0 and zeus_cost(100.0, 1.0, 0.0, 300) == 300.0

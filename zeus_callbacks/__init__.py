@@ -17,6 +17,8 @@ Names of the core are importable from here; so are the adapters' classes, import
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING
 
 from zeus_callbacks.core.callback import Callback, CallbackSet
@@ -45,8 +47,17 @@ from zeus_callbacks.version import __version__ as __version__
 
 _HETEROGENEOUS_TRAINING = "zeus_callbacks.core.heterogeneous.training"
 
-# The composition point: the simulator offers itself as an NVML backend (imported only when discovery asks).
-register_backend("zeus_callbacks.sim.backend:simulated_backend")
+
+def _simulation_requested() -> bool:
+    """Whether a simulation may be selected: `ZEUS_CALLBACKS_SIMULATE` is set (`zeus_callbacks.sim`'s
+    `SIMULATE_ENV`), or the simulator was imported (`simulate()` is called through it). Checked without
+    importing it, so that a real discovery never imports the simulator."""
+    return bool(os.environ.get("ZEUS_CALLBACKS_SIMULATE")) or "zeus_callbacks.sim" in sys.modules
+
+
+# The composition point: the simulator offers itself as an NVML backend, imported only when a discovery
+# may want it.
+register_backend("zeus_callbacks.sim.backend:simulated_backend", when=_simulation_requested)
 
 # Framework-free names, imported on first access: they pull in torch's heavier parts or the planners.
 _CORE = {
@@ -75,6 +86,8 @@ _CORE = {
     "apply_power_limit": _HETEROGENEOUS_TRAINING,
     "restore_power_limits": _HETEROGENEOUS_TRAINING,
     "steps_per_epoch": _HETEROGENEOUS_TRAINING,
+    "get_env": "zeus_callbacks.core.zeus_utils",
+    "zeus_cost": "zeus_callbacks.core.zeus_utils",
 }
 
 # The adapters: importable by name, left out of `__all__` because they import their framework.
@@ -160,6 +173,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer  # noqa: F401
     from zeus_callbacks.core.pipeline_frequency.pipelining import instrument  # noqa: F401
     from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer  # noqa: F401
+    from zeus_callbacks.core.zeus_utils import get_env, zeus_cost  # noqa: F401
     from zeus_callbacks.huggingface import (  # noqa: F401
         HeterogeneousTrainer,
         HFEpochLog,

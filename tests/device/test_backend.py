@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pynvml
 import pytest
 
 import zeus_callbacks
@@ -13,7 +14,6 @@ from zeus_callbacks.core.device import backend as backends
 from zeus_callbacks.core.device.backend import NVMLBackend, active_backend, has_cap_sys_admin
 from zeus_callbacks.core.device.gpus import get_gpus, reset
 from zeus_callbacks.core.device.state_guard import journal_dir
-from zeus_callbacks.sim import fake_nvml
 from zeus_callbacks.sim.backend import SimulatedBackend
 
 
@@ -44,7 +44,7 @@ def test_the_simulator_is_registered_lazily_and_selected_when_asked(sim_gpus):
     assert "zeus_callbacks.sim.backend:simulated_backend" in backends._factories
     system = sim_gpus("2*a40")
     b = active_backend()
-    assert isinstance(b, SimulatedBackend) and b.simulated and b.nvml is fake_nvml
+    assert isinstance(b, SimulatedBackend) and b.simulated and b.nvml is pynvml
     assert b.system is system and get_gpus().backend is b
     assert journal_dir() == Path(system.state_path()) / "journal"
 
@@ -65,7 +65,7 @@ def test_virtual_clock_comes_from_the_backend(sim_gpus):
 
 
 class _Labelled(NVMLBackend):
-    """A third-party backend: the simulator's NVML under another name."""
+    """A third-party backend: pynvml (the simulator beneath it) under another name."""
 
     sync_at_step_boundary = True
 
@@ -83,7 +83,7 @@ def test_registered_factories_come_first_and_none_falls_through(sim_gpus, monkey
 
     def selected():
         asked.append("selected")
-        return _Labelled(fake_nvml)
+        return _Labelled(pynvml)
 
     monkeypatch.setattr(backends, "_factories", [not_selected, selected, *backends._factories])
     reset()

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from zeus_callbacks import cli
+from zeus_callbacks import cli, sim
 from zeus_callbacks.core.device import gpus as devices
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.device.state_guard import guard, journal_dir
@@ -87,13 +87,18 @@ def test_journal_is_written_before_the_change(sim_gpus, monkeypatch):
     monkeypatch.undo()
     assert guard().restore()
     assert gpu.power_limit_mw() == 300_000
-    assert gpu.handle.locked_sm_clocks_mhz is None
+    assert sim.simulated_gpu(gpu.handle).locked_sm_clocks_mhz is None
     assert _journals() == []
 
 
 def test_restore_at_normal_exit(sim_gpus, run_python):
     system = sim_gpus("a40")
-    child = run_python(_child_code("gpu.lock_sm_clocks(210, 1000)\nprint(gpu.handle.locked_sm_clocks_mhz)"))
+    child = run_python(
+        _child_code(
+            "from zeus_callbacks import sim\ngpu.lock_sm_clocks(210, 1000)\n"
+            "print(sim.simulated_gpu(gpu.handle).locked_sm_clocks_mhz)"
+        )
+    )
     assert child.returncode == 0, child.stderr
     assert "(210, 1000)" in child.stdout
     assert system.gpus[0].power_limit_mw == 300_000

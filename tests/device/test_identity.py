@@ -6,6 +6,7 @@ import logging
 import sys
 import types
 
+import pynvml
 import pytest
 
 from zeus_callbacks import sim
@@ -13,11 +14,10 @@ from zeus_callbacks.core.device.backend import NVMLBackend, cuda_visible_uuids, 
 from zeus_callbacks.core.device.errors import GPUNoPermissionError, MIGNotSupportedError
 from zeus_callbacks.core.device.gpus import get_gpus, reset
 from zeus_callbacks.core.device.state_guard import guard
-from zeus_callbacks.sim import fake_nvml
 
 
 def _nvml_uuid(nvml_index: int) -> str:
-    return fake_nvml.nvmlDeviceGetUUID(fake_nvml.nvmlDeviceGetHandleByIndex(nvml_index))
+    return pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(nvml_index))
 
 
 def test_cuda_device_0_of_a_mixed_node_is_the_fastest(sim_gpus):
@@ -100,7 +100,7 @@ class _Uuid:
 
 def test_real_backend_asks_torch_for_cudas_order(sim_gpus, monkeypatch):
     system = sim_gpus("a10g,t4")
-    fake_nvml.nvmlInit()
+    pynvml.nvmlInit()
     cuda = [system.gpus[1].uuid, system.gpus[0].uuid]  # what CUDA would say: the A10G first
     torch = types.SimpleNamespace(
         cuda=types.SimpleNamespace(
@@ -110,19 +110,19 @@ def test_real_backend_asks_torch_for_cudas_order(sim_gpus, monkeypatch):
         )
     )
     monkeypatch.setitem(sys.modules, "torch", torch)
-    assert NVMLBackend(fake_nvml).cuda_uuids() == cuda
+    assert NVMLBackend(pynvml).cuda_uuids() == cuda
 
 
 def test_real_backend_without_cuda_assumes_pci_order_and_warns_on_mixed_nodes(sim_gpus, monkeypatch, caplog):
     system = sim_gpus("a10g,t4")
-    fake_nvml.nvmlInit()
+    pynvml.nvmlInit()
     monkeypatch.setitem(sys.modules, "torch", None)  # no torch: import fails
     with caplog.at_level(logging.WARNING):
-        assert NVMLBackend(fake_nvml).cuda_uuids() == [g.uuid for g in system.gpus]
+        assert NVMLBackend(pynvml).cuda_uuids() == [g.uuid for g in system.gpus]
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in caplog.text
     caplog.clear()
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    NVMLBackend(fake_nvml).cuda_uuids()
+    NVMLBackend(pynvml).cuda_uuids()
     assert caplog.text == ""
 
 

@@ -1,8 +1,9 @@
 """GPU settings through Zeus's daemon zeusd: the setters speak its HTTP API, journal the route, restore through it.
 
-zeusd cannot be built here: every test talks to `zeusd_double.py`, a test double written from zeusd's
-published API document, run as a process of its own (as the root daemon would be) that applies the changes
-to the simulated node's shared state, where the client's NVML reads see them. The client process carries the
+zeusd cannot be built here: every test talks to `zeusd_double.py`, a test double rebuilt from zeusd's Rust
+source per released API generation (0.4, 0.5, master), run as a process of its own (as the root daemon
+would be) that applies the changes to the simulated node's shared state, where the client's NVML reads see
+them. The client process carries the
 `no_cap_sys_admin` fault: NVML refuses it every change, so whatever changes, zeusd changed.
 """
 
@@ -23,17 +24,24 @@ from helpers import TOY_STEPS_COUNTER
 from zeusd_double import issue_token
 
 from zeus_callbacks.core.device import setters, zeusd
-from zeus_callbacks.core.device.errors import GPUError, GPUNoPermissionError, InvalidInputError
+from zeus_callbacks.core.device.errors import (
+    GPUError,
+    GPULostError,
+    GPUNoPermissionError,
+    GPUNotSupportedError,
+    InvalidInputError,
+)
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.device.journal import read_journal, write_atomic
-from zeus_callbacks.core.device.state_guard import guard, journal_dir
+from zeus_callbacks.core.device.state_guard import guard, journal_dir, leftover_entries
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 DOUBLE = HERE / "zeusd_double.py"
 SCRIPT = HERE / "fault_training.py"
 KEY = "test-signing-key-0123456789abcdef"
-ZEUSD_ENV = (zeusd.SOCK_ENV, zeusd.HOST_PORT_ENV, zeusd.TOKEN_ENV, setters.SETTERS_ENV)
+ZEUSD_ENV = (zeusd.SOCK_ENV, zeusd.HOST_PORT_ENV, zeusd.TOKEN_ENV, zeusd.TIMEOUT_ENV, setters.SETTERS_ENV)
+GENERATIONS = ("0.4", "0.5", "master")
 
 
 class Daemon:
@@ -61,7 +69,7 @@ def start_zeusd(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     """`start_zeusd(transport="unix"|"tcp", *options)`: the double on this test's simulated node."""
     started: list[subprocess.Popen] = []
 
-    def start(transport: str = "unix", *options: str) -> Daemon:
+    def start(transport: str = "unix", *options: str, generation: str = "master") -> Daemon:
         log = tmp_path / f"zeusd-{len(started)}.log"
         where = (
             ["--socket", str(tmp_path / f"zeusd-{len(started)}.sock")]
@@ -71,7 +79,7 @@ def start_zeusd(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
         env = {k: v for k, v in os.environ.items() if k != "ZEUS_CALLBACKS_SIM_FAULTS"}  # the daemon is root
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
         proc = subprocess.Popen(
-            [sys.executable, str(DOUBLE), *where, "--log", str(log), *options],
+            [sys.executable, str(DOUBLE), *where, "--log", str(log), "--generation", generation, *options],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -163,9 +171,9 @@ def test_changes_go_through_zeusd_and_are_undone_through_it(sim_gpus, start_zeus
 def test_the_daemons_index_is_found_by_pci_address(sim_gpus, start_zeusd, monkeypatch):
     """On a mixed node NVML's order is not CUDA's: `cuda:0` (the A10G) is zeusd's GPU 1."""
     system = sim_gpus("a10g,t4", faults="no_cap_sys_admin")
-    for options in ((), ("--no-pci-address",)):  # older daemons give no address: NVML index and name
+    for generation in GENERATIONS:  # before master no address: NVML index, the whole node seen alike
         setters.forget()
-        daemon = start_zeusd("unix", *options)
+        daemon = start_zeusd("unix", generation=generation)
         _client(monkeypatch, daemon)
         gpus = get_gpus()
         gpus[0].set_power_limit_mw(120_000)
@@ -222,7 +230,8 @@ def test_a_journal_from_before_routes_is_still_repaired(sim_gpus):
         (
             ("--faults", "no_cap_sys_admin"),
             None,
-            "HTTP 403 (GPU 0: NVML error: NoPermission); zeusd itself may not",
+            "HTTP 403 (GPU 0: NVML error: the current user does not have permission to perform this "
+            "operation); zeusd itself may not",
         ),
     ],
 )
@@ -256,12 +265,108 @@ def test_an_unreachable_daemon_says_so(sim_gpus, monkeypatch, tmp_path):
     assert guard().entries == []
 
 
-def test_a_daemon_error_is_reported_with_its_message(sim_gpus, start_zeusd, monkeypatch):
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_an_unsupported_clock_lock_leaves_no_journal_entry(sim_gpus, start_zeusd, monkeypatch, generation):
+    """zeusd's real answer is nvml-wrapper's text, with 400 from 0.5 and 500 at 0.4 (`error.rs`)."""
     sim_gpus("a40", faults="no_cap_sys_admin")
-    daemon = start_zeusd("unix", "--faults", "not_supported=clocks")
+    daemon = start_zeusd("unix", "--faults", "not_supported=clocks", generation=generation)
     _client(monkeypatch, daemon)
-    with pytest.raises(GPUError, match=r"HTTP 400 \(GPU 0: NVML error: NotSupported\).*not supported"):
+    status = 500 if generation == "0.4" else 400
+    says = f"HTTP {status} (GPU 0: NVML error: the requested operation is not available on the target device)"
+    with pytest.raises(GPUNotSupportedError, match=re.escape(says)):
         get_gpus()[0].lock_sm_clocks(900, 900)
+    assert guard().entries == [] and list(journal_dir().glob("*.json")) == []
+    assert leftover_entries() == []  # nothing for `restore` to report or `doctor` to warn about
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_a_lost_gpu_is_a_gpu_lost_error(sim_gpus, start_zeusd, monkeypatch, generation):
+    sim_gpus("a40", faults="no_cap_sys_admin")
+    daemon = start_zeusd("unix", "--faults", "lost_after=0", generation=generation)
+    _client(monkeypatch, daemon)
+    says = "HTTP 500 (GPU 0: NVML error: device fell off the bus or has otherwise become inacessible)"
+    with pytest.raises(GPULostError, match=re.escape(says)):
+        get_gpus()[0].set_power_limit_mw(150_000)
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_a_change_answered_after_the_timeout_is_undone_by_the_restore(
+    sim_gpus, start_zeusd, monkeypatch, generation
+):
+    """zeusd runs a queued command even after its caller left (`devices/gpu/mod.rs`): a timeout is no refusal."""
+    system = sim_gpus("a40", faults="no_cap_sys_admin")
+    daemon = start_zeusd("unix", "--hold-writes", "1", generation=generation)  # queued behind a slow one
+    _client(monkeypatch, daemon, **{zeusd.TIMEOUT_ENV: "0.5"})
+    gpu = get_gpus()[0]
+    with pytest.raises(zeusd.ZeusdNoAnswerError, match="may still be applied: it stays journaled"):
+        gpu.set_power_limit_mw(150_000)
+    [entry] = guard().entries
+    assert entry.unconfirmed and [e["unconfirmed"] for e in _journal()["entries"]] == [True]
+    assert system.gpus[0].power_limit_mw == 300_000  # not yet: it waits in zeusd's queue
+    assert guard().restore()  # sends 300 W although the GPU still reads 300 W
+    _stop(daemon)  # whatever was still queued has run
+    assert system.gpus[0].power_limit_mw == 300_000
+    assert [w.split()[1] for w in daemon.writes()] == ["/gpu/set_power_limit"] * 2
+    assert list(journal_dir().glob("*.json")) == []
+
+
+def _journal() -> dict:
+    [path] = journal_dir().glob("*.json")
+    return read_journal(path)
+
+
+def _stop(daemon: Daemon) -> None:
+    daemon.proc.terminate()
+    daemon.proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("generation", "env", "says"),
+    [
+        ("0.5", {"CUDA_VISIBLE_DEVICES": "1"}, "CUDA_VISIBLE_DEVICES='1' gives this job part of the node"),
+        ("0.4", {"CUDA_VISIBLE_DEVICES": "1"}, "CUDA_VISIBLE_DEVICES='1' gives this job part of the node"),
+    ],
+)
+def test_without_pci_addresses_a_part_of_the_node_is_refused(
+    sim_gpus, start_zeusd, monkeypatch, generation, env, says
+):
+    system = sim_gpus("a40,a40", faults="no_cap_sys_admin")
+    daemon = start_zeusd("unix", generation=generation)
+    _client(monkeypatch, daemon, **env)
+    with pytest.raises(GPUError, match=re.escape(says)) as err:
+        get_gpus()[0].set_power_limit_mw(150_000)
+    assert "upgrade zeusd" in str(err.value) and "\n" not in str(err.value)
+    assert daemon.writes() == [] and all(g.power_limit_mw == 300_000 for g in system.gpus)
+
+
+def test_a_job_that_sees_fewer_gpus_is_matched_by_pci_address_or_refused(sim_gpus, start_zeusd, monkeypatch):
+    """A container given GPU 1 only: its NVML index 0 is zeusd's GPU 1."""
+    system = sim_gpus("a40,a40", faults="no_cap_sys_admin;hidden@0")  # this job's NVML sees one GPU
+    for generation in GENERATIONS:
+        setters.forget()
+        daemon = start_zeusd("unix", generation=generation)
+        _client(monkeypatch, daemon)
+        gpu = get_gpus()[0]
+        if generation == "master":
+            gpu.set_power_limit_mw(150_000)
+            assert system.gpus[1].power_limit_mw == 150_000 and system.gpus[0].power_limit_mw == 300_000
+            assert guard().restore()
+        else:
+            with pytest.raises(GPUError, match=r"this job sees \d GPU.* where zeusd serves 2.*upgrade zeusd"):
+                gpu.set_power_limit_mw(150_000)
+            assert daemon.writes() == []
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_doctor_says_the_generation_and_the_mapping(sim_gpus, start_zeusd, generation):
+    sim_gpus("a10g,t4", faults="no_cap_sys_admin")
+    daemon = start_zeusd("unix", generation=generation)
+    endpoint = zeusd.ZeusdEndpoint(socket_path=daemon.env[zeusd.SOCK_ENV])
+    report = zeusd.status(endpoint, None, list(get_gpus()))
+    assert report["reachable"] and report["generation"] == generation and report["problem"] is None
+    assert report["gpu_ids"] == {0: 1, 1: 0}  # CUDA's fastest-first order is not NVML's bus order
+    how = "PCI address 0000:27:00.0" if generation == "master" else "NVML index 1 (the same 2 GPU(s)"
+    assert report["mapping"][0].startswith(how)
 
 
 # -- doctor -------------------------------------------------------------------------------------------
@@ -287,11 +392,32 @@ def test_doctor_reports_the_route_and_the_daemon(sim_gpus, start_zeusd, tmp_path
     assert code == 0 and r["permission"]["may_change"]
     assert r["setters"]["route"] == "zeusd" and r["setters"]["why"] == "ZEUSD_SOCK_PATH is set"
     assert r["setters"]["zeusd"]["reachable"] and r["setters"]["zeusd"]["gpu_control"]
-    assert r["setters"]["zeusd"]["gpu_ids"] == {"0": 0}
+    assert r["setters"]["zeusd"]["gpu_ids"] == {"0": 0} and r["setters"]["zeusd"]["generation"] == "master"
     code, r = _doctor({zeusd.SOCK_ENV: str(tmp_path / "nobody.sock")})
     assert code == 1 and not r["setters"]["zeusd"]["reachable"]
     assert any("cannot be reached" in p for p in r["problems"])
     assert daemon.writes() == []  # doctor changes nothing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_doctor_prints_the_api_generation_and_the_gpu_mapping(sim_gpus, start_zeusd, generation):
+    """zeusd 0.4 is reachable, though its /discover has no `gpus` list."""
+    sim_gpus("a10g,t4", faults="no_cap_sys_admin")
+    daemon = start_zeusd("unix", generation=generation)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zeus_callbacks.cli", "doctor"],
+        env={**os.environ, **daemon.env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    api = {"0.4": "zeusd 0.4 (GPU indices only)", "0.5": "zeusd 0.5 (GPU names", "master": "zeusd after 0.5"}
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("zeusd:")]
+    assert "reachable, API " + api[generation] in line, proc.stdout
+    by = "PCI address 0000:27:00.0" if generation == "master" else "NVML index 1"
+    assert f"  GPU 0 -> zeusd GPU 1 (by {by}" in proc.stdout
+    assert proc.returncode == 0, proc.stdout
 
 
 # -- training through zeusd ---------------------------------------------------------------------------
@@ -317,12 +443,21 @@ def _train(framework: str, sim_state_dir: Path, tmp_path: Path, env: dict[str, s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("framework", "transport"), [("plain", "unix"), ("hf", "tcp"), ("pipeline", "unix")])
+@pytest.mark.parametrize(
+    ("framework", "transport", "generation"),
+    [
+        ("plain", "unix", "0.4"),
+        ("plain", "unix", "0.5"),
+        ("plain", "unix", "master"),
+        ("hf", "tcp", "master"),
+        ("pipeline", "unix", "0.4"),
+    ],
+)
 def test_training_without_cap_sys_admin_changes_the_gpu_through_zeusd(
-    sim_gpus, start_zeusd, sim_state_dir, tmp_path, framework, transport
+    sim_gpus, start_zeusd, sim_state_dir, tmp_path, framework, transport, generation
 ):
     system = sim_gpus("a40", **({"energy_refresh_ms": 10} if framework != "pipeline" else {}))
-    daemon = start_zeusd(transport)
+    daemon = start_zeusd(transport, generation=generation)
     result, _ = _train(framework, sim_state_dir, tmp_path, daemon.env)
     assert result["steps"] == 40
     if framework == "pipeline":
@@ -417,4 +552,55 @@ def test_restore_puts_back_through_zeusd_what_a_killed_run_left(sim_gpus, start_
     assert (restored["knob"], restored["route"]) == ("power_limit", "zeusd")
     assert restored["zeusd"] == f"unix:{daemon.env[zeusd.SOCK_ENV]}"
     assert system.gpus[0].power_limit_mw == 300_000
+    assert daemon.writes()[-1].endswith('"power_limit_mw": "300000"}')
+
+
+LATE_CHILD = """
+from zeus_callbacks.core.device.gpus import get_gpus
+from zeus_callbacks.core.device.zeusd import ZeusdNoAnswerError
+try:
+    get_gpus()[0].set_power_limit_mw(150_000)
+except ZeusdNoAnswerError:
+    print("ready", flush=True)
+import time; time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["restore", "watchdog"])
+def test_a_late_answer_of_a_killed_run_is_undone(sim_gpus, start_zeusd, how):
+    """The change of a run killed while zeusd still held it is put back by `zeus-callbacks restore` and by
+    the watchdog, though the GPU reads unchanged when they look."""
+    system = sim_gpus("a40")
+    daemon = start_zeusd("unix", "--hold-writes", "1", generation="0.5")
+    env = {
+        **daemon.env,
+        zeusd.TIMEOUT_ENV: "0.5",
+        **({"ZEUS_CALLBACKS_WATCHDOG": "0"} if how == "restore" else {}),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LATE_CHILD],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "ZEUS_CALLBACKS_SIM_FAULTS": "no_cap_sys_admin", **env},
+    )
+    assert proc.stdout.readline().strip() == "ready", proc.communicate()
+    time.sleep(1.0)  # let the restore watchdog start (it starts with the first change)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    if how == "restore":
+        assert system.gpus[0].power_limit_mw == 300_000  # still queued in zeusd
+        done = subprocess.run(
+            [sys.executable, "-m", "zeus_callbacks.cli", "restore", "--json"],
+            env={**os.environ, "ZEUS_CALLBACKS_SIM_FAULTS": "no_cap_sys_admin"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+    _wait_for(lambda: len(daemon.writes()) == 2)  # the restore was sent
+    _wait_for(lambda: list(journal_dir().glob("*.json")) == [])
+    _stop(daemon)
+    assert system.gpus[0].power_limit_mw == 300_000  # the held 150 W ran first, then the restore
     assert daemon.writes()[-1].endswith('"power_limit_mw": "300000"}')

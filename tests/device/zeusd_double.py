@@ -1,163 +1,283 @@
-"""A test double of Zeus's daemon `zeusd`, written from zeusd's published HTTP API document, for the tests.
+"""A test double of Zeus's daemon `zeusd`, rebuilt from zeusd's Rust source, one API generation at a time.
 
-zeusd itself (Rust) cannot be built on these machines, so this stands in for it. It follows the API
-reference of zeusd 0.4 and newer (Zeus's `docs/zeusd/index.md` and `api.md`), no more:
-- transports: a Unix domain socket or TCP, the same HTTP API on both;
-- `GET /discover` (never needs a token): `gpus` (`id` = NVML index on the daemon's side, `name`,
-  `pci_address` as `lspci -D` writes it, `cumulative_energy_available`), `cpus`, `enabled_api_groups`,
-  `auth_required`; `GET /time`; `GET /auth/whoami` (404 when auth is off);
-- GPU writes, `POST` with every parameter in the query string: `gpu_ids` (comma-separated, required),
-  `block` (bool, required), and `power_limit_mw` (`/gpu/set_power_limit`), `enabled`
-  (`/gpu/set_persistence_mode`), `min_clock_mhz` and `max_clock_mhz` (`/gpu/set_gpu_locked_clocks`,
-  `/gpu/set_mem_locked_clocks`), none (`/gpu/reset_gpu_locked_clocks`, `/gpu/reset_mem_locked_clocks`,
-  `/gpu/reset_locked_clocks`); the reads `get_power_limit`, `get_power_limit_constraints`,
-  `get_persistence_mode`, `get_cumulative_energy`, `get_power`;
-- API groups `gpu-control` (`/gpu/set_*`, `/gpu/reset_*`), `gpu-read` (other `/gpu/*`), `cpu-read`: a path of
-  a disabled group answers 404 before any token check;
-- JWT auth (`--signing-key`): HS256 tokens with `sub`, `scopes`, optional `exp`; a missing or invalid token
-  is 401, a token without the path's scope is 403; every error body is `{"error": msg}`;
-- status codes: 200; 400 bad input (a missing or malformed parameter, an unknown GPU, NVML's InvalidArgument
-  or NotSupported); 403 NVML's NoPermission; 500 other NVML errors. A write aggregates per-GPU errors into
-  `{"errors": {"<id>": msg}}` with the worst status.
+zeusd (Rust) cannot be built on these machines, so this stands in for it, behaviour by behaviour, as read
+in ml-energy/zeus `zeusd/src/` at the tags `zeusd-v0.4.0`, `zeusd-v0.5.0` and master (`--generation 0.4 |
+0.5 | master`); each rule cites the file it mirrors (the rules without a server are in
+`zeusd_double_rules.py`). In short:
+- `GET /discover` per generation (`routes/server.rs`), computed once at start as `main.rs` / `startup.rs` do;
+  `GET /time`; `GET /auth/whoami`;
+- the auth middleware (`auth.rs`): a path of a disabled API group is 404 before any token check; with a
+  signing key every path but /discover and /time needs a valid bearer token (401) with the path's scope (403);
+  without one, /auth/* is 404; all as `{"error": text}`;
+- GPU writes (`routes/gpu.rs`): query structs with `deny_unknown_fields`, malformed queries answered by
+  actix as 400 text/plain; every index checked before anything runs (400 text/plain
+  `GPU index N does not exist.`); `block=true` waits for the commands, `block=false` answers once they are
+  queued; per-GPU errors as `{"errors": {...}}` with 500 (0.4) or the worst status (0.5, `error.rs`);
+- one FIFO command queue and worker per GPU (`devices/gpu/mod.rs`): a command runs even when its caller
+  has gone. `--queue-delay S` makes each command wait S seconds in its queue (a slow daemon);
+  `--hold-writes N` keeps the first N write commands queued until a later command for the same GPU
+  arrives or the daemon stops (a slow daemon reduced to its ordering, the same on any host);
+- reads: `get_cumulative_energy`, `get_power` (NVML's instant power field, as the poller in
+  `devices/gpu/power.rs` and `nvml.rs` `get_instant_power_mw` read it) and `stream_power` (SSE) at every
+  generation; `get_power_limit`, `get_power_limit_constraints`, `get_persistence_mode` from 0.5;
+  `reset_locked_clocks` after 0.5; `/cpu/*` on a node with no RAPL package.
 
-Changes are applied through the simulator's NVML (`fake_nvml`) to the simulated node named by
-`ZEUS_CALLBACKS_SIMULATE` and `ZEUS_CALLBACKS_SIM_STATE_DIR`, whose state the client's NVML reads see. The
-daemon runs as root: the client's permission faults (`no_cap_sys_admin`, `no_permission`) are not its own;
-`--faults` gives it faults of its own (e.g. `not_supported=power`). Each request opens the node afresh, as a
-process that only changes settings and runs no work on the GPU.
+Changes are applied through the simulator's NVML (`zeus_callbacks.sim.fake_nvml`) to the simulated node
+named by `ZEUS_CALLBACKS_SIMULATE` and `ZEUS_CALLBACKS_SIM_STATE_DIR`, whose state the client's NVML
+reads see. The daemon runs as root: the client's permission faults are not its own; `--faults` gives it
+faults of its own (e.g. `not_supported=clocks`, `lost_after=0`).
 
-Run: `python zeusd_double.py (--socket PATH | --tcp HOST:PORT) [--signing-key KEY] [--enable GROUPS]
-[--faults F] [--no-pci-address] [--log FILE]`; prints `READY <address>` once it listens (TCP port 0: the
-port it got). `issue_token(key, sub, scopes, exp)` makes a token the way `zeusd token issue` does.
+Run: `python zeusd_double.py (--socket PATH | --tcp HOST:PORT) [--generation G] [--signing-key KEY]
+[--enable GROUPS] [--faults F] [--queue-delay S] [--hold-writes N] [--log FILE]`; prints `READY <address>`
+once it listens (TCP port 0: the port it got). SIGTERM runs what is queued, then exits.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import hashlib
-import hmac
 import json
 import os
+import queue
+import signal
 import socketserver
 import sys
+import threading
 import time
 import urllib.parse
+from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
-GROUPS = ("gpu-control", "gpu-read", "cpu-read")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zeusd_double_rules import (  # noqa: E402
+    GENERATIONS,
+    GROUPS,
+    Refusal,
+    issue_token,
+    nvml_answer,
+    parse_ids,
+    parse_query,
+    required_scope,
+    verify_token,
+)
+
+__all__ = ["issue_token", "main"]
+
+_NVML_LOCK = threading.Lock()  # the simulator's module state is one per process
 
 
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+def _node(faults: str) -> Any:
+    """A fresh view of the simulated node (its state lives in files the client sees too)."""
+    from zeus_callbacks.sim import fake_nvml
+    from zeus_callbacks.sim.system import SimulatedSystem
+
+    refresh = os.environ.get("ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS")
+    system = SimulatedSystem(
+        os.environ["ZEUS_CALLBACKS_SIMULATE"],
+        faults=faults,
+        state_dir=os.environ.get("ZEUS_CALLBACKS_SIM_STATE_DIR") or None,
+        energy_refresh_ms=float(refresh) if refresh else None,
+    )
+    fake_nvml.attach(system)
+    fake_nvml.nvmlInit()
+    return fake_nvml
 
 
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+class GpuCommand:
+    """One queued command (`devices/gpu/mod.rs` `GpuCommand`): `op(nvml, handle)`; `future` is None when
+    nobody waits (`block=false`)."""
+
+    def __init__(self, op: Any, write: bool, future: Future | None) -> None:
+        self.op, self.write, self.future = op, write, future
 
 
-def issue_token(key: bytes, sub: str, scopes: list[str], exp: int | None = None) -> str:
-    """An HS256 JWT with zeusd's claims (`sub`, `scopes`, `exp` omitted for a token that never expires)."""
-    claims: dict[str, Any] = {"sub": sub, "scopes": scopes}
-    if exp is not None:
-        claims["exp"] = exp
-    head = _b64(json.dumps({"typ": "JWT", "alg": "HS256"}).encode())
-    body = _b64(json.dumps(claims).encode())
-    sig = hmac.new(key, f"{head}.{body}".encode(), hashlib.sha256).digest()
-    return f"{head}.{body}.{_b64(sig)}"
+class GpuWorker(threading.Thread):
+    """`gpu_management_task`: one per GPU, commands run one at a time in arrival order."""
 
+    def __init__(self, daemon: Daemon, gpu_id: int) -> None:
+        super().__init__(daemon=True)
+        self.owner, self.gpu_id = daemon, gpu_id
+        self.commands: queue.Queue[GpuCommand | None] = queue.Queue()
+        self.held: list[GpuCommand] = []
 
-def _verify(key: bytes, token: str) -> dict[str, Any]:
-    """The token's claims; ValueError("...") when invalid or expired."""
-    try:
-        head, body, sig = token.split(".")
-        expected = hmac.new(key, f"{head}.{body}".encode(), hashlib.sha256).digest()
-        if json.loads(_unb64(head)).get("alg") != "HS256" or not hmac.compare_digest(expected, _unb64(sig)):
-            raise ValueError("InvalidSignature")
-        claims = json.loads(_unb64(body))
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"Invalid token: {e}") from None
-    if claims.get("exp") is not None and claims["exp"] < time.time():
-        raise ValueError("Token has expired.")
-    return claims
+    def submit(self, command: GpuCommand) -> None:
+        self.commands.put(command)
 
+    def run(self) -> None:
+        while True:
+            command = self.commands.get()
+            if command is None:  # stopping: what is held runs first (zeusd runs every queued command)
+                for held in self.held:
+                    self._execute(held)
+                self.held.clear()
+                return
+            if command.write and self.owner.holds_left > 0:
+                self.owner.holds_left -= 1
+                self.held.append(command)
+                continue
+            for held in self.held:  # a later command arrived: the held ones run before it, in order
+                self._execute(held)
+            self.held.clear()
+            self._execute(command)
 
-def _required_group(path: str) -> str | None:
-    if path in ("/discover", "/time"):
-        return None
-    if path.startswith(("/gpu/set_", "/gpu/reset_")):
-        return "gpu-control"
-    if path.startswith("/gpu/"):
-        return "gpu-read"
-    if path.startswith("/cpu/"):
-        return "cpu-read"
-    return None
-
-
-class _BadRequest(Exception):
-    pass
-
-
-def _bool(params: dict[str, str], name: str) -> bool:
-    value = params.get(name)
-    if value not in ("true", "false"):
-        raise _BadRequest(f"Query deserialize error: missing or invalid field `{name}`")
-    return value == "true"
-
-
-def _uint(params: dict[str, str], name: str) -> int:
-    value = params.get(name, "")
-    if not value.isdigit():
-        raise _BadRequest(f"Query deserialize error: missing or invalid field `{name}`")
-    return int(value)
+    def _execute(self, command: GpuCommand) -> None:
+        if self.owner.queue_delay_s:
+            time.sleep(self.owner.queue_delay_s)
+        try:
+            with _NVML_LOCK:
+                nvml = _node(self.owner.faults)
+                try:
+                    result = command.op(nvml, nvml.nvmlDeviceGetHandleByIndex(self.gpu_id))
+                except nvml.NVMLError as e:
+                    result = Refusal(*nvml_answer(getattr(e, "value", None), self.owner.generation))
+        except Exception as e:  # noqa: BLE001 - a double must answer, as zeusd's task does
+            result = Refusal(500, f"Management task for GPU {self.gpu_id} failed: {e!r}")
+        self.owner.record(
+            f"RAN gpu {self.gpu_id}: {'ok' if not isinstance(result, Refusal) else result.body}"
+        )
+        if command.future is not None:
+            command.future.set_result(result)
 
 
 class Daemon:
-    """The daemon's state: its options and a fresh view of the simulated node per request."""
+    """The daemon's options, its discovery document and its GPU workers."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.groups = set(args.enable.split(",")) if args.enable else set(GROUPS)
+        self.generation = args.generation
+        # config.rs: `--enable` defaults to every group, in this order; /discover lists them in that order.
+        self.groups = [g for g in GROUPS if g in args.enable.split(",")] if args.enable else list(GROUPS)
         self.key = args.signing_key.encode() if args.signing_key else None
         self.faults = args.faults
-        self.pci = not args.no_pci_address
+        self.queue_delay_s = args.queue_delay
+        self.holds_left = args.hold_writes
         self.log = args.log
+        self._log_lock = threading.Lock()
+        with _NVML_LOCK:
+            nvml = _node("")  # startup.rs reads names and addresses once, before any request
+            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+            self.names = [nvml.nvmlDeviceGetName(h) for h in handles]
+            self.pci = [_lspci(nvml.nvmlDeviceGetPciInfo_v3(h).busId) for h in handles]
+        gpu_enabled = "gpu-control" in self.groups or "gpu-read" in self.groups
+        self.workers = [GpuWorker(self, i) for i in range(len(handles) if gpu_enabled else 0)]
+        for w in self.workers:
+            w.start()
 
-    def node(self) -> Any:
-        from zeus_callbacks.sim import fake_nvml
-        from zeus_callbacks.sim.system import SimulatedSystem
-
-        system = SimulatedSystem(
-            os.environ["ZEUS_CALLBACKS_SIMULATE"],
-            faults=self.faults,
-            state_dir=os.environ.get("ZEUS_CALLBACKS_SIM_STATE_DIR") or None,
-            energy_refresh_ms=float(os.environ["ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS"])
-            if os.environ.get("ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS")
-            else None,
-        )
-        fake_nvml.attach(system)
-        fake_nvml.nvmlInit()
-        return fake_nvml
+    def discovery(self) -> dict[str, Any]:
+        """`routes/server.rs` `DiscoveryInfo` of this generation (no CPU package: no RAPL here)."""
+        common = {"enabled_api_groups": self.groups, "auth_required": self.key is not None}
+        ids = range(len(self.workers))
+        if self.generation == "0.4":
+            return {"gpu_ids": list(ids), "cpu_ids": [], "dram_available": [], **common}
+        gpus: list[dict[str, Any]] = [{"id": i, "name": self.names[i]} for i in ids]
+        if self.generation == "master":
+            for g in gpus:
+                # `cumulative_energy_available`: nvml.rs `validate_energy_counters` (NotSupported: false).
+                g.update(pci_address=self.pci[g["id"]], cumulative_energy_available=True)
+        return {"gpus": gpus, "cpus": [], **common}
 
     def record(self, line: str) -> None:
         if self.log:
-            with open(self.log, "a") as f:
+            with self._log_lock, open(self.log, "a") as f:
                 f.write(line + "\n")
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.commands.put(None)
+        for w in self.workers:
+            w.join(timeout=60)
+
+
+def _lspci(bus_id: str | bytes) -> str:
+    """nvml.rs `pci_address`: `{domain:04x}:{bus:02x}:{device:02x}.0` from NVML's PCI info."""
+    text = bus_id.decode() if isinstance(bus_id, bytes) else bus_id
+    domain, bus, rest = text.split(":")
+    return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(rest.split('.')[0], 16):02x}.0"
+
+
+# -- routes: (method, path) -> (group, generations, query fields, handler name) ---------------------------------
+_IDS_REQUIRED = [("gpu_ids", "str", True)]
+_WRITES: dict[str, list[tuple[str, str, bool]]] = {
+    # routes/gpu.rs `impl_handler_for_gpu_command!` / `impl_write_handler_for_gpu_command!`: gpu_ids,
+    # the command's fields, block; in this declaration order.
+    "set_persistence_mode": [("enabled", "bool", True)],
+    "set_power_limit": [("power_limit_mw", "u32", True)],
+    "set_gpu_locked_clocks": [("min_clock_mhz", "u32", True), ("max_clock_mhz", "u32", True)],
+    "reset_gpu_locked_clocks": [],
+    "set_mem_locked_clocks": [("min_clock_mhz", "u32", True), ("max_clock_mhz", "u32", True)],
+    "reset_mem_locked_clocks": [],
+    "reset_locked_clocks": [],  # after 0.5 only
+}
+_READS_05 = ("get_power_limit", "get_power_limit_constraints", "get_persistence_mode")
+
+
+def _op(name: str, q: dict[str, Any]) -> Any:
+    """The NVML calls of a command (`devices/gpu/nvml.rs`)."""
+
+    def op(nvml: Any, h: Any) -> Any:
+        if name == "set_persistence_mode":
+            mode = nvml.NVML_FEATURE_ENABLED if q["enabled"] else nvml.NVML_FEATURE_DISABLED
+            return nvml.nvmlDeviceSetPersistenceMode(h, mode)
+        if name == "set_power_limit":
+            return nvml.nvmlDeviceSetPowerManagementLimit(h, q["power_limit_mw"])
+        if name == "set_gpu_locked_clocks":
+            return nvml.nvmlDeviceSetGpuLockedClocks(h, q["min_clock_mhz"], q["max_clock_mhz"])
+        if name == "reset_gpu_locked_clocks":
+            return nvml.nvmlDeviceResetGpuLockedClocks(h)
+        if name == "set_mem_locked_clocks":
+            return nvml.nvmlDeviceSetMemoryLockedClocks(h, q["min_clock_mhz"], q["max_clock_mhz"])
+        if name == "reset_mem_locked_clocks":
+            return nvml.nvmlDeviceResetMemoryLockedClocks(h)
+        if name == "reset_locked_clocks":  # both, the first error reported (nvml.rs `reset_locked_clocks`)
+            errors = []
+            for fn in (nvml.nvmlDeviceResetGpuLockedClocks, nvml.nvmlDeviceResetMemoryLockedClocks):
+                try:
+                    fn(h)
+                except nvml.NVMLError as e:
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+            return None
+        if name == "get_cumulative_energy":
+            return {"energy_mj": nvml.nvmlDeviceGetTotalEnergyConsumption(h)}
+        if name == "get_power":
+            return _instant_power_mw(nvml, h)
+        if name == "get_power_limit":
+            return {"power_limit_mw": nvml.nvmlDeviceGetPowerManagementLimit(h)}
+        if name == "get_power_limit_constraints":
+            lo, hi = nvml.nvmlDeviceGetPowerManagementLimitConstraints(h)
+            return {"min_power_limit_mw": lo, "max_power_limit_mw": hi}
+        if name == "get_persistence_mode":
+            return {"enabled": nvml.nvmlDeviceGetPersistenceMode(h) == nvml.NVML_FEATURE_ENABLED}
+        raise AssertionError(name)
+
+    return op
+
+
+def _instant_power_mw(nvml: Any, h: Any) -> int:
+    """nvml.rs `get_instant_power_mw`: the field `NVML_FI_DEV_POWER_INSTANT`, never the 1 s average."""
+    [value] = nvml.nvmlDeviceGetFieldValues(h, [nvml.NVML_FI_DEV_POWER_INSTANT])
+    if value.nvmlReturn != nvml.NVML_SUCCESS:
+        raise nvml.NVMLError(value.nvmlReturn)
+    return int(value.value.uiVal)
 
 
 class Handler(BaseHTTPRequestHandler):
     server: Any
+    protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         pass
 
     def _send(self, status: int, body: Any = None, headers: dict[str, str] | None = None) -> None:
-        data = b"" if body is None else json.dumps(body).encode()
+        if isinstance(body, str):  # actix's `ResponseError` default: the Display text as text/plain
+            data, kind = body.encode(), "text/plain; charset=utf-8"
+        else:
+            data, kind = (b"", None) if body is None else (json.dumps(body).encode(), "application/json")
         self.send_response(status)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
-        if body is not None:
-            self.send_header("Content-Type", "application/json")
+        if kind:
+            self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -169,167 +289,165 @@ class Handler(BaseHTTPRequestHandler):
         self._handle("POST")
 
     def _handle(self, method: str) -> None:
-        daemon: Daemon = self.server.daemon
+        daemon: Daemon = self.server.zeusd
         url = urllib.parse.urlsplit(self.path)
-        path = url.path
-        params = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query, keep_blank_values=True).items()}
         length = int(self.headers.get("Content-Length") or 0)
         if length:
             self.rfile.read(length)
-        daemon.record(f"{method} {path} {json.dumps(params, sort_keys=True)}")
-        group = _required_group(path)
-        if group is not None and group not in daemon.groups:
-            return self._send(404, {"error": f"API group '{group}' is not enabled on this server."})
-        if daemon.key is None and path.startswith("/auth/"):
-            return self._send(404, {"error": "Authentication is not enabled on this server."})
-        if daemon.key is not None and path not in ("/discover", "/time"):
-            auth = self.headers.get("Authorization", "")
-            challenge = {"WWW-Authenticate": 'Bearer realm="zeusd"'}
-            if not auth.startswith("Bearer "):
-                message = "Authentication required. Provide an Authorization: Bearer <token> header."
-                return self._send(401, {"error": message}, challenge)
-            try:
-                claims = _verify(daemon.key, auth[len("Bearer ") :])
-            except ValueError as e:
-                return self._send(401, {"error": str(e)}, challenge)
-            if group is not None and group not in claims.get("scopes", []):
-                scopes = ", ".join(f"'{s}'" for s in claims.get("scopes", []))
-                message = f"Token for user '{claims.get('sub')}' lacks required scope '{group}'. Token scopes: [{scopes}]"
-                return self._send(403, {"error": message})
-            if path == "/auth/whoami":
-                return self._send(200, {k: claims[k] for k in ("sub", "scopes", "exp") if k in claims})
-        routes = {
-            ("GET", "/discover"): self._discover,
-            ("GET", "/time"): lambda nvml, p: self._send(200, {"timestamp_ms": int(time.time() * 1000)}),
-        }
+        params = dict(urllib.parse.parse_qsl(url.query, keep_blank_values=True))
+        daemon.record(f"{method} {url.path} {json.dumps(params, sort_keys=True)}")
         try:
-            nvml = daemon.node()
-            if (method, path) in routes:
-                return routes[(method, path)](nvml, params)
-            if method == "POST" and path.startswith("/gpu/"):
-                return self._write(nvml, path, params)
-            if method == "GET" and path.startswith("/gpu/get_"):
-                return self._read(nvml, path, params)
-        except _BadRequest as e:
-            return self._send(400, {"error": str(e)})
+            claims = self._authorize(daemon, url.path)
+            self._route(daemon, method, url.path, url.query, claims)
+        except Refusal as r:
+            headers = {"WWW-Authenticate": 'Bearer realm="zeusd"'} if r.status == 401 else None
+            self._send(r.status, r.body, headers)
+
+    def _authorize(self, daemon: Daemon, path: str) -> dict[str, Any] | None:
+        """auth.rs `AuthMiddlewareService::call`, in its order."""
+        group = required_scope(path)
+        if group is not None and group not in daemon.groups:
+            raise Refusal(404, {"error": f"API group '{group}' is not enabled on this server."})
+        if daemon.key is None:
+            if path.startswith("/auth/"):
+                raise Refusal(404, {"error": "Authentication is not enabled on this server."})
+            return None
+        if path in ("/discover", "/time"):
+            return None
+        auth = self.headers.get("Authorization", "")
+        if not auth.startswith("Bearer "):
+            message = "Authentication required. Provide an Authorization: Bearer <token> header."
+            raise Refusal(401, {"error": message})
+        claims = verify_token(daemon.key, auth[len("Bearer ") :])
+        if group is not None and group not in claims["scopes"]:
+            scopes = ", ".join(f"'{s}'" for s in claims["scopes"])
+            message = (
+                f"Token for user '{claims['sub']}' lacks required scope '{group}'. Token scopes: [{scopes}]"
+            )
+            raise Refusal(403, {"error": message})
+        return claims
+
+    def _route(
+        self, daemon: Daemon, method: str, path: str, query: str, claims: dict[str, Any] | None
+    ) -> None:
+        g = daemon.generation
+        if (method, path) == ("GET", "/discover"):
+            return self._send(200, daemon.discovery())
+        if (method, path) == ("GET", "/time"):
+            return self._send(200, {"timestamp_ms": int(time.time() * 1000)})
+        if (method, path) == ("GET", "/auth/whoami") and claims is not None:
+            return self._send(
+                200, {k: claims[k] for k in ("sub", "scopes", "exp") if claims.get(k) is not None}
+            )
+        name = path[len("/gpu/") :] if path.startswith("/gpu/") else None
+        # startup.rs registers /gpu routes by group; an unregistered route is actix's empty 404.
+        if method == "POST" and name in _WRITES and (name != "reset_locked_clocks" or g == "master"):
+            return self._write(daemon, name, query)
+        reads = ("get_cumulative_energy", "get_power", "stream_power") + (_READS_05 if g != "0.4" else ())
+        if method == "GET" and name in reads:
+            return self._read(daemon, name, query)
+        if method == "GET" and path in ("/cpu/get_cumulative_energy", "/cpu/get_power", "/cpu/stream_power"):
+            return self._cpu(path, query, g)
         self._send(404)
 
-    def _discover(self, nvml: Any, params: dict[str, str]) -> None:
-        daemon: Daemon = self.server.daemon
-        gpus = []
-        for i in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            entry: dict[str, Any] = {"id": i, "name": nvml.nvmlDeviceGetName(handle)}
-            if daemon.pci:
-                bus = nvml.nvmlDeviceGetPciInfo_v3(handle).busId
-                bus = bus.decode() if isinstance(bus, bytes) else bus
-                entry["pci_address"] = bus[4:].lower()  # NVML's 8-digit domain, as `lspci -D` writes 4
-                entry["cumulative_energy_available"] = True
-            gpus.append(entry)
-        self._send(
-            200,
-            {
-                "gpus": gpus,
-                "cpus": [],
-                "enabled_api_groups": sorted(daemon.groups),
-                "auth_required": daemon.key is not None,
-            },
-        )
+    def _write(self, daemon: Daemon, name: str, query: str) -> None:
+        """routes/gpu.rs: parse, check every index (nothing runs on a bad one), queue, wait if `block`."""
+        q = parse_query(query, _IDS_REQUIRED + _WRITES[name] + [("block", "bool", True)])
+        ids = parse_ids(q["gpu_ids"], daemon.generation)
+        for i in ids:
+            if i >= len(daemon.workers):
+                raise Refusal(400, f"GPU index {i} does not exist.")  # GpuNotFoundError, text/plain
+        futures = {}
+        for i in ids:
+            future: Future | None = Future() if q["block"] else None
+            daemon.workers[i].submit(GpuCommand(_op(name, q), True, future))
+            futures[i] = future
+        if not q["block"]:
+            return self._send(200)
+        errors = {i: f.result() for i, f in futures.items() if isinstance(f.result(), Refusal)}
+        if not errors:
+            return self._send(200)
+        # 0.4 answers any per-GPU failure 500; 0.5 `aggregate_error_response`: the worst status.
+        status = 500 if daemon.generation == "0.4" else max(r.status for r in errors.values())
+        self._send(status, {"errors": {str(i): r.body for i, r in errors.items()}})
 
-    def _gpu_ids(self, nvml: Any, params: dict[str, str], required: bool) -> list[int]:
-        text = params.get("gpu_ids")
-        if text is None:
-            if required:
-                raise _BadRequest("Query deserialize error: missing field `gpu_ids`")
-            return list(range(nvml.nvmlDeviceGetCount()))
-        try:
-            return [int(x) for x in text.split(",")]
-        except ValueError:
-            raise _BadRequest(f"Invalid gpu_ids: {text!r}") from None
-
-    def _write(self, nvml: Any, path: str, params: dict[str, str]) -> None:
-        ids = self._gpu_ids(nvml, params, required=True)
-        _bool(params, "block")
-        name = path[len("/gpu/") :]
-        if name == "set_power_limit":
-            limit = _uint(params, "power_limit_mw")
-            op = lambda h: nvml.nvmlDeviceSetPowerManagementLimit(h, limit)  # noqa: E731
-        elif name == "set_persistence_mode":
-            mode = nvml.NVML_FEATURE_ENABLED if _bool(params, "enabled") else nvml.NVML_FEATURE_DISABLED
-            op = lambda h: nvml.nvmlDeviceSetPersistenceMode(h, mode)  # noqa: E731
-        elif name in ("set_gpu_locked_clocks", "set_mem_locked_clocks"):
-            lo, hi = _uint(params, "min_clock_mhz"), _uint(params, "max_clock_mhz")
-            fn = (
-                nvml.nvmlDeviceSetGpuLockedClocks
-                if name.startswith("set_gpu")
-                else nvml.nvmlDeviceSetMemoryLockedClocks
-            )
-            op = lambda h: fn(h, lo, hi)  # noqa: E731
-        elif name == "reset_gpu_locked_clocks":
-            op = nvml.nvmlDeviceResetGpuLockedClocks
-        elif name == "reset_mem_locked_clocks":
-            op = nvml.nvmlDeviceResetMemoryLockedClocks
-        elif name == "reset_locked_clocks":
-            op = lambda h: (nvml.nvmlDeviceResetGpuLockedClocks(h), nvml.nvmlDeviceResetMemoryLockedClocks(h))  # noqa: E731
+    def _read(self, daemon: Daemon, name: str, query: str) -> None:
+        q = parse_query(query, [("gpu_ids", "str", False)])
+        count, g = len(daemon.workers), daemon.generation
+        if "gpu_ids" in q:
+            ids = parse_ids(q["gpu_ids"], g)
+            unknown = [i for i in ids if i >= count]
+            if unknown and (name in ("get_power", "stream_power") and g == "0.4" or name == "stream_power"):
+                # 0.4 gpu.rs / 0.5 mod.rs `resolve_stream_device_ids`: validated against the poller's GPUs.
+                raise Refusal(
+                    400, {"error": f"Unknown GPU indices: {unknown}. Available: {list(range(count))}"}
+                )
+            if unknown and g == "0.4":
+                raise Refusal(400, f"GPU index {unknown[0]} does not exist.")
+            if unknown:
+                raise Refusal(400, {"error": f"GPU {unknown[0]} not found"})  # resolve_read_device_ids
         else:
-            return self._send(404)
-        errors: dict[str, tuple[int, str]] = {}
+            ids = list(range(count))
+        if name == "stream_power":
+            return self._stream(daemon, ids)
+        futures = {i: Future() for i in ids}
         for i in ids:
-            try:
-                if not 0 <= i < nvml.nvmlDeviceGetCount():
-                    errors[str(i)] = (400, f"GPU index {i} does not exist.")
-                    continue
-                op(nvml.nvmlDeviceGetHandleByIndex(i))
-            except nvml.NVMLError as e:
-                errors[str(i)] = (_nvml_status(nvml, e), f"NVML error: {_nvml_name(nvml, e)}")
+            daemon.workers[i].submit(GpuCommand(_op(name, q), False, futures[i]))
+        results = {i: f.result() for i, f in futures.items()}
+        errors = {i: r for i, r in results.items() if isinstance(r, Refusal)}
         if errors:
-            worst = max(status for status, _ in errors.values())
-            return self._send(worst, {"errors": {k: msg for k, (_, msg) in errors.items()}})
-        self._send(200)
+            status = 500 if g == "0.4" else max(r.status for r in errors.values())
+            return self._send(status, {"errors": {str(i): r.body for i, r in errors.items()}})
+        if name == "get_power":  # power.rs `GpuPowerSnapshot`
+            return self._send(200, {"timestamp_ms": int(time.time() * 1000), "power_mw": results})
+        self._send(200, {str(i): r for i, r in results.items()})
 
-    def _read(self, nvml: Any, path: str, params: dict[str, str]) -> None:
-        ids = self._gpu_ids(nvml, params, required=False)
-        name = path[len("/gpu/") :]
-        out: dict[str, Any] = {}
-        for i in ids:
-            if not 0 <= i < nvml.nvmlDeviceGetCount():
-                return self._send(400, {"error": f"GPU index {i} does not exist."})
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            if name == "get_power_limit":
-                out[str(i)] = {"power_limit_mw": nvml.nvmlDeviceGetPowerManagementLimit(h)}
-            elif name == "get_power_limit_constraints":
-                lo, hi = nvml.nvmlDeviceGetPowerManagementLimitConstraints(h)
-                out[str(i)] = {"min_power_limit_mw": lo, "max_power_limit_mw": hi}
-            elif name == "get_persistence_mode":
-                out[str(i)] = {"enabled": nvml.nvmlDeviceGetPersistenceMode(h) == nvml.NVML_FEATURE_ENABLED}
-            elif name == "get_cumulative_energy":
-                out[str(i)] = {"energy_mj": nvml.nvmlDeviceGetTotalEnergyConsumption(h)}
-            elif name == "get_power":
-                out[str(i)] = nvml.nvmlDeviceGetPowerUsage(h)
-            else:
-                return self._send(404)
-        if name == "get_power":
-            out = {"timestamp_ms": int(time.time() * 1000), "power_mw": out}
-        self._send(200, out)
+    def _stream(self, daemon: Daemon, ids: list[int]) -> None:
+        """SSE until the client leaves: 0.4 sends whole snapshots, 0.5 one `GpuPowerSample` per GPU (power.rs),
+        at the default `--gpu-power-poll-hz` of 20."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            while True:
+                with _NVML_LOCK:
+                    nvml = _node(daemon.faults)
+                    power = {i: _instant_power_mw(nvml, nvml.nvmlDeviceGetHandleByIndex(i)) for i in ids}
+                now = int(time.time() * 1000)
+                if daemon.generation == "0.4":
+                    events = [{"timestamp_ms": now, "power_mw": power}]
+                else:
+                    events = [{"timestamp_ms": now, "gpu_id": i, "power_mw": p} for i, p in power.items()]
+                for event in events:
+                    data = f"data: {json.dumps(event)}\n\n".encode()
+                    self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:
+            self.close_connection = True
 
-
-def _nvml_name(nvml: Any, error: Exception) -> str:
-    names = {
-        nvml.NVML_ERROR_NO_PERMISSION: "NoPermission",
-        nvml.NVML_ERROR_INVALID_ARGUMENT: "InvalidArg",
-        nvml.NVML_ERROR_NOT_SUPPORTED: "NotSupported",
-        nvml.NVML_ERROR_GPU_IS_LOST: "GpuLost",
-    }
-    return names.get(getattr(error, "value", None), str(error))
-
-
-def _nvml_status(nvml: Any, error: Exception) -> int:
-    code = getattr(error, "value", None)
-    if code == nvml.NVML_ERROR_NO_PERMISSION:
-        return 403
-    if code in (nvml.NVML_ERROR_INVALID_ARGUMENT, nvml.NVML_ERROR_NOT_SUPPORTED):
-        return 400
-    return 500
+    def _cpu(self, path: str, query: str, g: str) -> None:
+        """routes/cpu.rs on a node without RAPL packages: every index is unknown, none means an empty map."""
+        if path.endswith("get_cumulative_energy"):
+            fields = [("cpu_ids", "str", g == "0.4"), ("cpu", "bool", True), ("dram", "bool", True)]
+        else:
+            fields = [("cpu_ids", "str", False)]
+        q = parse_query(query, fields)
+        if "cpu_ids" in q:
+            ids = parse_ids(q["cpu_ids"], g, "CPU")
+            if path.endswith("get_cumulative_energy"):
+                raise Refusal(
+                    400,
+                    f"CPU index {ids[0]} does not exist."
+                    if g == "0.4"
+                    else {"error": f"CPU {ids[0]} not found"},
+                )
+            raise Refusal(400, {"error": f"Unknown CPU indices: {ids}. Available: []"})
+        if path.endswith("get_power"):
+            return self._send(200, {"timestamp_ms": int(time.time() * 1000), "power_mw": {}})
+        self._send(200, {})
 
 
 class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -349,12 +467,15 @@ def main(argv: list[str]) -> int:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--socket")
     where.add_argument("--tcp")
+    parser.add_argument("--generation", choices=GENERATIONS, default="master")
     parser.add_argument("--signing-key")
     parser.add_argument("--enable", default="")
     parser.add_argument("--faults", default="")
-    parser.add_argument("--no-pci-address", action="store_true")
+    parser.add_argument("--queue-delay", type=float, default=0.0)
+    parser.add_argument("--hold-writes", type=int, default=0)
     parser.add_argument("--log")
     args = parser.parse_args(argv)
+    daemon = Daemon(args)
     if args.socket:
         if os.path.exists(args.socket):
             os.unlink(args.socket)
@@ -364,13 +485,19 @@ def main(argv: list[str]) -> int:
         host, _, port = args.tcp.rpartition(":")
         server = _TCPServer((host, int(port)), Handler)
         address = f"{host}:{server.server_address[1]}"
-    server.daemon = Daemon(args)
+    server.zeusd = daemon
+
+    def stop(signum: int, frame: Any) -> None:
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
     sys.stdout.write(f"READY {address}\n")
     sys.stdout.flush()
     try:
         server.serve_forever()
     finally:
         server.server_close()
+        daemon.stop()  # zeusd's queued commands run even when their callers have gone
     return 0
 
 

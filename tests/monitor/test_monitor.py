@@ -8,6 +8,7 @@ import time
 import pytest
 
 from zeus_callbacks import Measurement, ZeusMonitor, sim
+from zeus_callbacks.core.device.errors import GPULostError
 from zeus_callbacks.sim import load_trace
 
 
@@ -42,9 +43,10 @@ def test_window_errors_and_cancel(sim_gpus):
     sim_gpus("a40")
     monitor = ZeusMonitor()
     monitor.begin_window("step")
-    with pytest.raises(ValueError, match="'step' is already open"):
+    # Zeus's words ('already exists', 'does not exist': its tests match them) beside ours.
+    with pytest.raises(ValueError, match="'step' already exists: it is already open"):
         monitor.begin_window("step")
-    with pytest.raises(ValueError, match=r"'epoch' was not begun \(open: \['step'\]\)"):
+    with pytest.raises(ValueError, match=r"'epoch' does not exist: it was not begun \(open: \['step'\]\)"):
         monitor.end_window("epoch")
     m = monitor.end_window("step", cancel=True)
     assert (m.time, m.gpu_energy, m.total_energy) == (0.0, {0: 0.0}, 0.0)
@@ -53,6 +55,49 @@ def test_window_errors_and_cancel(sim_gpus):
         monitor.end_window("step")
     monitor.begin_window("step")  # a cancelled window can be begun again
     assert monitor.end_window("step").time > 0
+
+
+def test_a_lost_gpu_leaves_the_others_measured(sim_gpus, tmp_path, caplog):
+    """Issue 24: with GPU 1 of two lost after 40 NVML calls, every window still measures GPU 0; GPU 1 is
+    said once, named alone, and missing from `gpu_energy` (not 0 J), in the log too."""
+    system = sim_gpus("2*a40", virtual_clock=True, faults="lost_after=40@1")
+    log = tmp_path / "log.csv"
+    monitor = ZeusMonitor(log_file=log)
+    ms = []
+    with caplog.at_level("WARNING", logger="zeus_callbacks"):
+        for _ in range(100):
+            monitor.begin_window("step")
+            system.run_step(0.1)
+            ms.append(monitor.end_window("step"))
+    assert set(ms[0].gpu_energy) == {0, 1}
+    after = [m for m in ms if set(m.gpu_energy) == {0}]
+    assert len(after) > 50 and set(ms[-1].gpu_energy) == {0}  # lost once, for good
+    assert all(m.gpu_energy[0] == pytest.approx(23.52, rel=0.01) for m in ms[1:])  # the first: a refresh
+    assert set(monitor.lost_gpus) == {1}
+    said = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+    assert len(said) == 1 and "GPU 1 (" in said[0] and "GPU 0" not in said[0]
+    rows = list(csv.DictReader(log.open()))
+    assert rows[0]["gpu1_energy"] and rows[-1]["gpu1_energy"] == "" and float(rows[-1]["gpu0_energy"]) > 0
+    # A window open when the GPU was lost keeps GPU 0's energy over the whole window.
+    system = sim_gpus("2*a40", virtual_clock=True, faults="lost_after=30@1")
+    monitor = ZeusMonitor()
+    monitor.begin_window("long")
+    while not monitor.lost_gpus:
+        monitor.begin_window("step")
+        system.run_step(0.1)
+        monitor.end_window("step")
+    long = monitor.end_window("long")
+    assert set(long.gpu_energy) == {0} and long.gpu_energy[0] == pytest.approx(
+        23.5 * long.time / 0.1, rel=0.05
+    )
+    # Every GPU lost: nothing is left to measure, and the error says so.
+    system = sim_gpus("a40", virtual_clock=True, faults="lost_after=20")
+    monitor = ZeusMonitor()
+    with pytest.raises(GPULostError, match="no monitored GPU answers"):
+        for _ in range(20):
+            monitor.begin_window("step")
+            system.run_step(0.1)
+            monitor.end_window("step")
 
 
 def test_constructor_errors(sim_gpus):
@@ -164,8 +209,11 @@ def test_virtual_clock_windows_are_exact(sim_gpus):
 
 def test_power_sampling_fallback_integrates_sensibly(sim_gpus):
     # On the virtual clock time moves only in steps, so wherever the samples fall the integral is exact.
-    # GPU 0's counter is the reference the sampled GPU 1 is compared with: keep it exact.
-    system = sim_gpus("2*a40", faults="no_energy_counter@1", virtual_clock=True, ideal="energy_counter")
+    # GPU 0's counter is the reference the sampled GPU 1 is compared with: keep it exact, and GPU 1's power
+    # reading the draw of the last interval (not the driver's update period and window).
+    system = sim_gpus(
+        "2*a40", faults="no_energy_counter@1", virtual_clock=True, ideal="energy_counter,power_window"
+    )
     system.run_step(0.05)  # GPU 1's last interval is busy when sampling starts
     monitor = ZeusMonitor(power_sample_interval_s=0.005)
     try:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import zeus_callbacks.core.pipeline_frequency.frontier as frontier_module
+from zeus_callbacks.cli import main
 from zeus_callbacks.core.pipeline_frequency.dag import build_dag, build_schedule
 from zeus_callbacks.core.pipeline_frequency.frontier import (
     FrequencyOption,
@@ -18,6 +23,7 @@ from zeus_callbacks.core.pipeline_frequency.frontier import (
     pareto_options,
     solve,
 )
+from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow, write_profile
 
 
 def _options(seed: int, num_stages: int, num_freqs: int) -> dict:
@@ -187,3 +193,80 @@ def test_frontier_is_pareto_and_choose_meets_target():
         front.choose(times[0] * 0.5)
     # solve() refines one target at least as well as the frontier's point for it.
     assert solve(schedule, options, [85.0, 90.0, 95.0, 100.0]).energy_j <= chosen.energy_j * (1 + 1e-12)
+
+
+def _noisy_profile(path, seed: int, num_stages: int, num_freqs: int) -> None:
+    """A profile CSV of `_options`' kind, noisy enough that branch and bound runs out of nodes on some points."""
+    options = _options(seed, num_stages, num_freqs)
+    write_profile(
+        path,
+        [
+            ProfileRow(s, k, o.frequency_mhz, o.time_s, o.energy_j)
+            for (s, k), opts in options.items()
+            for o in opts
+        ],
+    )
+
+
+@pytest.mark.slow
+def test_pipeline_plan_is_bounded_by_work_and_identical_on_a_loaded_host(tmp_path, monkeypatch, capsys):
+    """Issue 24: the proof search stopped at a wall-clock limit, so plans depended on the host's speed."""
+    scipy_optimize = pytest.importorskip("scipy.optimize")
+    path = tmp_path / "profile.csv"
+    _noisy_profile(path, 0, 2, 12)
+    argv = ["pipeline-plan", "--profile", str(path), "--p-blk", "80", "--microbatches", "5", "--points", "4"]
+    real_milp, calls = scipy_optimize.milp, []
+
+    def recording_milp(c, **kwargs):
+        options = dict(kwargs["options"])  # scipy pops the ones it knows
+        result = real_milp(c, **kwargs)
+        if kwargs["integrality"].any():
+            calls.append((options, result.status))
+        return result
+
+    monkeypatch.setattr(scipy_optimize, "milp", recording_milp)
+    assert main(argv) == 0
+    idle = capsys.readouterr().out
+    assert calls, "branch and bound never ran: the case does not exercise the proof search"
+    assert all("time_limit" not in options and options.get("node_limit", 0) > 0 for options, _ in calls)
+    # HiGHS stopped by its node limit (status 1) on some point: the case is one a limit decides.
+    assert any(status != 0 for _, status in calls), calls
+    monkeypatch.setattr(scipy_optimize, "milp", real_milp)
+    assert main(argv) == 0
+    assert capsys.readouterr().out == idle
+    # The same command in a fresh process while every core spins.
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(max(2, os.cpu_count() or 1))
+    ]
+    try:
+        loaded = subprocess.run(
+            [sys.executable, "-m", "zeus_callbacks.cli", *argv], capture_output=True, text=True, check=True
+        ).stdout
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert loaded == idle
+
+
+def test_pipeline_plan_prints_the_proven_gap_of_every_plan(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("scipy.optimize")
+    path = tmp_path / "profile.csv"
+    _noisy_profile(path, 1, 2, 4)
+    argv = ["pipeline-plan", "--profile", str(path), "--p-blk", "80", "--microbatches", "3", "--points", "4"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith("proven gap to optimum")
+    rows = lines[2 : lines.index(next(line for line in lines if line.startswith("all at max")))]
+    assert rows and all(float(row.split()[-1].rstrip("%")) <= 0.1 for row in rows), rows
+    chosen = next(line for line in lines if line.startswith("chosen plan"))
+    assert "proven within" in chosen and chosen.endswith("% of the optimum")
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert all(0 <= p["proven_gap"] <= 0.001 for p in [*out["frontier"], out["plan"]])
+    assert out["max_frequency"]["proven_gap"] is None
+    monkeypatch.setattr(frontier_module, "_REFINE", [False])
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "proven within unproven (no scipy) of the optimum" in text

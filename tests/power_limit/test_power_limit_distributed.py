@@ -35,8 +35,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, spec: str, faults: str, state_dir: str, out_dir: str) -> None:
-    """One rank: a plain training loop driving the optimizer, its GPU being simulated GPU `rank`."""
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    spec: str,
+    faults: str,
+    state_dir: str,
+    out_dir: str,
+    late_s: float = 0.0,
+) -> None:
+    """One rank: a plain training loop driving the optimizer, its GPU being simulated GPU `rank`; the last
+    rank builds its optimizer `late_s` later than the others (a slow start on a busy node)."""
     torch.set_num_threads(1)
     measure = not faults  # this rank's own windows, to check the optimizer's sums (not on a failing GPU)
     sim.simulate(spec, faults=faults, state_dir=state_dir)
@@ -47,6 +57,8 @@ def _worker(rank: int, world: int, port: int, spec: str, faults: str, state_dir:
         world_size=world,
         timeout=timedelta(seconds=60),
     )
+    if rank == world - 1:
+        time.sleep(late_s)
     monitor = ZeusMonitor(gpu_indices=[rank])
     plo = GlobalPowerLimitOptimizer(monitor, wait_steps=1, warmup_steps=1, profile_steps=6)
     gradient = torch.ones(1000)
@@ -93,9 +105,11 @@ def _worker(rank: int, world: int, port: int, spec: str, faults: str, state_dir:
     dist.destroy_process_group()
 
 
-def _run(world: int, tmp_path: Path, sim_state_dir: Path, faults: str = "") -> list[dict]:
+def _run(
+    world: int, tmp_path: Path, sim_state_dir: Path, faults: str = "", late_s: float = 0.0
+) -> list[dict]:
     spec = f"{world}*a40"
-    args = (world, _free_port(), spec, faults, str(sim_state_dir), str(tmp_path))
+    args = (world, _free_port(), spec, faults, str(sim_state_dir), str(tmp_path), late_s)
     ctx = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     try:
@@ -150,6 +164,22 @@ def test_every_rank_decides_the_same_at_the_same_step(
         # and a sum of the ranks' times would be about `world` times their maximum.
         assert 0.98 * energy <= sum(c[2] for c in chunks) <= 1.2 * energy
         assert 0.98 * time_s <= sum(c[1] for c in chunks) <= 1.5 * time_s
+
+
+def test_a_rank_that_starts_late_still_takes_part_in_the_one_decision(
+    tmp_path: Path, sim_state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24: membership was settled by a wall-clock join timeout, which a rank that built its optimizer
+    late (here 3 s, past a 1 s timeout) missed, so each rank decided alone and their limits diverged."""
+    monkeypatch.setenv("ZEUS_CALLBACKS_JOIN_TIMEOUT_S", "1")  # the old timeout, passed by far
+    results = _run(2, tmp_path, sim_state_dir, late_s=3.0)
+    first, late = results
+    assert first["num_gpus"] == late["num_gpus"] == 2  # one decision over both GPUs
+    assert first["optimal_w"] is not None and late["optimal_w"] == first["optimal_w"]
+    assert _decision_step(late) == _decision_step(first)
+    assert [s["limit_w"] for s in late["steps"]] == [s["limit_w"] for s in first["steps"]]
+    assert late["stats"] == first["stats"]
+    assert all(r["restored_w"] == MAX_W and r["unrestored"] == [] for r in results)
 
 
 def test_gpu_lost_on_one_rank_deactivates_all_without_hanging(

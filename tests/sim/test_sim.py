@@ -8,11 +8,11 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+import pynvml as nvml
 import pytest
 
 from zeus_callbacks import sim
 from zeus_callbacks.sim import SimulatedSystem, load_trace, parse_faults, parse_spec, shipped_trace
-from zeus_callbacks.sim import fake_nvml as nvml
 
 DATA = Path(str(resources.files("zeus_callbacks"))) / "sim" / "data"
 
@@ -277,7 +277,7 @@ def test_state_outlives_the_process(sim_gpus, run_python, burn_cpu):
     child = run_python(
         "import time\n"
         "from zeus_callbacks import sim\n"
-        "from zeus_callbacks.sim import fake_nvml as nvml\n"
+        "import pynvml as nvml\n"
         "sim.active(); nvml.nvmlInit()\n"
         "h = nvml.nvmlDeviceGetHandleByIndex(1)\n"
         "nvml.nvmlDeviceSetPowerManagementLimit(h, 175000)\n"
@@ -285,7 +285,7 @@ def test_state_outlives_the_process(sim_gpus, run_python, burn_cpu):
         # and the simulator counts the process's CPU time (every thread's) only up to the wall time.
         "t, w = time.thread_time(), time.time()\n"
         "while time.thread_time() - t < 0.1 or time.time() - w < 0.1: pass\n"
-        "h.synchronize()\n"
+        "sim.simulated_gpu(h).synchronize()\n"
     )
     assert child.returncode == 0, child.stderr
     assert gpu.power_limit_mw == 175_000
@@ -345,7 +345,7 @@ def test_parse_spec():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("h100", "Unknown simulated GPU 'h100'. Choose one of: a10g, a40, t4, v100"),
+        ("b200", "Unknown simulated GPU 'b200'. Choose one of: a100, a10g, a40, h100, h200, t4, v100"),
         ("0*a40", "needs a positive count"),
         ("x*a40", "needs a positive count"),
         ("", "names no GPU; e.g. ZEUS_CALLBACKS_SIMULATE=a40"),

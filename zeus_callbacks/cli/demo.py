@@ -143,8 +143,10 @@ def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: 
     system = sim.active()
     workload = system.gpus[0].trace.workload if system is not None else None
     if workload is not None:
+        modelled = monitor.gpus[0].provenance
+        traced = f"{modelled}; workload {workload}" if modelled else f"traced workload {workload}"
         print(
-            f"SIMULATED {name} (traced workload {workload}); a tiny GPT-2 trains on the CPU, each step with "
+            f"SIMULATED {name} ({traced}); a tiny GPT-2 trains on the CPU, each step with "
             f"{1000 * _STEP_GPU_WORK_S:.0f} ms of simulated GPU work.",
             file=out,
         )

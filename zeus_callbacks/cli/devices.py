@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from zeus_callbacks.core.device.backend import UnofficialPynvmlError
 from zeus_callbacks.core.device.errors import MIGNotSupportedError, NVMLUnavailableError
 from zeus_callbacks.core.device.gpus import GPU, GPUs, get_gpus
 from zeus_callbacks.core.device.node_info import safe_call
@@ -34,6 +35,8 @@ def describe(gpu: GPU) -> dict[str, Any]:
     current = safe_call(gpu.power_limit_mw)
     default = safe_call(gpu.default_power_limit_mw)
     clocks = safe_call(gpu.supported_sm_clocks_mhz)
+    # A modelled simulated board (not traced) says so; other GPUs' rows keep their keys.
+    modelled = {} if gpu.provenance is None else {"provenance": gpu.provenance}
     return {
         "index": gpu.index,
         "nvml_index": gpu.nvml_index,
@@ -48,6 +51,7 @@ def describe(gpu: GPU) -> dict[str, Any]:
         "min_sm_clock_mhz": min(clocks) if clocks else None,
         "max_sm_clock_mhz": max(clocks) if clocks else None,
         "may_change_settings": gpu.may_change_settings(),
+        **modelled,
     }
 
 
@@ -81,7 +85,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 _fmt(r["index"]),
                 _fmt(r["nvml_index"]),
                 r["name"],
-                "SIMULATED" if r["simulated"] else "real",
+                ("SIMULATED" if r["simulated"] else "real")
+                + (f" ({r['provenance']})" if r.get("provenance") else ""),
                 _fmt(r["energy_counter"]),
                 _fmt(r["power_limit_w"]),
                 f"{_fmt(r['min_power_limit_w'])}-{_fmt(r['max_power_limit_w'])}",
@@ -97,9 +102,12 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def discover(repair: bool = True) -> GPUs | None:
-    """The GPUs, or None after saying on stderr why there are none (no NVML and no simulation, or MIG)."""
+    """The GPUs, or None after saying on stderr why there are none (no NVML and no simulation, the unofficial
+    `pynvml` in place of nvidia-ml-py, or MIG)."""
     try:
         return get_gpus(repair=repair)
+    except UnofficialPynvmlError as e:
+        print(e, file=sys.stderr)
     except NVMLUnavailableError:
         print(NO_GPU_MESSAGE, file=sys.stderr)
     except MIGNotSupportedError as e:
@@ -122,6 +130,12 @@ def run(args: argparse.Namespace) -> int:
         print("No GPU is visible to this process (check CUDA_VISIBLE_DEVICES).")
         return 0
     print(_table(rows))
+    for r in rows:
+        if r["max_sm_clock_mhz"] is None:
+            print(
+                f"GPU {r['index']} ({r['name']}): no supported SM clocks are listed (NVML), so its clocks cannot "
+                "be locked; the pipeline-frequency optimizer only measures there."
+            )
     if not all(r["may_change_settings"] for r in rows):
         print(
             "Changing power limits or clocks needs CAP_SYS_ADMIN (root has it unless a container drops it); "

@@ -61,6 +61,8 @@ def describe(gpu: GPU) -> dict[str, Any]:
         "min_sm_clock_mhz": min(clocks) if clocks else None,
         "max_sm_clock_mhz": max(clocks) if clocks else None,
         "may_change_settings": gpu.may_change_settings(),
+        # A modelled simulated board (not traced) says so; other GPUs' entries keep their keys.
+        **({} if gpu.provenance is None else {"provenance": gpu.provenance}),
     }
 
 
@@ -109,6 +111,8 @@ def _setter_problems(report: dict[str, Any]) -> list[str]:
         return []
     if not daemon["reachable"]:
         return [f"Settings go through zeusd, which cannot be reached: {daemon['problem']}"]
+    if daemon["generation"] is None:
+        return [f"zeusd at {daemon['endpoint']}: {daemon['problem']}"]
     out = []
     if not daemon["gpu_control"]:
         out.append(
@@ -180,6 +184,8 @@ def _print_report(r: dict[str, Any]) -> None:
     print(f"driver {_fmt(r['driver_version'])}, NVML {_fmt(r['nvml_version'])}")
     for g in r["gpus"]:
         print(f"\nGPU {g['cuda_index']} (CUDA) = NVML {g['nvml_index']}  {g['name']}  {g['uuid']}")
+        if g.get("provenance"):
+            print(f"  SIMULATED ({g['provenance']}): its power-limit behaviour is not traced on this board")
         print(
             f"  energy counter: {_fmt(g['energy_counter'])}, refreshes every {_fmt(g['energy_refresh_ms'], ' ms')}"
         )
@@ -222,13 +228,17 @@ def _print_setters(s: dict[str, Any]) -> None:
     if not d["reachable"]:
         print(f"zeusd: configured at {d['endpoint']}, NOT reachable")
         return
+    if d["generation"] is None:
+        print(f"zeusd: configured at {d['endpoint']}, reachable, API not recognised")
+        return
     scopes = "" if d["scopes"] is None else f", token scopes {', '.join(d['scopes']) or 'none'}"
-    ids = ", ".join(f"GPU {i} -> zeusd GPU {z}" for i, z in d["gpu_ids"].items())
     print(
-        f"zeusd: configured at {d['endpoint']}, reachable, gpu-control {_fmt(d['gpu_control'])}, auth "
-        f"{'required' if d['auth_required'] else 'off'} (token {'set' if d['token'] else 'unset'}{scopes})"
-        f"{'; ' + ids if ids else ''}"
+        f"zeusd: configured at {d['endpoint']}, reachable, API {d['api']}, gpu-control "
+        f"{_fmt(d['gpu_control'])}, auth {'required' if d['auth_required'] else 'off'} "
+        f"(token {'set' if d['token'] else 'unset'}{scopes})"
     )
+    for i, z in d["gpu_ids"].items():
+        print(f"  GPU {i} -> zeusd GPU {z} (by {d['mapping'][i]})")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,19 +1,23 @@
-"""Simulated GPUs: a fake NVML backed by traces measured on real GPUs, offered as an NVML backend.
+"""Simulated GPUs: trace-driven GPUs answering at NVML's C boundary beneath the real nvidia-ml-py.
 
-The device layer reaches them like real GPUs, through the backend in `zeus_callbacks.sim.backend` (which
-the package root registers); nothing outside the simulator touches its objects.
+While a simulation is active, `pynvml` (nvidia-ml-py) calls the simulated node as its NVML library
+(`zeus_callbacks.sim.nvml_library`): the device layer, through the backend in `zeus_callbacks.sim.backend`
+(which the package root registers), and any other NVML user in the process (Zeus, for instance) run
+nvidia-ml-py's own functions, structures and error classes. `disable()` gives pynvml back the real driver.
 
 Select them explicitly, never silently: `ZEUS_CALLBACKS_SIMULATE=a40` (or `simulate("a40")` in Python).
-Spec: comma-separated `[COUNT*]KIND[:WORKLOAD][@TRACE_FILE]` groups, KIND in a40, v100, a10g (a10), t4;
-e.g. `4*a40:imagenet/resnet50/256`, `a10g,t4`, `a40:mydata/mynet/64@/path/profile.csv`.
+Spec: comma-separated `[COUNT*]KIND[:WORKLOAD][@TRACE_FILE]` groups, KIND in a40, v100, a10g (a10), t4
+(traced) or a100, h100, h200 (modelled: the A40's traces scaled, labelled so; see `sim/specs.py`); e.g. `4*a40:imagenet/resnet50/256`, `a10g,t4`, `a40:mydata/mynet/64@/path/profile.csv`.
 Options (environment variables, or arguments of `simulate`):
 - `ZEUS_CALLBACKS_SIM_NOISE`: relative run-to-run noise of time and power (e.g. 0.02), seeded by
   `ZEUS_CALLBACKS_SIM_SEED`;
 - `ZEUS_CALLBACKS_SIM_FAULTS`: injected faults, e.g. `no_permission;lost_after=200@1` (see `parse_faults`):
   `no_permission`, `no_cap_sys_admin` (root in a container without CAP_SYS_ADMIN: setters raise
   NO_PERMISSION), `hidden` (NVML counts the GPU, opening it raises NO_PERMISSION, CUDA does not see it),
-  `empty_clocks`, `default_limit_w=W` (GeForce-like default limit below the maximum), `not_supported=...`,
-  `lost_after=N` (NVML calls), `lost_after_changes=N`, `no_energy_counter`, `mig`; `@I` targets NVML index I;
+  `empty_clocks`, `empty_memory_clocks`, `default_limit_w=W` (GeForce-like default limit below the maximum),
+  `not_supported=...`, `missing=FUNCTION` (FUNCTION_NOT_FOUND, as from an old driver's library),
+  `unknown=FUNCTION` (the whole call answers UNKNOWN), `lost_after=N` (NVML calls), `lost_after_changes=N`,
+  `no_energy_counter`, `mig`; `@I` targets NVML index I;
 - `ZEUS_CALLBACKS_SIM_STATE_DIR`: where the GPUs' state (power limit, clocks, energy) persists across
   processes (default: a per-user directory under the temp dir);
 - `ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS`: the energy counter's refresh period for every GPU (default: each
@@ -23,11 +27,15 @@ Options (environment variables, or arguments of `simulate`):
 
 The simulated GPUs answer as real ones do, by default (each name is what `ZEUS_CALLBACKS_SIM_IDEAL` takes):
 - `energy_counter`: `nvmlDeviceGetTotalEnergyConsumption` returns integer mJ that move only when the
-  driver refreshes the counter, every 100 ms on A40 and A10G, 50 ms on T4, 20 ms on V100; between refreshes
-  it returns the last value, so a window shorter than the period reads 0 J or a whole period.
-- `power_average`: `nvmlDeviceGetPowerUsage` is a 1-second moving average on Ampere boards (A40, A10G) and
-  instantaneous on V100 and T4; `nvmlDeviceGetFieldValues` answers `NVML_FI_DEV_POWER_INSTANT` and
-  `NVML_FI_DEV_POWER_AVERAGE` (mW in `value.uiVal`; other fields NOT_SUPPORTED in their own `nvmlReturn`).
+  driver refreshes the counter, once per power update: every 20 ms on V100, 100 ms on the others; between
+  refreshes it returns the last value, so a window shorter than the period reads 0 J or a whole period.
+- `power_average`: `nvmlDeviceGetPowerUsage` is a 1-second moving average on Ampere (except GA100) and newer
+  boards (A40, A10G, H100, H200) and the instant reading on V100, T4 and A100; `nvmlDeviceGetFieldValues`
+  answers `NVML_FI_DEV_POWER_INSTANT` and, on the averaging boards only, `NVML_FI_DEV_POWER_AVERAGE` (mW in
+  `value.uiVal`; other fields NOT_SUPPORTED in their own `nvmlReturn`).
+- `power_window`: on a virtual clock the instant reading updates once per period, averaged over a window at
+  its end (20 ms over 10 ms on V100; 100 over 100 on T4, A40, A10G; 100 over 25 on A100, H100, H200), so a
+  burst between windows is unseen by it (the energy counter counts it).
 - `device_order`: NVML numbers GPUs by PCI bus, with the slower models on the lower buses; CUDA numbers them
   fastest first unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`, so on `a10g,t4` NVML index 0 is the T4 and `cuda:0`
   the A10G. `CUDA_VISIBLE_DEVICES` indices are CUDA's. Ideal: both orders are the spec's.
@@ -44,7 +52,7 @@ from typing import Any
 
 from zeus_callbacks.core.device import gpus as devices
 from zeus_callbacks.core.device.errors import InvalidInputError
-from zeus_callbacks.sim import fake_nvml
+from zeus_callbacks.sim import fake_nvml, nvml_library
 from zeus_callbacks.sim.system import (
     IDEAL_BEHAVIOURS,
     SimulatedGPU,
@@ -60,6 +68,7 @@ __all__ = [
     "SIMULATE_ENV",
     "simulate",
     "active",
+    "simulated_gpu",
     "enqueue_work",
     "enqueue_if_simulated",
     "work_seconds",
@@ -124,7 +133,7 @@ def simulate(
         spec, noise, seed, faults, state_dir, virtual_clock, ideal, energy_refresh_ms, bursts=bursts
     )
     devices.reset()  # restores what this process changed on the previous node first
-    fake_nvml.attach(system)
+    nvml_library.attach(system)
     if export_env and not virtual_clock:
         os.environ[SIMULATE_ENV] = spec
         os.environ[_NOISE_ENV] = str(noise)
@@ -146,21 +155,29 @@ def active() -> SimulatedSystem | None:
     Raises:
         InvalidInputError: a `ZEUS_CALLBACKS_SIM*` variable holds a value the simulator cannot use.
     """
-    if fake_nvml.system() is None and os.environ.get(SIMULATE_ENV):
-        fake_nvml.attach(
-            SimulatedSystem(
-                os.environ[SIMULATE_ENV],
-                _env_number(_NOISE_ENV, float, "a relative noise from 0 to 0.5, e.g. 0.02") or 0.0,
-                _env_number(_SEED_ENV, int, "a whole number, e.g. 0") or 0,
-                os.environ.get(_FAULTS_ENV, ""),
-                os.environ.get(_STATE_ENV) or None,
-                ideal=os.environ.get(_IDEAL_ENV, ""),
-                energy_refresh_ms=_env_number(
-                    _REFRESH_ENV, float, "a period in ms from 0 to 10000, e.g. 100"
-                ),
-            )
+    system = fake_nvml.system()
+    if system is None and os.environ.get(SIMULATE_ENV):
+        system = SimulatedSystem(
+            os.environ[SIMULATE_ENV],
+            _env_number(_NOISE_ENV, float, "a relative noise from 0 to 0.5, e.g. 0.02") or 0.0,
+            _env_number(_SEED_ENV, int, "a whole number, e.g. 0") or 0,
+            os.environ.get(_FAULTS_ENV, ""),
+            os.environ.get(_STATE_ENV) or None,
+            ideal=os.environ.get(_IDEAL_ENV, ""),
+            energy_refresh_ms=_env_number(_REFRESH_ENV, float, "a period in ms from 0 to 10000, e.g. 100"),
         )
-    return fake_nvml.system()
+    if system is not None:
+        nvml_library.ensure(system)  # the node answers beneath pynvml
+    return system
+
+
+def simulated_gpu(handle: Any) -> SimulatedGPU:
+    """The simulated GPU behind a pynvml handle (`c_nvmlDevice_t`) taken while the simulation is active.
+
+    Raises:
+        ValueError: `handle` is not one of the simulated GPUs now beneath pynvml.
+    """
+    return nvml_library.simulated_gpu(handle)
 
 
 def _env_number(name: str, kind: type, expected: str) -> Any:
@@ -216,6 +233,6 @@ def work_seconds(owner: str, work_s: float) -> float:
 def disable() -> None:
     """Stop simulating in this process and forget the exported environment variables."""
     devices.reset()  # restores what this process changed first
-    fake_nvml.attach(None)
+    nvml_library.attach(None)  # pynvml gets back the library it had (normally none: the real driver)
     for name in (SIMULATE_ENV, _NOISE_ENV, _SEED_ENV, _FAULTS_ENV, _STATE_ENV, _IDEAL_ENV, _REFRESH_ENV):
         os.environ.pop(name, None)

@@ -6,16 +6,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pynvml
+
 from zeus_callbacks import sim
 from zeus_callbacks.core.device.backend import NVMLBackend
-from zeus_callbacks.sim import fake_nvml
-from zeus_callbacks.sim.system import SimulatedSystem
+from zeus_callbacks.sim import nvml_library
+from zeus_callbacks.sim.system import SimulatedGPU, SimulatedSystem
 
 __all__ = ["SimulatedBackend", "simulated_backend"]
 
 
 class SimulatedBackend(NVMLBackend):
-    """Simulated GPUs of one `SimulatedSystem`, reached through `fake_nvml`.
+    """Simulated GPUs of one `SimulatedSystem`, reached through the real `pynvml` (nvidia-ml-py), beneath
+    which the node answers as the NVML library (`zeus_callbacks.sim.nvml_library`); handles are pynvml's.
 
     Differs from the real driver where NVML cannot say: synchronising runs the simulator's model of the
     queued work, CUDA's numbering comes from the simulator's model of it (torch stands in for it on real
@@ -29,26 +32,32 @@ class SimulatedBackend(NVMLBackend):
 
     def __init__(self, system: SimulatedSystem) -> None:
         clock = system.clock
+        nvml_library.ensure(system)
         super().__init__(
-            fake_nvml, clock=time.time if clock is None else clock.now, virtual_clock=clock is not None
+            pynvml, clock=time.time if clock is None else clock.now, virtual_clock=clock is not None
         )
         self.system = system
 
     def __repr__(self) -> str:
         return f"SimulatedBackend(spec={self.system.spec!r})"
 
-    # `handle` is a `SimulatedGPU`: this backend's NVML hands out no other.
+    # `handle` is a pynvml `c_nvmlDevice_t` that the simulated library handed out.
+    def gpu(self, handle: Any) -> SimulatedGPU:
+        """The simulated GPU behind a pynvml handle."""
+        return nvml_library.simulated_gpu(handle)
+
     def synchronize(self, index: int, handle: Any) -> None:
         """Wait for the simulated work queued on the GPU (no-op on a virtual clock)."""
-        handle.synchronize()
+        self.gpu(handle).synchronize()
 
     def settle(self, handle: Any) -> None:
         """Account the work so far at the settings in force, before zeusd (another process) changes them."""
-        handle.settle()
+        self.gpu(handle).settle()
 
     def may_change_settings(self, handle: Any) -> bool:
         """False only where the `no_permission` or `no_cap_sys_admin` fault is injected."""
-        return not (handle.faults.no_permission or handle.faults.no_cap_sys_admin)
+        faults = self.gpu(handle).faults
+        return not (faults.no_permission or faults.no_cap_sys_admin)
 
     def cuda_uuids(self) -> list[str]:
         """From the simulator's model of CUDA's numbering (see `SimulatedSystem.cuda_gpus`)."""
@@ -57,7 +66,11 @@ class SimulatedBackend(NVMLBackend):
     def known_energy_refresh_s(self, handle: Any) -> float | None:
         """On a virtual clock polling cannot see the counter move, so the model's period is told; on the
         wall clock it is measured by polling, exactly as on a real GPU."""
-        return handle.energy_refresh_s if self.virtual_clock else None
+        return self.gpu(handle).energy_refresh_s if self.virtual_clock else None
+
+    def provenance(self, uuid: str) -> str | None:
+        """A modelled board's label, e.g. "modelled A100, scaled from the A40 traces" (`traces.provenance`)."""
+        return next((g.provenance for g in self.system.gpus if g.uuid == uuid), None)
 
     def journal_dir(self) -> Path | None:
         """Beside the node's state, so that the journal outlives the process exactly as long as the state."""

@@ -48,13 +48,19 @@ def _err(code: int) -> _real.NVMLError:
     return _real.NVMLError(code)
 
 
-def _gpu(handle: object, *, feature: str | None = None, setter: bool = False) -> SimulatedGPU:
+def _gpu(
+    handle: object, *, feature: str | None = None, setter: bool = False, call: str | None = None
+) -> SimulatedGPU:
     if not _initialized:
         raise _err(_real.NVML_ERROR_UNINITIALIZED)
     if not isinstance(handle, SimulatedGPU):
         raise _err(_real.NVML_ERROR_INVALID_ARGUMENT)
     if handle.count_call():
         raise _err(_real.NVML_ERROR_GPU_IS_LOST)
+    if call is not None and call in handle.faults.missing:  # an old driver's library lacks the function
+        raise _err(_real.NVML_ERROR_FUNCTION_NOT_FOUND)
+    if call is not None and call in handle.faults.unknown:
+        raise _err(_real.NVML_ERROR_UNKNOWN)
     if feature is not None and feature in handle.faults.not_supported:
         raise _err(_real.NVML_ERROR_NOT_SUPPORTED)
     if setter and (handle.faults.no_permission or handle.faults.no_cap_sys_admin):
@@ -136,7 +142,7 @@ def nvmlDeviceGetIndex(handle) -> int:  # noqa: N802
 
 
 def nvmlDeviceGetArchitecture(handle) -> int:  # noqa: N802
-    g = _gpu(handle)
+    g = _gpu(handle, call="nvmlDeviceGetArchitecture")
     return _real.NVML_DEVICE_ARCH_PASCAL if g.faults.no_energy_counter else g.spec.architecture
 
 
@@ -172,20 +178,24 @@ def nvmlDeviceGetC2cModeInfoV(handle):  # noqa: N802
 def nvmlDeviceGetTotalEnergyConsumption(handle) -> int:  # noqa: N802
     if _initialized and type(handle) is SimulatedGPU and handle.plain_reads:
         return int(handle.energy_mj())  # the monitor's hot path: no fault can apply
-    g = _gpu(handle)
+    g = _gpu(handle, call="nvmlDeviceGetTotalEnergyConsumption")
     if g.faults.no_energy_counter:
         raise _err(_real.NVML_ERROR_NOT_SUPPORTED)
     return int(g.energy_mj())
 
 
 def nvmlDeviceGetPowerUsage(handle) -> int:  # noqa: N802
-    """A 1-second moving average on Ampere and newer boards except the A100 class; else instantaneous."""
+    """A 1-second moving average on Ampere (except GA100, the A100) and newer boards; else the instant reading
+    (nvml.h, nvmlDeviceGetPowerUsage; `GPUSpec.power_usage_averaged`)."""
     g = _gpu(handle)
     return int(g.average_power_mw() if g.power_usage_averaged else g.power_mw())
 
 
 _POWER_FIELDS = {
-    _real.NVML_FI_DEV_POWER_AVERAGE: lambda g: g.average_power_mw(),
+    # nvml.h: "supported on Ampere (except GA100) or newer architectures"; elsewhere NOT_SUPPORTED (None).
+    _real.NVML_FI_DEV_POWER_AVERAGE: lambda g: (
+        g.average_power_mw() if g.spec.has_power_average_field else None
+    ),
     _real.NVML_FI_DEV_POWER_INSTANT: lambda g: g.power_mw(),
     _real.NVML_FI_DEV_POWER_DEFAULT_LIMIT: lambda g: g.default_power_limit_mw,
     _real.NVML_FI_DEV_POWER_CURRENT_LIMIT: lambda g: g.power_limit_mw,
@@ -197,18 +207,19 @@ _POWER_FIELDS = {
 def nvmlDeviceGetFieldValues(handle, fieldIds: list) -> ctypes.Array:  # noqa: N802, N803
     """Power fields (mW, `value.uiVal`) of the whole GPU; each other field answers NOT_SUPPORTED in its
     own `nvmlReturn`, as NVML does, while the call itself succeeds."""
-    g = _gpu(handle)
+    g = _gpu(handle, call="nvmlDeviceGetFieldValues")
     values = (_real.c_nvmlFieldValue_t * len(fieldIds))()
     stamp = int(g.now() * 1e6)
     for v, field in zip(values, fieldIds, strict=True):
         field_id, scope = field if isinstance(field, tuple) else (field, 0)
         v.fieldId, v.scopeId, v.timestamp = field_id, scope, stamp
         read = _POWER_FIELDS.get(field_id)
-        if read is None or scope != _real.NVML_POWER_SCOPE_GPU:
+        value = None if read is None or scope != _real.NVML_POWER_SCOPE_GPU else read(g)
+        if value is None:
             v.nvmlReturn = _real.NVML_ERROR_NOT_SUPPORTED
             continue
         v.valueType = _real.NVML_VALUE_TYPE_UNSIGNED_INT
-        v.value.uiVal = int(read(g))
+        v.value.uiVal = int(value)
         v.nvmlReturn = _real.NVML_SUCCESS
     return values
 
@@ -249,7 +260,8 @@ def nvmlDeviceSetPersistenceMode(handle, mode: int) -> None:  # noqa: N802
 
 # -- clocks ---------------------------------------------------------------------------------------
 def nvmlDeviceGetSupportedMemoryClocks(handle) -> list[int]:  # noqa: N802
-    return list(_gpu(handle, feature="clocks").spec.memory_clocks_mhz)
+    g = _gpu(handle, feature="clocks")
+    return [] if g.faults.empty_memory_clocks else list(g.spec.memory_clocks_mhz)
 
 
 def nvmlDeviceGetSupportedGraphicsClocks(handle, memoryClockMHz: int) -> list[int]:  # noqa: N802, N803

@@ -6,17 +6,26 @@ from dataclasses import dataclass
 
 import pynvml
 
-__all__ = ["GPUSpec", "SPECS", "spec_for"]
+__all__ = ["GPUSpec", "SPECS", "spec_for", "PART_TIME_POWER"]
+
+PART_TIME_POWER = (
+    'Yang, Adamek, Armour, "Accurate and Convenient Energy Measurements for GPUs: A Detailed Study of NVIDIA '
+    "GPU's Built-in Power Sensor\", SC'24 (preprint: \"Part-time Power Measurements: nvidia-smi's Lack of "
+    'Attention", arXiv:2312.02741)'
+)
+"""The measurements the power update periods and windows below come from (over 70 GPUs, 12 generations)."""
 
 
 @dataclass(frozen=True)
 class GPUSpec:
     """Name, architecture, memory, clocks and idle power of one GPU model, and how its driver answers.
 
-    `fp32_tflops` orders GPUs the way CUDA's default `CUDA_DEVICE_ORDER=FASTEST_FIRST` does;
-    `energy_refresh_ms` is how often the driver refreshes the energy counter; `power_usage_averaged` says
-    whether `nvmlDeviceGetPowerUsage` is a 1-second moving average (Ampere and newer except the A100
-    class) rather than the instantaneous draw.
+    `fp32_tflops` orders GPUs the way CUDA's default `CUDA_DEVICE_ORDER=FASTEST_FIRST` does.
+    `power_update_ms` is how often the driver updates its power reading and `power_window_ms` the part of
+    each update period that reading averages over (the rest of the period is unseen); `energy_refresh_ms`
+    is how often the driver refreshes the energy counter. `has_power_average_field` says whether NVML
+    offers `NVML_FI_DEV_POWER_AVERAGE` (Ampere and newer except GA100, the A100). `scaled_from` names the
+    traced GPU whose power-limit behaviour a modelled board borrows (None: the board itself is traced).
     """
 
     kind: str
@@ -29,8 +38,31 @@ class GPUSpec:
     idle_power_w: float
     fp32_tflops: float
     energy_refresh_ms: float
-    power_usage_averaged: bool
+    has_power_average_field: bool
+    power_update_ms: float
+    power_window_ms: float
     sm_clock_step_mhz: int = 15
+    scaled_from: str | None = None
+    min_power_limit_w: float | None = None  # modelled boards: the settable range the traces are scaled to
+    max_power_limit_w: float | None = None
+
+    @property
+    def power_usage_averaged(self) -> bool:
+        """Whether `nvmlDeviceGetPowerUsage` is a 1-second average rather than the instantaneous draw.
+
+        The same boards as `has_power_average_field`: nvml.h documents both with the same words, "On Ampere
+        (except GA100) or newer GPUs, the API returns power averaged over 1 sec interval. On GA100 and older
+        architectures, instantaneous power is returned" (nvmlDeviceGetPowerUsage) and "supported on Ampere
+        (except GA100) or newer architectures" (NVML_FI_DEV_POWER_AVERAGE).
+        """
+        return self.has_power_average_field
+
+    @property
+    def provenance(self) -> str | None:
+        """How a modelled board's figures arise, for labels (None for a board whose traces it replays)."""
+        if self.scaled_from is None:
+            return None
+        return f"modelled {self.kind.upper()}, scaled from the {self.scaled_from.upper()} traces"
 
     def supported_sm_clocks_mhz(self) -> list[int]:
         """Supported graphics clocks, highest first, as NVML lists them."""
@@ -38,8 +70,18 @@ class GPUSpec:
 
 
 _GiB = 1024**3
-# Energy-counter refresh periods are representative figures for each generation within the 20-100 ms that
-# current boards show, not a measurement of every board; override them with ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS.
+_MiB = 1024**2
+# Power update period and window per generation, from PART_TIME_POWER (its measurements of nvidia-smi's
+# power reading, i.e. NVML's power query): Volta updates every 20 ms over a 10 ms window; Turing and GA102
+# (A40, A10G) every 100 ms over the whole 100 ms; A100 and H100 every 100 ms over a 25 ms window, so 75% of
+# the run is never seen by the power reading.
+# The energy counter's refresh period is ASSUMED equal to the power update period: the paper times power
+# updates, not counter refreshes, and the simulator's counter integrates all the energy drawn (bursts
+# between power windows included), refreshing its visible value once per update period. Override it with
+# ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS.
+_VOLTA = {"power_update_ms": 20.0, "power_window_ms": 10.0, "energy_refresh_ms": 20.0}
+_TURING_GA102 = {"power_update_ms": 100.0, "power_window_ms": 100.0, "energy_refresh_ms": 100.0}
+_GA100_GH100 = {"power_update_ms": 100.0, "power_window_ms": 25.0, "energy_refresh_ms": 100.0}
 SPECS: dict[str, GPUSpec] = {
     "a40": GPUSpec(
         "a40",
@@ -51,8 +93,8 @@ SPECS: dict[str, GPUSpec] = {
         (7251, 405),
         30.0,
         fp32_tflops=37.4,
-        energy_refresh_ms=100,
-        power_usage_averaged=True,
+        has_power_average_field=True,  # GA102
+        **_TURING_GA102,
     ),
     "v100": GPUSpec(
         "v100",
@@ -64,8 +106,8 @@ SPECS: dict[str, GPUSpec] = {
         (877,),
         25.0,
         fp32_tflops=14.0,
-        energy_refresh_ms=20,
-        power_usage_averaged=False,
+        has_power_average_field=False,
+        **_VOLTA,
     ),
     "a10g": GPUSpec(
         "a10g",
@@ -77,8 +119,8 @@ SPECS: dict[str, GPUSpec] = {
         (6251, 405),
         25.0,
         fp32_tflops=31.2,
-        energy_refresh_ms=100,
-        power_usage_averaged=True,
+        has_power_average_field=True,  # GA102
+        **_TURING_GA102,
     ),
     "t4": GPUSpec(
         "t4",
@@ -90,15 +132,76 @@ SPECS: dict[str, GPUSpec] = {
         (5001, 405),
         10.0,
         fp32_tflops=8.1,
-        energy_refresh_ms=50,
-        power_usage_averaged=False,
+        has_power_average_field=False,
+        **_TURING_GA102,  # the energy refresh was an unsourced 50 ms before
+    ),
+    # Modelled boards: NVML's static answers from NVIDIA's published specifications; their time and power
+    # under power limits are the A40's traces (the closest traced GPU: a data-centre Ampere board, with the
+    # most traced workloads) stretched over their own settable range (`traces.scaled_trace`). Everything
+    # they report is labelled modelled, never traced. Their idle powers are assumptions.
+    "a100": GPUSpec(
+        "a100",
+        # A100 SXM4 80GB, NVIDIA A100 Tensor Core GPU datasheet: 400 W maximum TDP, 80 GB HBM2e, FP32 19.5
+        # TFLOPS, boost clock 1410 MHz; HBM2e at 1593 MHz and 210 MHz lowest graphics clock as nvidia-smi
+        # lists its supported clocks; power limits 100-400 W as nvidia-smi -q reports (Min/Max Power Limit).
+        "NVIDIA A100-SXM4-80GB",
+        pynvml.NVML_DEVICE_ARCH_AMPERE,
+        80 * _GiB,
+        1410,
+        210,
+        (1593,),
+        50.0,
+        fp32_tflops=19.5,
+        has_power_average_field=False,  # GA100: nvml.h's "except GA100"
+        **_GA100_GH100,
+        scaled_from="a40",
+        min_power_limit_w=100.0,
+        max_power_limit_w=400.0,
+    ),
+    "h100": GPUSpec(
+        "h100",
+        # H100 SXM5 80GB, NVIDIA H100 Tensor Core GPU datasheet: up to 700 W, 80 GB HBM3, FP32 67 TFLOPS,
+        # boost clock 1980 MHz; HBM3 at 2619 MHz and 345 MHz lowest graphics clock as nvidia-smi lists its
+        # supported clocks; power limits 200-700 W as nvidia-smi -q reports.
+        "NVIDIA H100 80GB HBM3",
+        pynvml.NVML_DEVICE_ARCH_HOPPER,
+        80 * _GiB,
+        1980,
+        345,
+        (2619,),
+        70.0,
+        fp32_tflops=67.0,
+        has_power_average_field=True,  # Hopper is newer than Ampere
+        **_GA100_GH100,
+        scaled_from="a40",
+        min_power_limit_w=200.0,
+        max_power_limit_w=700.0,
+    ),
+    "h200": GPUSpec(
+        "h200",
+        # H200 SXM, NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e (GB = 10^9 bytes), up to 700 W, the
+        # H100's GH100 compute (FP32 67 TFLOPS); HBM3e at 3201 MHz. PART_TIME_POWER did not measure an H200:
+        # its power update period and window are ASSUMED to be the H100's (same GH100 chip).
+        "NVIDIA H200",
+        pynvml.NVML_DEVICE_ARCH_HOPPER,
+        141 * 10**9 // _MiB * _MiB,
+        1980,
+        345,
+        (3201,),
+        70.0,
+        fp32_tflops=67.0,
+        has_power_average_field=True,
+        **_GA100_GH100,
+        scaled_from="a40",
+        min_power_limit_w=200.0,
+        max_power_limit_w=700.0,
     ),
 }
 _ALIASES = {"a10": "a10g"}
 
 
 def spec_for(kind: str) -> GPUSpec:
-    """The spec of a simulated GPU kind (`a40`, `v100`, `a10g`/`a10`, `t4`)."""
+    """The spec of a simulated GPU kind (`a40`, `v100`, `a10g`/`a10`, `t4`; modelled: `a100`, `h100`, `h200`)."""
     key = _ALIASES.get(kind.lower(), kind.lower())
     if key not in SPECS:
         raise ValueError(

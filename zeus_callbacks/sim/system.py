@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import fcntl
 import hashlib
 import math
@@ -22,7 +23,7 @@ import numpy as np
 from zeus_callbacks.core.device.backend import cuda_visible_uuids
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.sim.specs import GPUSpec, spec_for
-from zeus_callbacks.sim.traces import Trace, load_trace, shipped_trace
+from zeus_callbacks.sim.traces import Trace, load_trace, provenance, shipped_trace
 
 __all__ = [
     "SimulatedGPU",
@@ -35,7 +36,7 @@ __all__ = [
     "IDEAL_BEHAVIOURS",
 ]
 
-IDEAL_BEHAVIOURS = ("energy_counter", "power_average", "device_order", "interruptible_sync")
+IDEAL_BEHAVIOURS = ("energy_counter", "power_average", "power_window", "device_order", "interruptible_sync")
 """Hardware behaviours a simulation can switch off (`simulate(ideal=...)`, `ZEUS_CALLBACKS_SIM_IDEAL`)."""
 
 # Persistent per-GPU state: a small file of float64 fields, mapped into memory so that reads cost
@@ -142,6 +143,9 @@ class Faults:
     hidden: bool = False  # counted by NVML, but the job's cgroup does not grant it
     no_cap_sys_admin: bool = False  # root without CAP_SYS_ADMIN: every setter is refused
     empty_clocks: bool = False  # the supported graphics clocks list is empty
+    empty_memory_clocks: bool = False  # the supported memory clocks list is empty
+    missing: frozenset[str] = frozenset()  # NVML functions an old driver's library lacks: FUNCTION_NOT_FOUND
+    unknown: frozenset[str] = frozenset()  # NVML functions whose whole call answers UNKNOWN
     default_limit_w: float | None = None  # a default power limit below the maximum settable (GeForce)
 
 
@@ -220,6 +224,8 @@ class SimulatedGPU:
         blocking_sync: bool = False,
         pci_bus_id: str = "",
         bursts: bool = False,
+        power_update_s: float = 0.0,
+        power_window_s: float = 0.0,
     ) -> None:
         self.index = index
         self.bursts = bursts  # stalls and bursts between and within steps (virtual clock), seeded
@@ -242,11 +248,19 @@ class SimulatedGPU:
         self.energy_refresh_s = energy_refresh_s
         phase = int(hashlib.sha1(uuid.encode()).hexdigest()[:8], 16) / 16**8
         self._phase_s = phase * energy_refresh_s
+        # On a virtual clock the instant power reading is the mean power over the last `power_window_s` of
+        # each `power_update_s` period, updated at the period's end (0: the last interval's power); the
+        # true energy's breakpoints of the last ~1.2 s serve it (`_energy_history`).
+        self.power_update_s, self.power_window_s = power_update_s, min(power_window_s, power_update_s)
+        self._power_phase_s = phase * power_update_s
+        self._history: list[tuple[float, float]] = []
+        self.provenance = provenance(spec, trace)  # a modelled board's label; None for a traced one
         # Reads that no injected fault can touch skip the fault checks (the monitor's hot path).
         self.plain_reads = (
             faults.lost_after_calls is None
             and faults.lost_after_changes is None
             and not faults.no_energy_counter
+            and not (faults.missing or faults.unknown)
         )
         default_w = trace.max_power_limit_w if faults.default_limit_w is None else faults.default_limit_w
         self.default_power_limit_mw = int(default_w * 1000)
@@ -451,6 +465,10 @@ class SimulatedGPU:
         idle = self.spec.idle_power_w
         last_at = st.get("last_power_at")
         if self.virtual:
+            if self.power_window_s > 0:
+                update = now - (now - self._power_phase_s) % self.power_update_s
+                window = self.power_window_s
+                return (self._energy_history(update) - self._energy_history(update - window)) / window
             return (st.get("last_power_w") if now - last_at < 0.5 else idle) * 1000
         # Another process's recent work (this process's own syncs are covered by the local estimate).
         shared = st.get("last_power_w") if now - last_at < 0.5 and last_at > self._last_sync else idle
@@ -490,9 +508,36 @@ class SimulatedGPU:
                 )
             st.set("energy_mj", before + gap_mj + 1000 * energy_j)
             st.set("updated_at", new_updated)
+            if self.virtual and self.power_window_s > 0:
+                after = before + gap_mj
+                self._remember((updated, before), (work_from, after), (end, after + 1000 * energy_j))
             if end - start >= 0.01:  # a shorter interval's average is mostly noise
                 st.set("last_power_w", energy_j / (end - start))
                 st.set("last_power_at", end)
+
+    def _remember(self, *points: tuple[float, float]) -> None:
+        """Add (time, true energy in mJ) breakpoints, forgetting those older than the power window needs."""
+        history = self._history
+        for t, mj in points:
+            if not history or t > history[-1][0]:
+                history.append((t, mj))
+        if len(history) > 64 and history[32][0] < history[-1][0] - 1.2:
+            keep_from = bisect.bisect_left(history, (history[-1][0] - 1.2,)) - 1  # >= 32
+            del history[:keep_from]
+
+    def _energy_history(self, t: float) -> float:
+        """The true energy (mJ) at `t` from the breakpoints (linear between them, idle power outside)."""
+        history = self._history
+        if not history:
+            return self._energy_at(t)
+        i = bisect.bisect_left(history, (t,))
+        if i == len(history):
+            return history[-1][1] + self._idle_mw * (t - history[-1][0])
+        t1, e1 = history[i]
+        if i == 0:
+            return e1 - self._idle_mw * (t1 - t)
+        t0, e0 = history[i - 1]
+        return e0 + (e1 - e0) * (t - t0) / (t1 - t0) if t1 > t0 else e1
 
     def settle(self) -> None:
         """Settle the counter before another process changes the state (what `_account_idle` does for a change
@@ -643,7 +688,10 @@ def parse_faults(text: str) -> dict[int | None, Faults]:
     `lost_after=N` (NVML calls), `lost_after_changes=N` (lost once this process has changed the power limit
     or SM clocks N times), `no_energy_counter`, `mig`, `hidden` (NVML counts the GPU but the job's
     cgroup does not grant it: opening it raises NO_PERMISSION), `empty_clocks` (no supported graphics
-    clocks listed), `default_limit_w=W` (a default power limit below the maximum, as on GeForce boards).
+    clocks listed), `empty_memory_clocks` (no supported memory clocks listed), `default_limit_w=W` (a default
+    power limit below the maximum, as on GeForce boards), `missing=FUNCTION` (the NVML library lacks it, as
+    an old driver's: FUNCTION_NOT_FOUND), `unknown=FUNCTION` (the whole call answers UNKNOWN); both
+    repeatable, FUNCTION one of `FAULTABLE_CALLS`.
     Without `@GPU_INDEX` a fault applies to every GPU; `GPU_INDEX` is the NVML index (PCI bus order).
     """
     out: dict[int | None, Faults] = {}
@@ -656,6 +704,10 @@ def parse_faults(text: str) -> dict[int | None, Faults]:
             if (value or "clocks") not in _UNSUPPORTABLE:
                 raise _bad_fault(text, raw, f"not_supported takes one of {', '.join(_UNSUPPORTABLE)}")
             f.not_supported = f.not_supported | {value or "clocks"}
+        elif name in ("missing", "unknown"):
+            if value not in FAULTABLE_CALLS:
+                raise _bad_fault(text, raw, f"{name} takes one of {', '.join(FAULTABLE_CALLS)}")
+            setattr(f, name, getattr(f, name) | {value})
         elif name == "lost_after":
             f.lost_after_calls = _fault_number(text, raw, value, int, 0)
         elif name == "lost_after_changes":
@@ -672,11 +724,18 @@ def parse_faults(text: str) -> dict[int | None, Faults]:
 
 
 _UNSUPPORTABLE = ("power", "clocks", "persistence")
+# NVML functions the `missing=` and `unknown=` faults may name (the simulated NVML checks these).
+FAULTABLE_CALLS = (
+    "nvmlDeviceGetArchitecture",
+    "nvmlDeviceGetFieldValues",
+    "nvmlDeviceGetTotalEnergyConsumption",
+)
 _FAULTS_INPUT = "Simulated faults (ZEUS_CALLBACKS_SIM_FAULTS, or simulate(faults=...))"
 _SPEC_INPUT = "Simulated GPUs (ZEUS_CALLBACKS_SIMULATE, or simulate(spec))"
 _FAULTS_KNOWN = (
     "Known: no_permission, no_cap_sys_admin, not_supported=power|clocks|persistence, lost_after=N, "
-    "lost_after_changes=N, no_energy_counter, mig, hidden, empty_clocks, default_limit_w=W, each optionally @GPU_INDEX."
+    "lost_after_changes=N, no_energy_counter, mig, hidden, empty_clocks, empty_memory_clocks, default_limit_w=W, "
+    "missing=FUNCTION, unknown=FUNCTION, each optionally @GPU_INDEX."
 )
 
 
@@ -697,13 +756,23 @@ def _fault_number(text: str, raw: str, value: str, kind: type, lowest: float) ->
     return number
 
 
-_FLAG_FAULTS = ("no_permission", "no_cap_sys_admin", "no_energy_counter", "mig", "hidden", "empty_clocks")
+_FLAG_FAULTS = (
+    "no_permission",
+    "no_cap_sys_admin",
+    "no_energy_counter",
+    "mig",
+    "hidden",
+    "empty_clocks",
+    "empty_memory_clocks",
+)
 
 
 def _merge(a: Faults | None, b: Faults | None) -> Faults:
     a, b = a or Faults(), b or Faults()
     return Faults(
         not_supported=a.not_supported | b.not_supported,
+        missing=a.missing | b.missing,
+        unknown=a.unknown | b.unknown,
         lost_after_calls=b.lost_after_calls if b.lost_after_calls is not None else a.lost_after_calls,
         lost_after_changes=b.lost_after_changes if b.lost_after_changes is not None else a.lost_after_changes,
         default_limit_w=b.default_limit_w if b.default_limit_w is not None else a.default_limit_w,
@@ -772,6 +841,7 @@ class SimulatedSystem:
         for i, slot in enumerate(slots):
             spec, trace = models[slot]
             refresh_ms = spec.energy_refresh_ms if self.energy_refresh_ms is None else self.energy_refresh_ms
+            update_s = spec.power_update_ms / 1000
             self.gpus.append(
                 SimulatedGPU(
                     index=i,
@@ -789,6 +859,9 @@ class SimulatedSystem:
                     blocking_sync="interruptible_sync" not in self.ideal_behaviours,
                     pci_bus_id=_pci_bus_id(i),
                     bursts=self.bursts,
+                    # Power update period and window per board: sim/specs.py (Yang et al., SC'24).
+                    power_update_s=0.0 if "power_window" in self.ideal_behaviours else update_s,
+                    power_window_s=spec.power_window_ms / 1000,
                 )
             )
         self._cuda_cache: tuple[tuple[str | None, str | None], list[SimulatedGPU]] | None = None

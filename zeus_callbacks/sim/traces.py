@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from zeus_callbacks.core.device.errors import InvalidInputError
+from zeus_callbacks.sim.specs import GPUSpec, spec_for
 
-__all__ = ["Trace", "load_trace", "shipped_workloads", "DATA_FORMATS_HELP"]
+__all__ = ["Trace", "load_trace", "scaled_trace", "provenance", "shipped_workloads", "DATA_FORMATS_HELP"]
 
 DATA_FORMATS_HELP = (
     "Supported trace files: Zeus NSDI'23 summary CSV (dataset,network,batch_size,optimizer,power_limit,"
@@ -38,6 +39,7 @@ class Trace:
     power_limits_w: np.ndarray  # ascending
     time_s: np.ndarray
     power_w: np.ndarray
+    scaled_from: str | None = None  # the traced GPU model a modelled curve was scaled from (`scaled_trace`)
 
     def __post_init__(self) -> None:
         if len(self.power_limits_w) < 1:
@@ -252,6 +254,37 @@ def load_trace(path: str | Path, key: str = "", gpu_model: str = "") -> Trace:
     raise InvalidInputError(f"Cannot tell the format of {path} from its header {header}. {DATA_FORMATS_HELP}")
 
 
+def scaled_trace(trace: Trace, gpu_model: str, min_limit_w: float, max_limit_w: float) -> Trace:
+    """`trace` stretched over another board's settable range: a MODELLED curve, not a measurement.
+
+    A limit at a given fraction of the traced board's range behaves as the limit at the same fraction of
+    the new range: the same slowdown, and power drawn at the same place in the range (power maps by the
+    same affine map as the limits, so the draw keeps its distance below the cap in proportion). This keeps
+    the shape of the traced curve (where it flattens, where lowering the limit starts to cost time) and
+    nothing more; no measurement of the modelled board supports it.
+    """
+    lo, hi = trace.min_power_limit_w, trace.max_power_limit_w
+    scale = (max_limit_w - min_limit_w) / (hi - lo) if hi > lo else max_limit_w / hi
+    return Trace(
+        gpu_model=gpu_model,
+        workload=trace.workload,
+        source=f"{trace.source}, scaled to {min_limit_w:g}-{max_limit_w:g} W (modelled, not traced)",
+        power_limits_w=min_limit_w + (trace.power_limits_w - lo) * scale,
+        time_s=trace.time_s.copy(),
+        power_w=np.maximum(min_limit_w + (trace.power_w - lo) * scale, 1.0),
+        scaled_from=trace.gpu_model,
+    )
+
+
+def provenance(spec: GPUSpec, trace: Trace) -> str | None:
+    """The label of a modelled board's figures (None for a traced board, whatever trace it replays)."""
+    if spec.scaled_from is None:
+        return None
+    if trace.scaled_from is not None:
+        return spec.provenance
+    return f"modelled {spec.kind.upper()}, power curve from {trace.source}"
+
+
 # Shipped traces per simulated GPU kind: (file, default workload key).
 _SHIPPED: dict[str, tuple[str, str]] = {
     "a40": ("nsdi23/summary_power_a40.csv", "imagenet/resnet50/256"),
@@ -262,7 +295,14 @@ _SHIPPED: dict[str, tuple[str, str]] = {
 
 
 def shipped_trace(kind: str, workload: str | None = None) -> Trace:
-    """The shipped trace of a simulated GPU kind (`a40`, `v100`, `a10g`, `t4`) for a workload key."""
+    """The shipped trace of a simulated GPU kind for a workload key: `a40`, `v100`, `a10g` and `t4` replay
+    their own traces; the modelled `a100`, `h100` and `h200` the A40's, scaled (`scaled_trace`)."""
+    spec = spec_for(kind)
+    if spec.scaled_from is not None:
+        assert spec.min_power_limit_w is not None and spec.max_power_limit_w is not None
+        traced = shipped_trace(spec.scaled_from, workload)
+        return scaled_trace(traced, spec.kind, spec.min_power_limit_w, spec.max_power_limit_w)
+    kind = spec.kind
     file, default = _SHIPPED[kind]
     key = workload or default
     path = _data_dir() / file
@@ -274,7 +314,8 @@ def shipped_trace(kind: str, workload: str | None = None) -> Trace:
 
 
 def shipped_workloads(kind: str) -> list[str]:
-    """Workload keys shipped for a simulated GPU kind."""
+    """Workload keys shipped for a simulated GPU kind (a modelled board's: those of the GPU it is scaled from)."""
+    kind = spec_for(kind).scaled_from or spec_for(kind).kind
     file, _ = _SHIPPED[kind]
     path = _data_dir() / file
     if path.suffix == ".json":

@@ -1,9 +1,11 @@
 """NVML backends: the NVML-shaped module the device layer calls, and the registry that picks one.
 
 The device layer calls NVML through one `NVMLBackend`. The default backend is the real driver through
-`pynvml`. Another package (the simulator) offers its own with `register_backend(factory)`: at the first
-discovery the registered factories are asked in order, the first one that returns a backend is used, and
-the real one is the fallback. The device layer never asks what a backend is beyond `simulated` (a label).
+`pynvml` (NVIDIA's nvidia-ml-py; the unofficial PyPI `pynvml` that can shadow it is refused with the fix).
+Another package (the simulator) offers its own with `register_backend(factory, when)`: at the first
+discovery the registered factories whose `when()` holds are asked in order (a factory named by a string is
+imported only then), the first one that returns a backend is used, and the real one is the fallback. The
+device layer never asks what a backend is beyond `simulated` (a label).
 """
 
 from __future__ import annotations
@@ -13,16 +15,17 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 from zeus_callbacks.core.device.errors import (
     SIMULATION_HINT,
     InvalidInputError,
     MIGNotSupportedError,
     NVMLUnavailableError,
+    nvml_error,
 )
 from zeus_callbacks.core.device.journal import default_journal_dir
 
@@ -34,8 +37,14 @@ __all__ = [
     "reset_backend",
     "has_cap_sys_admin",
     "cuda_visible_uuids",
+    "cuda_visible_positions",
     "nvml_uuid",
+    "nvml_text",
     "nvml_inventory",
+    "NVMLInventory",
+    "UnofficialPynvmlError",
+    "official_pynvml",
+    "UNOFFICIAL_PYNVML_FIX",
 ]
 
 logger = logging.getLogger(__name__)
@@ -59,6 +68,12 @@ def has_cap_sys_admin(status_path: str = "/proc/self/status") -> bool:
     return False
 
 
+def nvml_text(value: str | bytes) -> str:
+    """NVML's text (a UUID, a name) as `str`: nvidia-ml-py before 11.515 and the unofficial `pynvml` return
+    bytes."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
 def nvml_uuid(cuda_uuid: object) -> str:
     """A CUDA device's UUID (e.g. torch's `get_device_properties(i).uuid`) in NVML's `GPU-...` form."""
     text = str(cuda_uuid)
@@ -75,9 +90,15 @@ def cuda_visible_uuids(visible: str | None, uuids: list[str]) -> list[str]:
         MIGNotSupportedError: an entry selects a MIG device.
         InvalidInputError: (a ValueError) an entry names a GPU twice.
     """
+    return [uuids[i] for i in cuda_visible_positions(visible, uuids)]
+
+
+def cuda_visible_positions(visible: str | None, uuids: Sequence[str | None]) -> list[int]:
+    """`cuda_visible_uuids`, as positions in `uuids`; a None in `uuids` (a GPU whose UUID NVML could not
+    read) can be selected by index, never by UUID prefix."""
     if visible is None:
-        return list(uuids)
-    out: list[str] = []
+        return list(range(len(uuids)))
+    out: list[int] = []
     for raw in (v.strip() for v in visible.split(",")):
         if not raw:
             break
@@ -89,9 +110,9 @@ def cuda_visible_uuids(visible: str | None, uuids: list[str]) -> list[str]:
         if raw.lstrip("-").isdigit():
             if not 0 <= int(raw) < len(uuids):
                 break  # CUDA ignores the rest of the list after an invalid entry
-            out.append(uuids[int(raw)])
+            out.append(int(raw))
             continue
-        matches = [u for u in uuids if u.startswith(raw)]
+        matches = [i for i, u in enumerate(uuids) if u is not None and u.startswith(raw)]
         if len(matches) != 1:
             break
         out.append(matches[0])
@@ -103,22 +124,38 @@ def cuda_visible_uuids(visible: str | None, uuids: list[str]) -> list[str]:
     return out
 
 
-def nvml_inventory(nvml: ModuleType) -> tuple[dict[int, str], list[int]]:
-    """({NVML index: UUID} of the GPUs this process may open, NVML indices of those it may not).
+class NVMLInventory(NamedTuple):
+    """The GPUs NVML counts on the node, by NVML index."""
+
+    opened: dict[int, str]
+    """{index: UUID} of the GPUs this process may open."""
+    denied: list[int]
+    """Those it may not (NO_PERMISSION): not granted to this container or job, so CUDA does not see them."""
+    failed: dict[int, Exception]
+    """Those that answered another error (a lost GPU: GPU_IS_LOST), with the `NVMLError`. CUDA may still
+    count them, so they keep their place in CUDA's numbering."""
+
+
+def nvml_inventory(nvml: ModuleType) -> NVMLInventory:
+    """The GPUs NVML counts, by what opening each one answered.
 
     Under cgroups (containers, Slurm, Kubernetes) NVML counts every GPU of the node, but opening one the
-    job was not granted raises NO_PERMISSION.
+    job was not granted raises NO_PERMISSION; one GPU lost anywhere on the node fails only itself here, so
+    that it stops only the jobs that use it.
+
+    Raises:
+        NVMLError: counting the GPUs failed.
     """
-    opened: dict[int, str] = {}
-    denied: list[int] = []
+    inventory = NVMLInventory({}, [], {})
     for i in range(nvml.nvmlDeviceGetCount()):
         try:
-            opened[i] = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))
+            inventory.opened[i] = nvml_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)))
         except nvml.NVMLError as e:
-            if e.value != nvml.NVML_ERROR_NO_PERMISSION:
-                raise
-            denied.append(i)
-    return opened, denied
+            if e.value == nvml.NVML_ERROR_NO_PERMISSION:
+                inventory.denied.append(i)
+            else:
+                inventory.failed[i] = e
+    return inventory
 
 
 class NVMLBackend:
@@ -183,9 +220,11 @@ class NVMLBackend:
         except ImportError:
             pass
         nvml = self.nvml
-        opened, _ = nvml_inventory(nvml)
+        opened, _, failed = nvml_inventory(nvml)
         if os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and len(opened) > 1:
-            names = {nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByUUID(u)) for u in opened.values()}
+            names = {
+                nvml_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByUUID(u))) for u in opened.values()
+            }
             if len(names) > 1:
                 logger.warning(
                     "CUDA numbers mixed GPUs (%s) fastest first, and without torch's CUDA this process cannot "
@@ -193,11 +232,25 @@ class NVMLBackend:
                     "GPU i is the same device for every library.",
                     ", ".join(sorted(names)),
                 )
-        return cuda_visible_uuids(os.environ.get("CUDA_VISIBLE_DEVICES"), list(opened.values()))
+        # A GPU that failed keeps its place (CUDA may count it); one this job selects is reported, not skipped.
+        order = sorted({*opened, *failed})
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        selected = [order[p] for p in cuda_visible_positions(visible, [opened.get(i) for i in order])]
+        for cuda_index, i in enumerate(selected):
+            if i in failed:
+                raise nvml_error(
+                    nvml, failed[i], "Opening the GPU", f"CUDA device {cuda_index} (NVML index {i})"
+                )
+        return [opened[i] for i in selected]
 
     def known_energy_refresh_s(self, handle: Any) -> float | None:
         """The energy counter's refresh period where the backend knows it without measuring (None: measure
         it by polling, as on real GPUs, whose drivers do not report it)."""
+        return None
+
+    def provenance(self, uuid: str) -> str | None:
+        """Where the figures of the GPU `uuid` come from, for labels, when `simulated` does not say enough (a
+        simulated board modelled rather than traced); None for real GPUs and traced simulated ones."""
         return None
 
     def journal_dir(self) -> Path | None:
@@ -208,31 +261,58 @@ class NVMLBackend:
         return default_journal_dir()
 
 
-def _real_backend() -> NVMLBackend:
+UNOFFICIAL_PYNVML_FIX = "pip uninstall pynvml && pip install nvidia-ml-py"
+
+
+class UnofficialPynvmlError(NVMLUnavailableError):
+    """The `pynvml` that imports is the unofficial PyPI package, not NVIDIA's nvidia-ml-py."""
+
+
+def official_pynvml() -> ModuleType:
+    """The `pynvml` module, checked to be NVIDIA's nvidia-ml-py.
+
+    Raises:
+        UnofficialPynvmlError: (an NVMLUnavailableError) the unofficial PyPI `pynvml` shadows it; the message
+            names the fix, `pip uninstall pynvml && pip install nvidia-ml-py`.
+        NVMLUnavailableError: no `pynvml` at all.
+    """
     try:
         import pynvml
     except ImportError as e:  # pragma: no cover - nvidia-ml-py is a dependency
         raise NVMLUnavailableError(f"nvidia-ml-py is not installed. {SIMULATION_HINT}") from e
-    return NVMLBackend(pynvml)
+    # NVIDIA's bindings are one module defining `_nvmlGetFunctionPointer`; the unofficial `pynvml` package
+    # (PyPI, before 12) re-exports its `pynvml.nvml` with `import *`, which leaves it out. Zeus tells them
+    # apart the same way (zeus/device/gpu/nvidia.py, `nvml_is_available`).
+    if not hasattr(pynvml, "_nvmlGetFunctionPointer"):
+        raise UnofficialPynvmlError(
+            f"The unofficial `pynvml` package ({getattr(pynvml, '__file__', None) or 'pynvml'}) shadows NVIDIA's "
+            f"nvidia-ml-py, whose answers this package reads: `{UNOFFICIAL_PYNVML_FIX}`."
+        )
+    return pynvml
 
 
 BackendFactory = Callable[[], "NVMLBackend | None"]
 """Returns a backend when it is selected (e.g. by an environment variable), else None."""
 
 _factories: list[BackendFactory | str] = []
+_conditions: dict[BackendFactory | str, Callable[[], bool]] = {}
 _active: NVMLBackend | None = None
 _lock = threading.Lock()
 
 
-def register_backend(factory: BackendFactory | str) -> None:
+def register_backend(factory: BackendFactory | str, when: Callable[[], bool] | None = None) -> None:
     """Offer a backend to discovery: `factory()` returns one when it is selected, else None.
 
-    A `"package.module:function"` string names a factory imported at the first discovery, so registering
-    one costs nothing at import time. Factories are asked in the order they were registered.
+    A `"package.module:function"` string names a factory imported at the first discovery whose `when()`
+    holds (always, without `when`): a cheap check, e.g. of an environment variable, so that neither
+    registering a factory nor a discovery that does not want it imports it. Factories are asked in the
+    order they were registered.
     """
     with _lock:
         if factory not in _factories:
             _factories.append(factory)
+        if when is not None:
+            _conditions[factory] = when
 
 
 def _load(factory: BackendFactory | str) -> BackendFactory:
@@ -246,19 +326,24 @@ def active_backend() -> NVMLBackend:
     """The backend of this process: the first registered factory's, else the real driver's (chosen once).
 
     Raises:
-        NVMLUnavailableError: no registered backend is selected and `pynvml` is missing.
+        NVMLUnavailableError: `pynvml` is missing, or is the unofficial package (`UnofficialPynvmlError`).
     """
     global _active
     with _lock:
         if _active is None:
+            # Checked first: every backend, the simulator's beneath it included, runs nvidia-ml-py's functions.
+            nvml = official_pynvml()
             for factory in _factories:
+                when = _conditions.get(factory)
+                if when is not None and not when():
+                    continue
                 backend = _load(factory)()
                 if backend is not None:
                     logger.debug("NVML backend: %r (from %r).", backend, factory)
                     _active = backend
                     break
             else:
-                _active = _real_backend()
+                _active = NVMLBackend(nvml)
         return _active
 
 

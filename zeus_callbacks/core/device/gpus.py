@@ -9,7 +9,13 @@ from types import ModuleType
 from typing import Any
 
 from zeus_callbacks.core.device import power, setters, state_guard
-from zeus_callbacks.core.device.backend import NVMLBackend, active_backend, nvml_inventory, reset_backend
+from zeus_callbacks.core.device.backend import (
+    NVMLBackend,
+    active_backend,
+    nvml_inventory,
+    nvml_text,
+    reset_backend,
+)
 from zeus_callbacks.core.device.errors import (
     SIMULATION_HINT,
     GPUNoPermissionError,
@@ -27,7 +33,8 @@ class GPU:
     """One GPU: NVML queries and settings in the units NVML uses (mW, mJ, MHz).
 
     `index` is the CUDA index (what frameworks call GPU i, `cuda:i`); `nvml_index` is NVML's (PCI bus
-    order), which differs on mixed nodes. The two are tied by the UUID, never by position.
+    order), which differs on mixed nodes. The two are tied by the UUID, never by position. `architecture`
+    is NVML's `NVML_DEVICE_ARCH_*`, None where the library cannot tell (an old driver's NVML lacks the call).
 
     Changes of power limit, clocks and persistence go through the process's `GPUStateGuard`, which
     records the value in force before the first change and restores it at the end.
@@ -39,15 +46,19 @@ class GPU:
         self.index = index
         self.uuid = uuid
         self.simulated = backend.simulated
+        self.provenance: str | None = backend.provenance(uuid)  # e.g. a modelled (not traced) simulated board
         nvml = self.nvml
         try:
             self.handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
             self.nvml_index: int = nvml.nvmlDeviceGetIndex(self.handle)
-            self.name: str = nvml.nvmlDeviceGetName(self.handle)
-            self.architecture: int = nvml.nvmlDeviceGetArchitecture(self.handle)
+            self.name: str = nvml_text(nvml.nvmlDeviceGetName(self.handle))
+            self.architecture: int | None = _architecture(nvml, self.handle, self.name)
         except nvml.NVMLError as e:
             raise nvml_error(nvml, e, "Opening the GPU", f"CUDA device {index} ({uuid})") from None
-        self.supports_energy_counter = self.architecture >= nvml.NVML_DEVICE_ARCH_VOLTA
+        # Volta and newer have the counter; where the architecture is unknown, the probe below decides.
+        self.supports_energy_counter = (
+            self.architecture is None or self.architecture >= nvml.NVML_DEVICE_ARCH_VOLTA
+        )
         if self.supports_energy_counter:
             try:
                 nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
@@ -143,8 +154,17 @@ class GPU:
         )
 
     def supported_sm_clocks_mhz(self, memory_clock_mhz: int | None = None) -> list[int]:
-        """Supported SM (graphics) clocks at a memory clock (default: the highest), highest first."""
-        mem = memory_clock_mhz if memory_clock_mhz is not None else self.supported_memory_clocks_mhz()[0]
+        """Supported SM (graphics) clocks at a memory clock (default: the highest), highest first.
+
+        Empty where NVML lists none, or lists no memory clock to ask at: the clocks cannot be locked.
+        """
+        mem = memory_clock_mhz
+        if mem is None:
+            memory_clocks = self.supported_memory_clocks_mhz()
+            if not memory_clocks:
+                logger.debug("%s: NVML lists no supported memory clocks, so no SM clock either.", self.label)
+                return []
+            mem = memory_clocks[0]
         clocks = self._call("Reading SM clocks", self.nvml.nvmlDeviceGetSupportedGraphicsClocks, mem)
         return sorted(clocks, reverse=True)
 
@@ -182,7 +202,7 @@ class GPUs(Sequence[GPU]):
         self.clock: Callable[[], float] = backend.clock
         self.virtual_clock = backend.virtual_clock
         try:
-            _, denied = nvml_inventory(self.nvml)
+            _, denied, failed = nvml_inventory(self.nvml)
         except self.nvml.NVMLError as e:
             raise nvml_error(self.nvml, e, "Counting the GPUs", "this machine") from None
         if denied:
@@ -199,9 +219,17 @@ class GPUs(Sequence[GPU]):
                     f"CUDA device {i} is the MIG device {uuid}; NVML cannot measure or control MIG instances. "
                     "Select whole GPUs (CUDA_VISIBLE_DEVICES) or disable MIG."
                 )
-        self._gpus = [GPU(backend, i, uuid) for i, uuid in enumerate(uuids)]
+        self._gpus = [GPU(backend, i, uuid) for i, uuid in enumerate(uuids)]  # a failed one of ours raises
         for g in self._gpus:
             _refuse_mig(g)
+        ours = {g.nvml_index for g in self._gpus}
+        for i, e in failed.items():
+            if i not in ours:  # another job's GPU (e.g. lost) stops only the jobs that use it
+                logger.warning(
+                    "NVML GPU %d does not answer (%s); it is not one of this process's GPUs, so it is skipped.",
+                    i,
+                    e,
+                )
         # Settings left by dead processes that discovery put back (`zeus-callbacks restore` reports them).
         self.repaired: list[Any] = []
 
@@ -250,6 +278,20 @@ class GPUs(Sequence[GPU]):
                 raise nvml_error(nvml, e, "Reading the energy counter", labels) from None
 
         return read_counters
+
+
+def _architecture(nvml: ModuleType, handle: Any, name: str) -> int | None:
+    """The GPU's `NVML_DEVICE_ARCH_*`, or None where this NVML cannot say (an old driver's library, or old
+    bindings, lack `nvmlDeviceGetArchitecture`)."""
+    get = getattr(nvml, "nvmlDeviceGetArchitecture", None)
+    try:
+        if get is not None:
+            return int(get(handle))
+    except nvml.NVMLError as e:
+        if e.value not in (nvml.NVML_ERROR_FUNCTION_NOT_FOUND, nvml.NVML_ERROR_NOT_SUPPORTED):
+            raise
+    logger.debug("%s: NVML cannot tell its architecture; its energy counter is probed instead.", name)
+    return None
 
 
 def _refuse_mig(gpu: GPU) -> None:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 JOURNAL_ENV = "ZEUS_CALLBACKS_JOURNAL_DIR"
 _BASE_FIELDS = frozenset({"uuid", "name", "knob", "original"})
-_ROUTE_FIELDS = frozenset({"route", "zeusd"})
+_ROUTE_FIELDS = frozenset({"route", "zeusd", "unconfirmed"})  # unconfirmed: a zeusd change with no answer
 _LOCK_NAME = ".lock"
 
 

@@ -52,7 +52,14 @@ def _field_value_mw(gpu: GPU, field_name: str) -> int | None:
     try:
         value = get(gpu.handle, [(field, scope)])[0]
     except nvml.NVMLError as e:
-        if getattr(e, "value", None) in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_INVALID_ARGUMENT):
+        # Not offered: the field (NOT_SUPPORTED, INVALID_ARGUMENT), the call in an old driver's library
+        # (FUNCTION_NOT_FOUND), or the whole call failing without a reason (UNKNOWN).
+        if getattr(e, "value", None) in (
+            nvml.NVML_ERROR_NOT_SUPPORTED,
+            nvml.NVML_ERROR_INVALID_ARGUMENT,
+            nvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+            nvml.NVML_ERROR_UNKNOWN,
+        ):
             return None
         raise nvml_error(nvml, e, "Reading power", gpu.label) from None
     if value.nvmlReturn != nvml.NVML_SUCCESS:

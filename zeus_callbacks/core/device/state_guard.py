@@ -16,9 +16,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,9 @@ class JournalEntry:
     original: Any  # mW for power_limit, bool for persistence, None for sm_clocks (unlocked)
     route: str = "nvml"  # nvml | zeusd: how the change was made, and so how it is undone
     zeusd: str | None = None  # zeusd's endpoint (`unix:PATH` or `tcp:HOST:PORT`) when route is zeusd
+    # A change sent to zeusd that got no answer: it may be applied later (zeusd runs every queued command),
+    # so the restore sends the original even where the GPU still reads it.
+    unconfirmed: bool = False
 
 
 def _entry(gpu: GPU, knob: str, original: Any) -> JournalEntry:
@@ -81,6 +85,11 @@ def _entry(gpu: GPU, knob: str, original: Any) -> JournalEntry:
     return JournalEntry(
         gpu.uuid, gpu.name, knob, original, r.name, None if endpoint is None else str(endpoint)
     )
+
+
+def _record(entry: JournalEntry) -> dict[str, Any]:
+    """The entry as journaled: `unconfirmed` only where set (journals of confirmed changes stay as they were)."""
+    return {k: v for k, v in asdict(entry).items() if k != "unconfirmed" or v}
 
 
 def journal_dir() -> Path | None:
@@ -135,7 +144,8 @@ def _routes(gpu: GPU, entry: JournalEntry) -> list[setters.Route]:
 def _apply(gpu: GPU, entry: JournalEntry) -> None:
     what = f"Restoring {entry.knob}"
     # Already back (restored by another process, or never changed): nothing to do, no permission needed.
-    if entry.knob == "power_limit" and gpu.power_limit_mw() == int(entry.original):
+    # Unless the change is unconfirmed: it may still be waiting in zeusd's queue, to run after this read.
+    if entry.knob == "power_limit" and not entry.unconfirmed and gpu.power_limit_mw() == int(entry.original):
         return
     first: GPUError | None = None
     for r in _routes(gpu, entry):
@@ -304,6 +314,20 @@ class GPUStateGuard:
                     logger.warning("Could not update the GPU-state journal %s: %s", self._path, e)
                 self._release_unused(gpu.uuid)
 
+    def mark_unconfirmed(self, gpu: GPU, knob: str) -> None:
+        """Mark the record of `knob` on `gpu` as possibly applied (a change sent to zeusd got no answer): it
+        stays, and every restore sends the original back. No record of it here (a restore of another
+        process's change): nothing to mark."""
+        with self._lock:
+            entry = self._entries.get((gpu.uuid, knob))
+            if entry is None or entry.unconfirmed:
+                return
+            self._entries[(gpu.uuid, knob)] = replace(entry, unconfirmed=True)
+            try:
+                self._write()
+            except OSError as e:
+                logger.warning("Could not update the GPU-state journal %s: %s", self._path, e)
+
     @property
     def entries(self) -> list[JournalEntry]:
         """What this process changed and will restore."""
@@ -324,7 +348,7 @@ class GPUStateGuard:
             "pid": self._pid,
             "start": _start_time(self._pid),
             "boot": self._boot,
-            "entries": [asdict(e) for e in self._entries.values()],
+            "entries": [_record(e) for e in self._entries.values()],
         }
         write_atomic(self._path, data)
         self._written = True
@@ -394,6 +418,46 @@ class GPUStateGuard:
                         restored += self._repair(path, by_uuid, include_live)
         except OSError as e:
             logger.warning("Could not repair the GPU-state journals in %s: %s", self._dir, e)
+        return restored
+
+    def restore_signalled(self, pid: int, start: str | None, gpus: GPUs, signum: int) -> list[JournalEntry]:
+        """Put back the settings journaled by the live process `pid`, which received `signum` (SIGTERM,
+        SIGINT) where its own handler cannot run yet (blocked in native code, e.g. a collective).
+
+        Its own handler would restore the same values once it runs, so this does no more than that handler
+        ahead of time; the journal is left as it is: the owner's restore, or the repair after its death,
+        removes it (applying the same values again is harmless). Returns the entries restored.
+        """
+        if self._dir is None or not trusted_dir(self._dir):
+            return []
+        path = self._dir / f"{pid}-{start}.json"
+        if not path.exists():  # its own handler ran and restored already (or it changed nothing)
+            return []
+        data = self._read_other(path)
+        if data is None or data.get("pid") != pid:
+            return []
+        by_uuid = {g.uuid: g for g in gpus}
+        restored = []
+        for raw in reversed(data["entries"]):
+            entry = JournalEntry(**raw)
+            gpu = by_uuid.get(entry.uuid)
+            try:
+                if gpu is None or _invalid(gpu, entry) is not None:
+                    continue
+                _apply(gpu, entry)
+            except GPUError as e:
+                logger.warning("Could not restore %s of %s: %s", entry.knob, gpu.label if gpu else "?", e)
+                continue
+            restored.append(entry)
+            logger.warning(
+                "Process %s received %s while blocked where Python cannot run its handler; restored %s of "
+                "%s to %r.",
+                pid,
+                signal.Signals(signum).name,
+                entry.knob,
+                gpu.label,
+                entry.original,
+            )
         return restored
 
     def _read_other(self, path: Path) -> dict[str, Any] | None:

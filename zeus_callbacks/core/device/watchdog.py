@@ -9,6 +9,15 @@ run would (so it never touches a GPU a live process owns), and exits. A process 
 so on the pipe and closes it, so the watchdog exits then too; it never outlives its purpose. Set `ZEUS_CALLBACKS_WATCHDOG=0` to do without it (a killed run is then repaired
 by the next one, or by `zeus-callbacks restore`).
 
+A SIGTERM or SIGINT that reaches the changing process while it is blocked in native code (a collective
+waiting for a rank that never comes) cannot run the Python handler that restores the GPU until the call
+returns, which may be never (the scheduler's SIGKILL follows its grace period). CPython's own C-level handler
+still runs at once and writes the signal's number to the wakeup file descriptor (`signal.set_wakeup_fd`):
+that descriptor is a second pipe to the watchdog, which restores the process's journaled settings on the
+spot, as its handler would (no NVML call is ever made from a signal handler). A wakeup descriptor set before
+(asyncio's, say) is kept in the chain: the watchdog passes every byte on to it, and it is put back when the
+watchdog is let go.
+
 Why a process: signal handlers cannot run on SIGKILL, nor while the main thread is blocked in a collective;
 `PR_SET_PDEATHSIG` works the other way round (it tells a child of its parent's death); a system service
 would need installing. A watchdog per changing process costs one idle interpreter while settings are changed.
@@ -35,6 +44,8 @@ READY_TIMEOUT_S = 30.0  # how long the first change waits for the watchdog to be
 _READY = b"ready\n"  # what the watchdog writes on its stdout once it could repair at once
 _STOP = b"stop"  # what the changing process writes before it closes the pipe after a normal restore
 _ENTRY = "import sys; from zeus_callbacks.core.device.watchdog import main; sys.exit(main(sys.argv[1:]))"
+# The signals whose arrival the watchdog acts on at once: those this package's signal chain restores on.
+_TERMINATING = frozenset({signal.SIGINT, signal.SIGTERM})
 
 
 class Watchdog:
@@ -42,15 +53,60 @@ class Watchdog:
 
     def __init__(self) -> None:
         self._pid = os.getpid()
-        self._proc = subprocess.Popen(
-            # `-c`, not `-m`: the package already imported this module, which `-m` would run a second time.
-            [sys.executable, "-c", _ENTRY, str(self._pid)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            start_new_session=True,  # a Ctrl-C or a hang-up of the terminal does not reach it
-        )
+        self._wakeup_w: int | None = None  # this process's wakeup fd (the signal pipe's write end)
+        self._previous_wakeup = -1  # the wakeup fd it replaced, passed on to
+        argv, pass_fds, wakeup_r = [str(self._pid)], [], self._take_wakeup_fd()
+        if wakeup_r is not None:
+            argv += ["--signals", str(wakeup_r)]
+            pass_fds.append(wakeup_r)
+            if self._previous_wakeup >= 0:
+                argv += ["--chain", str(self._previous_wakeup)]
+                pass_fds.append(self._previous_wakeup)
+        try:
+            self._proc = subprocess.Popen(
+                # `-c`, not `-m`: the package already imported this module, which `-m` would run again.
+                [sys.executable, "-c", _ENTRY, *argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                pass_fds=pass_fds,
+                start_new_session=True,  # a Ctrl-C or a hang-up of the terminal does not reach it
+            )
+        except OSError:
+            self._give_back_wakeup_fd()
+            raise
+        finally:
+            if wakeup_r is not None:
+                os.close(wakeup_r)  # the watchdog's end
         os.register_at_fork(after_in_child=self._forget)
         self.ready = self._wait_ready(READY_TIMEOUT_S)
+
+    def _take_wakeup_fd(self) -> int | None:
+        """Make a new pipe's write end this process's signal wakeup fd; its read end (None: only the main
+        thread may set the wakeup fd, so signals are then handled in Python alone)."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)  # `set_wakeup_fd` requires it: a signal handler must not block
+        try:
+            self._previous_wakeup = signal.set_wakeup_fd(write_end)
+        except ValueError:  # not the main thread
+            os.close(read_end)
+            os.close(write_end)
+            return None
+        self._wakeup_w = write_end
+        return read_end
+
+    def _give_back_wakeup_fd(self) -> None:
+        """Put back the wakeup fd found (main thread only; elsewhere ours stays, harmless while open)."""
+        if self._wakeup_w is None:
+            return
+        try:
+            current = signal.set_wakeup_fd(self._previous_wakeup)
+        except ValueError:
+            return
+        if current != self._wakeup_w:  # someone set another since: leave theirs in place
+            signal.set_wakeup_fd(current)
+        with contextlib.suppress(OSError):
+            os.close(self._wakeup_w)
+        self._wakeup_w = None
 
     def _wait_ready(self, timeout_s: float) -> bool:
         """Wait until the watchdog says it is ready (or exits: no GPU to watch, or it failed to start)."""
@@ -75,15 +131,18 @@ class Watchdog:
             return None
 
     def _forget(self) -> None:
-        # A forked child must not keep the pipe open: the watchdog waits for the changing process only.
+        # A forked child must not keep the pipe open: the watchdog waits for the changing process only; nor
+        # may a signal to the child (a DataLoader worker's SIGTERM) restore its parent's GPU.
         if self._proc.stdin is not None:
             with contextlib.suppress(OSError):
                 os.close(self._proc.stdin.fileno())
+        self._give_back_wakeup_fd()
 
     def stop(self) -> None:
         """Let the watchdog go (the settings are restored): it reads end-of-file and exits."""
         if os.getpid() != self._pid or self._proc.stdin is None:
             return
+        self._give_back_wakeup_fd()
         with contextlib.suppress(OSError):
             self._proc.stdin.write(_STOP)  # a deliberate end, not a death: the watchdog need not wait for one
             self._proc.stdin.close()
@@ -92,7 +151,12 @@ class Watchdog:
 
 
 def main(argv: list[str]) -> int:
-    """Wait for end-of-file on stdin, then repair the journals of dead processes on the GPUs visible here."""
+    """Wait for end-of-file on stdin, then repair the journals of dead processes on the GPUs visible here.
+
+    `argv`: the changing process's pid, then optionally `--signals FD` (the read end of its wakeup fd: a
+    SIGTERM/SIGINT byte there restores its settings at once) and `--chain FD` (the wakeup fd it replaced,
+    which gets every byte read from `FD`).
+    """
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)  # a job's clean-up signals must not stop the clean-up
     logging.basicConfig(level=logging.WARNING, format="zeus-callbacks restore watchdog: %(message)s")
@@ -100,6 +164,8 @@ def main(argv: list[str]) -> int:
     from zeus_callbacks.core.device.gpus import get_gpus
     from zeus_callbacks.core.device.state_guard import _start_time, guard
 
+    options = dict(zip(argv[1::2], (int(fd) for fd in argv[2::2]), strict=False))
+    argv = argv[:1]
     start = _start_time(int(argv[0])) if argv else None  # the parent's identity, read while it lives
     try:
         gpus = get_gpus()  # discovered before it is needed, so that the restore is quick
@@ -109,13 +175,38 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(OSError):
         os.write(1, _READY)  # the changing process goes on: from here a death is repaired at once
         os.close(1)
-    stopped = False
-    while chunk := os.read(0, 4096):  # end-of-file: the parent closed the pipe, or died
-        stopped = stopped or _STOP in chunk
+    stopped = _watch(
+        int(argv[0]) if argv else None, start, gpus, options.get("--signals"), options.get("--chain")
+    )
     if not stopped and argv:
         _wait_for_death(int(argv[0]), start)
     guard().repair_dead_runs(gpus)
     return 0
+
+
+def _watch(pid: int | None, start: str | None, gpus, signals_fd: int | None, chain_fd: int | None) -> bool:
+    """Until end-of-file on stdin (the parent closed the pipe, or died): act on the parent's terminating
+    signals as they arrive; True when the parent said it stopped deliberately."""
+    from zeus_callbacks.core.device.state_guard import guard
+
+    stopped, watched = False, [0] if signals_fd is None else [0, signals_fd]
+    while True:
+        readable, _, _ = select.select(watched, [], [])
+        if signals_fd in readable:
+            received = os.read(signals_fd, 512)
+            if not received:  # the parent's end closed (a death, or the watchdog let go): stdin says which
+                watched.remove(signals_fd)
+            elif chain_fd is not None:
+                with contextlib.suppress(OSError):
+                    os.write(chain_fd, received)
+            for signum in sorted(set(received) & _TERMINATING):
+                if pid is not None:
+                    guard().restore_signalled(pid, start, gpus, signum)
+        if 0 in readable:
+            chunk = os.read(0, 4096)
+            if not chunk:
+                return stopped
+            stopped = stopped or _STOP in chunk
 
 
 def _wait_for_death(pid: int, start: str | None, timeout_s: float = 10.0) -> None:

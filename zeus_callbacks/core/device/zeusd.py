@@ -3,11 +3,15 @@
 `zeusd` runs as root on the node and changes power limits, locked clocks and persistence mode on behalf
 of unprivileged processes. It is found as Zeus finds it: `ZEUSD_SOCK_PATH` (a Unix domain socket; tried
 first) or `ZEUSD_HOST_PORT` (`host:port` over TCP), with an optional JWT in `ZEUSD_TOKEN` sent as a
-bearer token. The API spoken is the one documented for zeusd 0.4 and newer (what Zeus 0.15+ speaks):
-`POST /gpu/set_power_limit?gpu_ids=I&power_limit_mw=MW&block=true` and its siblings for clocks and
-persistence, every parameter in the query string, `block=true` so that errors are reported; `GET /discover`
-lists the daemon's GPUs (NVML's numbering on the daemon's side, with their PCI addresses) and its enabled
-API groups; `GET /auth/whoami` the token's scopes. Reads stay on NVML: only the setters go through here.
+bearer token. Every released API generation is spoken (zeusd 0.4, 0.5, and master after 0.5, as read from
+zeusd's source; see `zeusd_api`): `POST /gpu/set_power_limit?gpu_ids=I&power_limit_mw=MW&block=true` and
+its siblings for clocks and persistence, every parameter in the query string, `block=true` so that errors
+are reported; `GET /discover` gives the generation, the daemon's GPUs and its enabled API groups;
+`GET /auth/whoami` the token's scopes. Reads stay on NVML: only the setters go through here.
+
+zeusd queues each GPU's commands and runs every one, even after its caller has gone
+(`zeusd/src/devices/gpu/mod.rs`): a change that got no answer in time may still be applied, so it is not
+a refusal. Its journal entry stays, marked unconfirmed, and every restore sends the original back.
 
 Only the standard library is used (`http.client`, with a connection class for Unix sockets).
 """
@@ -15,14 +19,10 @@ Only the standard library is used (`http.client`, with a connection class for Un
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
-import os
-import socket
 import threading
 import urllib.parse
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zeus_callbacks.core.device.errors import (
@@ -30,12 +30,29 @@ from zeus_callbacks.core.device.errors import (
     GPULostError,
     GPUNoPermissionError,
     GPUNotSupportedError,
-    InvalidInputError,
+)
+from zeus_callbacks.core.device.zeusd_api import (
+    Answer,
+    Discovery,
+    MappingRefused,
+    Match,
+    ZeusdGPU,
+    classify,
+    cuda_visible_devices,
+    match_gpu,
+    parse_discovery,
+    pci_key,
+)
+from zeus_callbacks.core.device.zeusd_endpoint import (
+    HOST_PORT_ENV,
+    SOCK_ENV,
+    TIMEOUT_ENV,
+    TOKEN_ENV,
+    ZeusdEndpoint,
+    timeout_s,
 )
 
 if TYPE_CHECKING:
-    import http.client
-
     from zeus_callbacks.core.device.gpus import GPU
 
 __all__ = [
@@ -45,143 +62,57 @@ __all__ = [
     "ZeusdEndpoint",
     "ZeusdClient",
     "ZeusdGPU",
+    "ZeusdNoAnswerError",
     "Discovery",
+    "TIMEOUT_ENV",
+    "timeout_s",
     "client_for",
     "forget_clients",
 ]
 
 logger = logging.getLogger(__name__)
 
-SOCK_ENV = "ZEUSD_SOCK_PATH"
-HOST_PORT_ENV = "ZEUSD_HOST_PORT"
-TOKEN_ENV = "ZEUSD_TOKEN"
-TIMEOUT_S = 10.0  # a blocking setter takes milliseconds; a daemon that hangs must not hang training for long
 _CONTROL = "gpu-control"
 
 
-@dataclass(frozen=True)
-class ZeusdEndpoint:
-    """Where zeusd listens: a Unix domain socket or a TCP `host:port` (exactly one is set)."""
-
-    socket_path: str | None = None
-    host_port: str | None = None
-
-    def __str__(self) -> str:
-        """`unix:/run/zeusd/zeusd.sock` or `tcp:node1:4938`: how journals record it (`parse` reads it back)."""
-        return f"unix:{self.socket_path}" if self.socket_path is not None else f"tcp:{self.host_port}"
-
-    @classmethod
-    def parse(cls, text: str) -> ZeusdEndpoint:
-        """The endpoint `str(endpoint)` wrote.
-
-        Raises:
-            ValueError: `text` is not `unix:PATH` or `tcp:HOST:PORT`.
-        """
-        kind, _, rest = text.partition(":")
-        if kind == "unix" and rest:
-            return cls(socket_path=rest)
-        if kind == "tcp" and _valid_host_port(rest):
-            return cls(host_port=rest)
-        raise ValueError(f"{text!r} is not a zeusd endpoint (unix:PATH or tcp:HOST:PORT)")
-
-    @classmethod
-    def from_env(cls) -> ZeusdEndpoint | None:
-        """From `ZEUSD_SOCK_PATH` (first) or `ZEUSD_HOST_PORT`, as Zeus reads them; None when neither is set.
-
-        Raises:
-            InvalidInputError: `ZEUSD_HOST_PORT` is not `host:port`, or `ZEUSD_SOCK_PATH` is empty.
-        """
-        sock = os.environ.get(SOCK_ENV)
-        if sock is not None:
-            if not sock.strip():
-                raise InvalidInputError(
-                    f"{SOCK_ENV} is set but empty: set it to zeusd's socket (e.g. /run/zeusd/zeusd.sock), or unset it."
-                )
-            return cls(socket_path=os.path.abspath(sock))
-        host_port = os.environ.get(HOST_PORT_ENV)
-        if host_port is not None:
-            if not _valid_host_port(host_port):
-                raise InvalidInputError(
-                    f"{HOST_PORT_ENV}={host_port!r} is not host:port: set it to zeusd's TCP address, e.g. "
-                    "node1:4938, or unset it."
-                )
-            return cls(host_port=host_port)
-        return None
-
-    def connection(self, timeout_s: float = TIMEOUT_S) -> http.client.HTTPConnection:
-        """A new HTTP connection to the daemon (not yet connected)."""
-        import http.client  # here: importing the package must not pay for it (its email parsers)
-
-        if self.socket_path is not None:
-            return _unix_connection_class()(self.socket_path, timeout_s)
-        assert self.host_port is not None
-        return http.client.HTTPConnection(self.host_port, timeout=timeout_s)
-
-
-def _valid_host_port(text: str) -> bool:
-    host, _, port = text.rpartition(":")
-    return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536
-
-
-@functools.cache
-def _unix_connection_class() -> type[http.client.HTTPConnection]:
-    import http.client
-
-    class UnixHTTPConnection(http.client.HTTPConnection):
-        """HTTP over a Unix domain socket (zeusd's default transport)."""
-
-        def __init__(self, path: str, timeout_s: float) -> None:
-            super().__init__("localhost", timeout=timeout_s)
-            self._path = path
-
-        def connect(self) -> None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout)
-            try:
-                sock.connect(self._path)
-            except BaseException:
-                sock.close()
-                raise
-            self.sock = sock
-
-    return UnixHTTPConnection
-
-
-@dataclass(frozen=True)
-class ZeusdGPU:
-    """A GPU as `GET /discover` lists it: zeusd's index (NVML's numbering on the daemon's side)."""
-
-    id: int
-    name: str
-    pci_address: str | None  # `lspci -D` form; absent from older daemons
-
-
-@dataclass(frozen=True)
-class Discovery:
-    """What `GET /discover` says (it never needs a token)."""
-
-    gpus: tuple[ZeusdGPU, ...]
-    enabled_api_groups: frozenset[str]
-    auth_required: bool
-
-
-def _pci_key(address: str) -> tuple[int, int, int, int] | None:
-    """(domain, bus, device, function) of `0000:17:00.0` or NVML's `00000000:17:00.0`; None if malformed."""
-    try:
-        domain, bus, rest = address.strip().split(":")
-        device, function = rest.split(".")
-        return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
-    except ValueError:
-        return None
-
-
-def _gpu_pci_key(gpu: GPU) -> tuple[int, int, int, int] | None:
+def _gpu_pci_key(gpu: GPU) -> tuple[int, int, int] | None:
     nvml = gpu.nvml
     try:
         bus_id = nvml.nvmlDeviceGetPciInfo_v3(gpu.handle).busId
     except (AttributeError, nvml.NVMLError):
         return None
-    return _pci_key(bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id))
+    return pci_key(bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id))
+
+
+def _node_names(gpu: GPU) -> list[str]:
+    """The names of every GPU this job's NVML sees, in NVML's order (what zeusd's indices are compared with)."""
+    nvml = gpu.nvml
+    try:
+        names = [
+            nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i))
+            for i in range(nvml.nvmlDeviceGetCount())
+        ]
+        return [n.decode() if isinstance(n, bytes) else str(n) for n in names]  # old pynvml answers bytes
+    except nvml.NVMLError:
+        return []
+
+
+class ZeusdNoAnswerError(GPUError):
+    """A change was sent to zeusd but no answer came in time: it may still be applied (zeusd runs every
+    queued command), so it stays journaled and is undone by the restore."""
+
+
+# What each write route changes: the journal entry a timed-out write marks unconfirmed.
+_KNOB_OF = {
+    "/gpu/set_power_limit": "power_limit",
+    "/gpu/set_gpu_locked_clocks": "sm_clocks",
+    "/gpu/reset_gpu_locked_clocks": "sm_clocks",
+    "/gpu/set_persistence_mode": "persistence",
+}
+
+
+class _NoAnswer(OSError):
+    """The request was sent, but the answer did not come (timeout, or the connection dropped)."""
 
 
 class ZeusdClient:
@@ -202,7 +133,7 @@ class ZeusdClient:
         self.endpoint = endpoint
         self._token = token or None
         self._discovery: Discovery | None = None
-        self._ids: dict[str, int] = {}  # GPU UUID -> zeusd's index
+        self._ids: dict[str, Match] = {}  # GPU UUID -> zeusd's index and how it was found
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -215,10 +146,11 @@ class ZeusdClient:
 
     # -- HTTP ---------------------------------------------------------------------------------------
     def request(self, method: str, path: str, params: dict[str, Any] | None = None) -> tuple[int, Any]:
-        """(HTTP status, decoded JSON body or text or None) of one request.
+        """(HTTP status, decoded JSON body, or the text of a `text/plain` one, or None) of one request.
 
         Raises:
-            OSError: the daemon cannot be reached (refused, no socket, timeout, ...).
+            OSError: the daemon cannot be reached (refused, no socket, ...); `_NoAnswer` (an OSError) when
+                the request was sent but no answer came.
         """
         import http.client
 
@@ -226,26 +158,37 @@ class ZeusdClient:
         headers = {"Content-Length": "0"} if method == "POST" else {}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
-        conn = self.endpoint.connection()
+        conn = self.endpoint.connection(timeout_s())
         try:
-            conn.request(method, f"{path}?{query}" if query else path, headers=headers)
-            response = conn.getresponse()
-            raw = response.read().decode("utf-8", "replace")
-        except http.client.HTTPException as e:
-            raise OSError(f"bad HTTP answer: {e!r}") from None
+            conn.connect()  # unreachable: nothing was sent
+            try:
+                conn.request(method, f"{path}?{query}" if query else path, headers=headers)
+                response = conn.getresponse()
+                raw = response.read().decode("utf-8", "replace")
+            except (OSError, http.client.HTTPException) as e:
+                raise _NoAnswer(getattr(e, "errno", None), str(e) or type(e).__name__) from None
         finally:
             conn.close()
-        try:
-            body: Any = json.loads(raw) if raw.strip() else None
-        except ValueError:
-            body = raw.strip()
-        return response.status, body
+        kind = (response.getheader("Content-Type") or "").split(";")[0].strip()
+        if kind == "application/json" and raw.strip():
+            try:
+                return response.status, json.loads(raw)
+            except ValueError:
+                pass
+        return response.status, raw.strip() or None
 
     def _where(self) -> str:
         return f"zeusd at {self.endpoint}"
 
-    def _unreachable(self, what: str, gpu: str, error: OSError) -> GPUNoPermissionError:
+    def _unreachable(self, what: str, gpu: str, error: OSError) -> GPUError:
         reason = error.strerror or str(error) or type(error).__name__
+        if isinstance(error, _NoAnswer):
+            return ZeusdNoAnswerError(
+                f"{what} on {gpu}: {self._where()} gave no answer within {timeout_s():g} s ({reason}); zeusd "
+                "runs queued commands even after the caller left, so the change may still be applied: it stays "
+                f"journaled and is undone at the end (or by `zeus-callbacks restore`). Set {TIMEOUT_ENV} higher "
+                "for a slow daemon."
+            )
         if isinstance(error, PermissionError):
             fix = "ask for access to its socket (zeusd's --socket-permissions / --socket-gid)"
         else:
@@ -261,42 +204,53 @@ class ZeusdClient:
             raise self._unreachable(what, gpu, e) from None
         if status == 200:
             return body
-        raise self._http_error(what, gpu, status, body)
+        raise self._http_error(what, gpu, classify(status, body))
 
-    def _http_error(self, what: str, gpu: str, status: int, body: Any) -> GPUError:
+    def _http_error(self, what: str, gpu: str, answer: Answer) -> GPUError:
         import http.client
 
-        detail = _message(body) or http.client.responses.get(status, "")
-        head = f"{what} on {gpu} through {self._where()}: HTTP {status} ({detail})"
-        if status == 401:
+        detail = answer.text or http.client.responses.get(answer.status, "")
+        head = f"{what} on {gpu} through {self._where()}: HTTP {answer.status} ({detail})"
+        still = "Measuring still works."
+        kind = answer.kind
+        if kind == "auth":
             fix = (
                 f"set {TOKEN_ENV} to a token zeusd issued with the gpu-control scope (`zeusd token issue --scope gpu-control`)"
                 if not self._token
                 else f"{TOKEN_ENV} was refused: ask for a valid token with the gpu-control scope"
             )
-            return GPUNoPermissionError(f"{head}; {fix}. Measuring still works.")
-        if status == 403:
-            fix = (
-                f"set {TOKEN_ENV} to a token with the gpu-control scope"
-                if "scope" in detail.lower()
-                else "zeusd itself may not change the GPU: run it as root (with CAP_SYS_ADMIN)"
+            return GPUNoPermissionError(f"{head}; {fix}. {still}")
+        if kind == "scope":
+            return GPUNoPermissionError(
+                f"{head}; set {TOKEN_ENV} to a token with the gpu-control scope. {still}"
             )
-            return GPUNoPermissionError(f"{head}; {fix}. Measuring still works.")
-        if status == 404:
-            fix = (
-                "start zeusd with GPU control enabled (`zeusd serve --enable gpu-control,...`)"
-                if "group" in detail.lower()
-                else "this zeusd lacks the endpoint (zeusd before 0.4 speaks another API): upgrade zeusd"
+        if kind == "no_permission":
+            return GPUNoPermissionError(
+                f"{head}; zeusd itself may not change the GPU: run it as root (with CAP_SYS_ADMIN). {still}"
             )
-            return GPUNoPermissionError(f"{head}; {fix}. Measuring still works.")
-        lowered = detail.lower().replace(" ", "")
-        if "notsupported" in lowered:
+        if kind == "group_disabled":
+            return GPUNoPermissionError(
+                f"{head}; start zeusd with GPU control enabled (`zeusd serve --enable gpu-control,...`). {still}"
+            )
+        if kind == "no_endpoint":
+            return GPUNoPermissionError(
+                f"{head}; this zeusd lacks the endpoint (zeusd before 0.4 speaks another API): upgrade zeusd. {still}"
+            )
+        if kind == "not_supported":
             return GPUNotSupportedError(f"{head}: not supported on this GPU or driver.")
-        if "gpuislost" in lowered or "gpulost" in lowered:
+        if kind == "gpu_lost":
             return GPULostError(f"{head}: the GPU is lost; check `nvidia-smi` and the kernel log.")
-        if status == 400:
+        if kind == "invalid_arg":
             return GPUError(
-                f"{head}; zeusd took the request as invalid: check that it serves this node's GPUs."
+                f"{head}; NVML on zeusd's side refused the value: check the GPU's supported range."
+            )
+        if kind == "unknown_gpu":
+            return GPUError(
+                f"{head}; zeusd does not have that GPU: point {SOCK_ENV} / {HOST_PORT_ENV} at this node's."
+            )
+        if kind == "bad_query":
+            return GPUError(
+                f"{head}; zeusd refused the request: this client and the daemon disagree on its API."
             )
         return GPUError(f"{head}; zeusd failed: see its log (e.g. `journalctl -u zeusd`).")
 
@@ -308,16 +262,11 @@ class ZeusdClient:
                 return self._discovery
         body = self._call(what, gpu, "GET", "/discover")
         try:
-            gpus = tuple(
-                ZeusdGPU(int(g["id"]), str(g.get("name", "")), g.get("pci_address")) for g in body["gpus"]
-            )
-            found = Discovery(
-                gpus, frozenset(body.get("enabled_api_groups", ())), bool(body.get("auth_required"))
-            )
-        except (TypeError, KeyError, ValueError):
+            found = parse_discovery(body)
+        except ValueError:
             raise GPUError(
-                f"{what}: {self._where()} answered /discover with {str(body)[:200]!r}, not zeusd's discovery "
-                f"document; check that {SOCK_ENV} / {HOST_PORT_ENV} points at zeusd."
+                f"{what}: {self._where()} answered /discover with {str(body)[:200]!r}, not the discovery "
+                f"document of zeusd 0.4 or later; check that {SOCK_ENV} / {HOST_PORT_ENV} points at zeusd."
             ) from None
         with self._lock:
             self._discovery = found
@@ -331,13 +280,13 @@ class ZeusdClient:
         """
         return self.request("GET", "/auth/whoami")
 
-    def gpu_id(self, gpu: GPU, what: str = "Finding the GPU on zeusd") -> int:
-        """zeusd's index of `gpu`: matched by PCI address (the daemon numbers every GPU of the node, which a
-        container's NVML may not), else by NVML index with the same name (daemons that give no address).
+    def match(self, gpu: GPU, what: str = "Finding the GPU on zeusd") -> Match:
+        """zeusd's index of `gpu` and how it was found (`zeusd_api.match_gpu`: by PCI address, else by NVML
+        index only where this job provably sees the node as zeusd does).
 
         Raises:
             GPUNoPermissionError: the daemon is unreachable, has no GPU control, or wants a token not given.
-            GPUError: the daemon does not serve this GPU.
+            GPUError: the GPU cannot be matched safely (the message says what to do).
         """
         with self._lock:
             if gpu.uuid in self._ids:
@@ -354,23 +303,25 @@ class ZeusdClient:
                 f"{what} on {gpu.label}: {self._where()} requires a token; set {TOKEN_ENV} to one issued with "
                 "the gpu-control scope (`zeusd token issue --scope gpu-control`). Measuring still works."
             )
-        key = _gpu_pci_key(gpu)
-        addressed = [g for g in found.gpus if g.pci_address]
-        if addressed and key is not None:
-            match = [g for g in addressed if _pci_key(g.pci_address or "") == key]
-        else:
-            match = [g for g in found.gpus if g.id == gpu.nvml_index and g.name == gpu.name]
-        if len(match) != 1:
-            listed = (
-                ", ".join(f"{g.id}: {g.name} {g.pci_address or ''}".strip() for g in found.gpus) or "none"
+        try:
+            hit = match_gpu(
+                found,
+                pci=_gpu_pci_key(gpu),
+                nvml_index=gpu.nvml_index,
+                node_names=_node_names(gpu),
+                cuda_visible=cuda_visible_devices(),
             )
+        except MappingRefused as e:
             raise GPUError(
-                f"{what}: {self._where()} does not serve {gpu.label} (NVML index {gpu.nvml_index}); it serves "
-                f"[{listed}]. Point {SOCK_ENV} / {HOST_PORT_ENV} at the zeusd of this node."
-            )
+                f"{what} on {gpu.label} (NVML index {gpu.nvml_index}) through {self._where()}: {e}."
+            ) from None
         with self._lock:
-            self._ids[gpu.uuid] = match[0].id
-        return match[0].id
+            self._ids[gpu.uuid] = hit
+        return hit
+
+    def gpu_id(self, gpu: GPU, what: str = "Finding the GPU on zeusd") -> int:
+        """zeusd's index of `gpu` (see `match`)."""
+        return self.match(gpu, what).zeusd_id
 
     # -- setters (the device layer's route interface) -------------------------------------------------
     def may_change(self, gpu: GPU) -> bool:
@@ -382,7 +333,11 @@ class ZeusdClient:
         # A backend that models work at synchronisation settles it first, as a change made in-process does.
         gpu.backend.settle(gpu.handle)
         query = {"gpu_ids": str(index), **{k: _param(v) for k, v in params.items()}, "block": "true"}
-        self._call(what, gpu.label, "POST", path, query)
+        try:
+            self._call(what, gpu.label, "POST", path, query)
+        except ZeusdNoAnswerError:
+            _mark_unconfirmed(gpu, _KNOB_OF[path])
+            raise
 
     def set_power_limit_mw(self, gpu: GPU, value_mw: int, what: str = "Setting the power limit") -> None:
         """`POST /gpu/set_power_limit` (mW)."""
@@ -403,20 +358,17 @@ class ZeusdClient:
         self._post(gpu, what, "/gpu/set_persistence_mode", enabled=bool(enabled))
 
 
+def _mark_unconfirmed(gpu: GPU, knob: str) -> None:
+    """Mark the journal entry of `knob` on `gpu` as possibly applied, so that every restore sends it back."""
+    from zeus_callbacks.core.device import (
+        state_guard,
+    )  # here: the guard imports the setters, which import this
+
+    state_guard.guard().mark_unconfirmed(gpu, knob)
+
+
 def _param(value: Any) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
-
-
-def _message(body: Any) -> str:
-    """zeusd's error text: `{"error": msg}`, per-device `{"errors": {"0": msg}}`, or plain text."""
-    if isinstance(body, dict):
-        if isinstance(body.get("error"), str):
-            return body["error"]
-        errors = body.get("errors")
-        if isinstance(errors, dict):
-            return "; ".join(f"GPU {k}: {v}" for k, v in errors.items())
-        return json.dumps(body)[:300]
-    return "" if body is None else str(body)[:300]
 
 
 _clients: dict[tuple[str, str | None], ZeusdClient] = {}
@@ -439,25 +391,39 @@ def forget_clients() -> None:
 
 
 def status(endpoint: ZeusdEndpoint, token: str | None, gpus: list[GPU]) -> dict[str, Any]:
-    """A read-only report of the daemon for `zeus-callbacks doctor`: reachable, groups, token, GPU mapping."""
+    """A read-only report of the daemon for `zeus-callbacks doctor`: reachable, API generation, groups,
+    token, and each GPU's zeusd index with how it was matched."""
     client = ZeusdClient(endpoint, token)
     out: dict[str, Any] = {
         "endpoint": str(endpoint),
         "reachable": False,
+        "generation": None,
+        "api": None,
         "gpu_control": None,
         "auth_required": None,
         "token": client.has_token,
         "scopes": None,
         "gpu_ids": {},
+        "mapping": {},
         "problem": None,
     }
     try:
         found = client.discover()
-    except GPUError as e:
+    except ZeusdNoAnswerError as e:
+        out.update(reachable=True, problem=str(e))
+        return out
+    except GPUNoPermissionError as e:
         out["problem"] = str(e)
         return out
+    except GPUError as e:
+        out.update(reachable=True, problem=str(e))
+        return out
     out.update(
-        reachable=True, gpu_control=_CONTROL in found.enabled_api_groups, auth_required=found.auth_required
+        reachable=True,
+        generation=found.generation,
+        api=found.describe,
+        gpu_control=_CONTROL in found.enabled_api_groups,
+        auth_required=found.auth_required,
     )
     problems: list[str] = []
     if found.auth_required and client.has_token:
@@ -469,13 +435,15 @@ def status(endpoint: ZeusdEndpoint, token: str | None, gpus: list[GPU]) -> dict[
                     problems.append(f"the token's scopes {out['scopes']} lack gpu-control")
             else:
                 problems.append(
-                    f"the token was refused (HTTP {code}: {_message(body)}); set a valid {TOKEN_ENV}"
+                    f"the token was refused (HTTP {code}: {classify(code, body).text}); set a valid {TOKEN_ENV}"
                 )
     for gpu in gpus:
         try:
-            out["gpu_ids"][gpu.index] = client.gpu_id(gpu)
+            hit = client.match(gpu)
         except GPUError as e:
             problems.append(str(e))
             break
+        out["gpu_ids"][gpu.index] = hit.zeusd_id
+        out["mapping"][gpu.index] = hit.how
     out["problem"] = "; ".join(problems) or None
     return out

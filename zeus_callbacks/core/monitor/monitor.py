@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from zeus_callbacks.core.device.errors import SIMULATION_HINT, GPUError, InvalidInputError
+from zeus_callbacks.core.device.errors import SIMULATION_HINT, GPUError, GPULostError, InvalidInputError
 from zeus_callbacks.core.device.gpus import GPU, get_gpus
 from zeus_callbacks.core.device.power import (
     MAX_REFRESH_PERIOD_S,
@@ -84,17 +84,23 @@ class _PowerSampler:
         self._samples: deque[tuple[float, list[float]]] = deque(maxlen=1_000_000)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.lost: dict[int, str] = {}  # position in `gpus` -> why it stopped answering
         self.sample()
         self._thread = threading.Thread(target=self._run, name="zeus-callbacks-power-sampler", daemon=True)
         self._thread.start()
 
     def sample(self) -> None:
         t = self._clock()
-        try:
-            watts = [g.power_mw() / 1000 for g in self._gpus]
-        except Exception as e:  # a lost GPU: keep the last value rather than kill the thread
-            logger.warning("Power sampling failed: %s", e)
-            return
+        watts = []
+        for k, g in enumerate(self._gpus):
+            if k in self.lost:
+                watts.append(math.nan)
+                continue
+            try:
+                watts.append(g.power_mw() / 1000)
+            except Exception as e:  # a lost GPU: it drops out, the others are still sampled
+                self.lost[k] = str(e)
+                watts.append(math.nan)
         with self._lock:
             self._samples.append((t, watts))
 
@@ -240,10 +246,13 @@ class ZeusMonitor:
         sampled = [g for g in devices if not g.supports_energy_counter]
         self._sampled_indices = [g.index for g in sampled]
         self._sampler = _PowerSampler(sampled, self._clock, power_sample_interval_s) if sampled else None
+        # GPUs that stopped answering -> why: left out of every later window (said once each).
+        self._lost: dict[int, str] = {}
+        self._live_indices: list[int] = list(self.gpu_indices)
         self._rapl = _rapl_packages(cpu_indices)
         self.cpu_indices: list[int] = [p.index for p in self._rapl]
-        # key -> (start, GPU counters mJ, RAPL counters µJ per package or None)
-        self._windows: dict[str, tuple[float, list[int], list[tuple[int, int | None]] | None]] = {}
+        # key -> (start, GPU counters mJ, the GPU indices they are of, RAPL counters µJ per package or None)
+        self._windows: dict[str, tuple[float, list[int], list[int], list[tuple[int, int | None]] | None]] = {}
         self._log: TextIO | None = None
         if log_file is not None:
             path = Path(log_file)
@@ -256,13 +265,51 @@ class ZeusMonitor:
             logger.info("ZeusMonitor on SIMULATED GPUs %s: figures are a simulation.", self.gpu_indices)
 
     def sync(self) -> None:
-        """Wait for the work queued on the monitored GPUs."""
-        self.gpus.synchronize(self.gpu_indices)
+        """Wait for the work queued on the monitored GPUs (those still answering)."""
+        self.gpus.synchronize(self._live_indices)
+
+    @property
+    def lost_gpus(self) -> dict[int, str]:
+        """GPUs that stopped answering (index -> why), left out of every window since: their energy is
+        missing from `Measurement.gpu_energy` (not 0 J) while the others are still measured."""
+        return dict(self._lost)
+
+    def _read_answering(self) -> list[int]:
+        """The counters of the GPUs that still answer, read one by one after a batched read failed: a GPU
+        that does not answer is left out from now on (said once), the reader rebuilt for the others.
+
+        Raises:
+            GPULostError: no monitored GPU answers any more (nothing is left to measure).
+        """
+        counters, answering = [], []
+        for i in self._counter_indices:
+            try:
+                counters.extend(self.gpus.energy_reader([i])())
+                answering.append(i)
+            except GPUError as e:
+                self._lose(i, e)
+        self._counter_indices = answering  # a new list: open windows keep the one they began with
+        self._read_counters = self.gpus.energy_reader(answering)
+        if not answering and self._sampler is None:
+            raise GPULostError(
+                f"ZeusMonitor: no monitored GPU answers any more ({'; '.join(self._lost.values())})"
+            )
+        return counters
+
+    def _lose(self, index: int, error: Exception) -> None:
+        self._lost[index] = str(error)
+        self._live_indices = [i for i in self._live_indices if i != index]
+        logger.warning(
+            "ZeusMonitor: %s. GPU %d is left out of every window from now on (its energy is missing from "
+            "`gpu_energy`, not 0 J); the other GPUs are still measured.",
+            str(error).rstrip("."),
+            index,
+        )
 
     def one_second_power_w(self) -> float | None:
         """The monitored GPUs' power averaged over the last second (W, summed), as they report it
         (`NVML_FI_DEV_POWER_AVERAGE`, Ampere and newer except the A100 class); None where one does not."""
-        readings = [one_second_power_mw(self.gpus[i]) for i in self.gpu_indices]
+        readings = [one_second_power_mw(self.gpus[i]) for i in self._live_indices]
         return None if any(r is None for r in readings) else sum(readings) / 1000
 
     # begin_window/end_window are the hot path (called every step): plain tuples and inlined reads.
@@ -276,16 +323,22 @@ class ZeusMonitor:
         if key in self._windows:
             if not restart:
                 raise ValueError(
-                    f"Measurement window {key!r} is already open; end it before beginning it again, or pass "
-                    "`restart=True`."
+                    f"Measurement window {key!r} already exists: it is already open. End it before "
+                    "beginning it again, or pass `restart=True`."
                 )
             del self._windows[key]
             logger.info("Measurement window %r restarted.", key)
         if sync_execution:
-            self.gpus.synchronize(self.gpu_indices)
+            self.gpus.synchronize(self._live_indices)
         start = self._clock()
-        counters = self._read_counters()
-        self._windows[key] = (start, counters, [p.read_uj() for p in self._rapl] if self._rapl else None)
+        indices = self._counter_indices
+        try:
+            counters = self._read_counters()
+        except GPUError:
+            counters = self._read_answering()
+            indices = self._counter_indices
+        cpu = [p.read_uj() for p in self._rapl] if self._rapl else None
+        self._windows[key] = (start, counters, indices, cpu)
 
     def end_window(self, key: str, sync_execution: bool = True, cancel: bool = False) -> Measurement:
         """Close the window `key` and return its time and energy (zeros when `cancel`, and not logged).
@@ -294,35 +347,50 @@ class ZeusMonitor:
             ValueError: no window named `key` is open.
         """
         try:
-            start, before, cpu_before = self._windows.pop(key)
+            start, before, indices, cpu_before = self._windows.pop(key)
         except KeyError:
             raise ValueError(
-                f"Measurement window {key!r} was not begun (open: {sorted(self._windows)})."
+                f"Measurement window {key!r} does not exist: it was not begun (open: {sorted(self._windows)})."
             ) from None
         # Instantaneous power is read before the synchronisation, while the window's work still runs (Zeus
         # does the same): afterwards the GPU may already have dropped to idle.
         instant = self._instant_power_w() if self.approx_instant_energy and not cancel else None
         if sync_execution:
-            self.gpus.synchronize(self.gpu_indices)
+            self.gpus.synchronize(self._live_indices)
         if cancel:
             cpu = dict.fromkeys(self.cpu_indices, 0.0) if self._rapl else None
-            return Measurement(0.0, dict.fromkeys(self.gpu_indices, 0.0), cpu, None, self.simulated)
+            return Measurement(0.0, dict.fromkeys(self._live_indices, 0.0), cpu, None, self.simulated)
         end = self._clock()
-        after = self._read_counters()
-        if len(after) == 1:  # the common case under torch.distributed: one GPU per process
-            energy = {self._counter_indices[0]: (after[0] - before[0]) / 1000.0}
+        try:
+            after = self._read_counters()
+        except GPUError:
+            after = self._read_answering()
+        if indices is not self._counter_indices:  # a GPU was lost since the window began
+            now = dict(zip(self._counter_indices, after, strict=True))
+            energy = {i: (now[i] - c0) / 1000.0 for i, c0 in zip(indices, before, strict=True) if i in now}
+        elif len(after) == 1:  # the common case under torch.distributed: one GPU per process
+            energy = {indices[0]: (after[0] - before[0]) / 1000.0}
         else:
-            energy = {i: (c1 - c0) / 1000.0 for i, c0, c1 in zip(self._counter_indices, before, after)}  # noqa: B905
+            energy = {i: (c1 - c0) / 1000.0 for i, c0, c1 in zip(indices, before, after)}  # noqa: B905
         if (end - start < self._short_s or not all(energy.values())) and (
             self.approx_instant_energy or len(self._short_warned) < len(energy)
         ):
             self._short_window(key, end - start, energy, instant)
         if self._sampler is not None:
-            energy.update(zip(self._sampled_indices, self._sampler.energy_j(start, end), strict=True))
+            sampled = zip(self._sampled_indices, self._sampler.energy_j(start, end), strict=True)
+            for k, (i, e) in enumerate(sampled):
+                if k not in self._sampler.lost:
+                    energy[i] = e
+                elif i not in self._lost:
+                    self._lose(i, GPUError(self._sampler.lost[k]))
+            if not energy and not self._counter_indices:
+                raise GPULostError(
+                    f"ZeusMonitor: no monitored GPU answers any more ({'; '.join(self._lost.values())})"
+                )
         cpu_j, dram_j = self._cpu_energy(cpu_before)
         m = Measurement(end - start, energy, cpu_j, dram_j, self.simulated)
         if self._log is not None:
-            values = ",".join(str(energy[i]) for i in self.gpu_indices)
+            values = ",".join(str(energy.get(i, "")) for i in self.gpu_indices)  # a lost GPU: empty
             self._log.write(f"{start},{key},{m.time},{values}\n")
             self._log.flush()
         return m
@@ -394,8 +462,8 @@ class ZeusMonitor:
         """The open windows and where each began (Zeus's attribute of the same name), a snapshot: use
         `begin_window(restart=True)` or `reset_windows()` to drop a window."""
         out = {}
-        for key, (start, counters, cpu) in self._windows.items():
-            gpu = {i: c / 1000.0 for i, c in zip(self._counter_indices, counters, strict=True)}
+        for key, (start, counters, indices, cpu) in self._windows.items():
+            gpu = {i: c / 1000.0 for i, c in zip(indices, counters, strict=True)}
             cpu_j = {p.index: c / 1e6 for p, (c, _) in zip(self._rapl, cpu, strict=True)} if cpu else None
             dram_j = (
                 {p.index: d / 1e6 for p, (_, d) in zip(self._rapl, cpu, strict=True) if d is not None} or None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,12 @@ __all__ = ["ReplayZeusMonitor"]
 
 logger = logging.getLogger(__name__)
 
+# The window this package's optimizer opens over each training step, and the one Zeus's optimizer opens
+# over `profile_steps` steps at one power limit (zeus/optimizer/power_limit.py: `__GlobalPowerLimitOptimizer_
+# {limit in W}`), of which a log recorded by Zeus holds one row per limit.
+STEP_WINDOW = "__GlobalPowerLimitOptimizer_step"
+_ZEUS_LIMIT_WINDOW = re.compile(r"__GlobalPowerLimitOptimizer_(\d+)")
+
 
 class ReplayZeusMonitor(ZeusMonitor):
     """A `ZeusMonitor` whose windows return the rows of a log written by `ZeusMonitor(log_file=...)`
@@ -20,10 +28,15 @@ class ReplayZeusMonitor(ZeusMonitor):
     forward exactly as they went when the log was recorded. Zeus's `zeus.utils.testing.ReplayZeusMonitor`.
 
     Each `end_window` consumes the next row (a cancelled window consumes none, as a cancelled window
-    is not logged); with `match_window_name` the row's window name must be the one ended. Nothing is
-    read from the GPUs for windows, nor for the one-second power (`one_second_power_w` is None: a power-
-    limit optimizer replaying decides on the log's energies alone); `gpus` (for an optimizer that sets
-    power limits while replaying) are the process's GPUs, discovered when first asked for.
+    is not logged); with `match_window_name` the row's window name must be the one ended. A log
+    recorded by Zeus's optimizer holds one row per power limit (`__GlobalPowerLimitOptimizer_<W>`, one
+    window over `profile_steps` steps) where this package's optimizer opens one window per step: its
+    step windows are then served from the row of the power limit the GPUs are at, spread evenly over the
+    `steps_per_row` steps the row covered, so that the optimizer takes the decisions the recorded
+    measurements call for (a limit the log has no row for is an error that says so). Nothing else is
+    read from the GPUs, nor the one-second power (`one_second_power_w` is None: a power-limit optimizer
+    replaying decides on the log's energies alone); `gpus` (for an optimizer that sets power limits
+    while replaying) are the process's GPUs, discovered when first asked for.
 
     Args:
         gpu_indices: GPU indices of the log's columns; default: read from its header.
@@ -31,11 +44,15 @@ class ReplayZeusMonitor(ZeusMonitor):
         log_file: The CSV log to replay (`start_time,window_name,elapsed_time,gpu<i>_energy,...`).
         ignore_sync_execution: Do not wait for the GPUs at window boundaries.
         match_window_name: Check that each row's window name is the window being ended.
+        steps_per_row: Steps each of a Zeus log's per-limit rows covered (the recorded run's
+            `profile_steps`; default 40, Zeus's default). Only the figures per step depend on it, not
+            which limit a selector picks.
 
     Raises:
         ValueError: no `log_file`, or its header is not a monitor log's.
-        RuntimeError: (when replaying) a window begun twice or ended without being begun, a name that
-            does not match the row, a row with the wrong number of values, or no rows left.
+        RuntimeError: (when replaying) a window begun twice ("already ongoing") or ended without being
+            begun ("not ongoing"), a name that does not match the row, a row with the wrong number of
+            values, no rows left, or a step at a power limit a Zeus log has no row for.
 
     Example::
 
@@ -51,9 +68,16 @@ class ReplayZeusMonitor(ZeusMonitor):
         log_file: str | Path | None = None,
         ignore_sync_execution: bool = False,
         match_window_name: bool = True,
+        steps_per_row: int = 40,
     ) -> None:
         if log_file is None:
             raise ValueError("`ReplayZeusMonitor(log_file=None)`: pass the CSV log to replay.")
+        if isinstance(steps_per_row, bool) or not isinstance(steps_per_row, int) or steps_per_row < 1:
+            raise ValueError(
+                f"`ReplayZeusMonitor(steps_per_row={steps_per_row!r})`: expected a whole number of steps of "
+                "at least 1 (the recorded run's profile_steps; Zeus's default is 40)."
+            )
+        self.steps_per_row = steps_per_row
         self.approx_instant_energy = approx_instant_energy
         self.ignore_sync_execution = ignore_sync_execution
         self.match_window_name = match_window_name
@@ -71,6 +95,15 @@ class ReplayZeusMonitor(ZeusMonitor):
         self.cpu_indices: list[int] = []
         self._rows = [line for line in lines[1:] if line]
         self._next_row = 0
+        # A Zeus log's per-limit rows, by power limit (W): time and energy per step, for the step windows.
+        self._per_limit: dict[int, tuple[float, dict[int, float]]] = {}
+        for n, line in enumerate(self._rows, start=2):
+            _, name, *values = line.split(",")
+            match = _ZEUS_LIMIT_WINDOW.fullmatch(name)
+            if match and int(match[1]) not in self._per_limit:
+                elapsed, energy = self._values(line, values, n - 1)
+                per_step = {i: e / steps_per_row for i, e in energy.items()}
+                self._per_limit[int(match[1])] = (elapsed / steps_per_row, per_step)
         self._ongoing: list[str] = []
         self._gpus: Any = None
         self.simulated = False
@@ -116,6 +149,8 @@ class ReplayZeusMonitor(ZeusMonitor):
         self._sync(sync_execution)
         if cancel:
             return Measurement(0.0, dict.fromkeys(self.gpu_indices, 0.0))
+        if key == STEP_WINDOW and self._per_limit:
+            return self._step_of_zeus_row()
         if self._next_row >= len(self._rows):
             raise RuntimeError(f"No more rows in {self.log_path} to replay window {key!r}.")
         line = self._rows[self._next_row]
@@ -123,10 +158,32 @@ class ReplayZeusMonitor(ZeusMonitor):
         _, name, *values = line.split(",")
         if self.match_window_name and name != key:
             raise RuntimeError(f"Was expecting window {name!r} (row {self._next_row}), not {key!r}.")
+        elapsed, energy = self._values(line, values, self._next_row)
+        return Measurement(elapsed, energy)
+
+    def _values(self, line: str, values: list[str], row: int) -> tuple[float, dict[int, float]]:
+        """A row's elapsed time and its energy per GPU; an empty cell (a GPU lost) is left out."""
         if len(values) != len(self.gpu_indices) + 1:
-            raise RuntimeError(f"Row {self._next_row} has an unexpected number of values: {line!r}")
-        elapsed, *energy = map(float, values)
-        return Measurement(elapsed, dict(zip(self.gpu_indices, energy, strict=True)))
+            raise RuntimeError(f"Row {row} has an unexpected number of values: {line!r}")
+        try:
+            elapsed = float(values[0])
+            energy = {i: float(v) for i, v in zip(self.gpu_indices, values[1:], strict=True) if v.strip()}
+        except ValueError:
+            raise RuntimeError(f"Row {row} of {self.log_path} is not numbers: {line!r}") from None
+        return elapsed, energy
+
+    def _step_of_zeus_row(self) -> Measurement:
+        """One step at the power limit in force, from the Zeus log's row for that limit."""
+        limits_w = {math.floor(self.gpus[i].power_limit_mw() / 1000) for i in self.gpu_indices}
+        limit_w = max(limits_w)
+        if len(limits_w) > 1 or limit_w not in self._per_limit:
+            raise RuntimeError(
+                f"{self.log_path} was recorded by Zeus's optimizer, with rows for {sorted(self._per_limit)} W; "
+                f"this step ran at {sorted(limits_w)} W, which it has no row for. Replay it on GPUs with the "
+                "recorded power-limit range and the same `pl_step`."
+            )
+        elapsed, energy = self._per_limit[limit_w]
+        return Measurement(elapsed, dict(energy))
 
     @property
     def open_windows(self) -> list[str]:

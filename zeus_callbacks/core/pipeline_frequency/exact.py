@@ -14,8 +14,13 @@ Two uses:
   second at 8 stages x 32 microbatches; its optimum is a lower bound on every plan, so it *proves* how far a
   plan is from the optimum. Its durations, rounded to the next faster option, are a feasible start that the
   planner's local search improves (usually better than the greedy alone); when the proven gap is still above
-  `GAP_GOAL`, HiGHS' branch and bound runs with `mip_rel_gap=GAP_GOAL` under a time limit and the better plan
-  wins. Small pipelines are thereby solved to within `GAP_GOAL`; larger ones come with their proven gap.
+  `GAP_GOAL`, HiGHS' branch and bound runs with `mip_rel_gap=GAP_GOAL` for at most a number of nodes and the
+  better plan wins. Small pipelines are thereby solved to within `GAP_GOAL`; larger ones come with their
+  proven gap.
+
+The planner's search is bounded by work (branch-and-bound nodes), never by seconds: HiGHS is deterministic
+for a given node limit, so the same profile gives the same plan, and the same proven gap, on an idle and on a
+loaded machine (a time limit made both depend on the host's speed: issue 24).
 
 scipy is optional (the `pipeline` extra): without it `refine` is unavailable and the planner is heuristic.
 """
@@ -44,8 +49,9 @@ logger = logging.getLogger(__name__)
 
 GAP_GOAL = 1e-3
 """Relative distance to the optimum (0.1 %) below which the planner stops improving a plan."""
-# Branch and bound closes 0.1 % within a second up to about this many option binaries (small pipelines or
-# few clocks); on larger programs it does not within seconds, so it is not tried there.
+# Branch and bound closes 0.1 % within a few dozen nodes up to about this many option binaries (small
+# pipelines or few clocks: the exact test's programs need at most 25); on larger programs it does not within
+# thousands of nodes, so it is not tried there.
 _MAX_BINARIES = 1000
 
 
@@ -76,7 +82,8 @@ def exact_plan(
         options: Profiled options of each `(stage, kind)`.
         p_blk_w: Blocking power (W): one value, or one per stage.
         target_time_s: Deadline on the iteration time (s).
-        time_limit_s: HiGHS time limit; None: no limit.
+        time_limit_s: HiGHS time limit, for benchmarks only (a plan that depends on the host's speed);
+            None: no limit.
         mip_rel_gap: HiGHS relative optimality gap.
 
     Returns:
@@ -98,7 +105,7 @@ def exact_plan(
         sum(p_blk),
         target_time_s,
     )
-    result = program.solve(integral=True, time_limit_s=time_limit_s, mip_rel_gap=mip_rel_gap)
+    result = program.solve(integral=True, mip_rel_gap=mip_rel_gap, time_limit_s=time_limit_s)
     if result.status != 0 or result.x is None:
         return None
     levels = program.levels(result.x)
@@ -131,19 +138,19 @@ def lower_bound(
 
 
 def refine(
-    problem: _Problem, levels: list[int], target_time_s: float, time_limit_s: float, max_passes: int
+    problem: _Problem, levels: list[int], target_time_s: float, node_limit: int, max_passes: int
 ) -> tuple[list[int], float]:
     """A plan at least as good as `levels` under `target_time_s`, and a proven lower bound on the optimum.
 
     Tries the LP relaxation's durations rounded to the next faster option and improved by the planner's local
     search; then, if the best plan is still not proven within `GAP_GOAL`, HiGHS' branch and bound for at most
-    `time_limit_s` (0: never).
+    `node_limit` nodes (0: never). Nothing depends on the clock: the same inputs give the same result.
 
     Args:
         problem: The planner's problem (Pareto options per instruction, fastest first).
         levels: A feasible plan (option index per instruction) to improve on; not modified.
         target_time_s: Deadline on the iteration time (s).
-        time_limit_s: HiGHS branch-and-bound time limit (s).
+        node_limit: HiGHS branch-and-bound node limit (`mip_max_nodes`).
         max_passes: Local-search passes after rounding.
 
     Returns:
@@ -161,9 +168,9 @@ def refine(
     energy = problem.plan(rounded).energy_j
     if energy < best_energy and problem.feasible(rounded, target_time_s):
         best, best_energy = rounded, energy
-    if best_energy <= bound * (1 + GAP_GOAL) or time_limit_s <= 0 or program.first[-1] > _MAX_BINARIES:
+    if best_energy <= bound * (1 + GAP_GOAL) or node_limit <= 0 or program.first[-1] > _MAX_BINARIES:
         return best, bound
-    result = program.solve(integral=True, time_limit_s=time_limit_s, mip_rel_gap=GAP_GOAL)
+    result = program.solve(integral=True, mip_rel_gap=GAP_GOAL, node_limit=node_limit)
     if result.x is not None:
         found = program.levels(result.x)
         # HiGHS meets the deadline to its feasibility tolerance: repair a hair's overrun (and fill).
@@ -252,14 +259,26 @@ class _Program:
         col_upper[t_col] = target_time_s
         return cls(cost, matrix, np.array(lower), np.array(upper), col_upper, first)
 
-    def solve(self, integral: bool, time_limit_s: float | None = None, mip_rel_gap: float = 1e-7) -> Any:
-        """HiGHS on the program (or its LP relaxation); scipy's `OptimizeResult`."""
+    def solve(
+        self,
+        integral: bool,
+        mip_rel_gap: float = 1e-7,
+        node_limit: int | None = None,
+        time_limit_s: float | None = None,
+    ) -> Any:
+        """HiGHS on the program (or its LP relaxation); scipy's `OptimizeResult`.
+
+        `node_limit` bounds branch and bound by work; `time_limit_s` (the exact reference's benchmarks only)
+        by the clock, which makes the result depend on the host's speed.
+        """
         from scipy.optimize import Bounds, LinearConstraint, milp
 
         integrality = np.zeros(len(self.cost))
         if integral:
             integrality[: self.first[-1]] = 1
         options: dict[str, Any] = {"disp": False, "mip_rel_gap": mip_rel_gap}
+        if node_limit is not None:
+            options["node_limit"] = int(node_limit)
         if time_limit_s is not None:
             options["time_limit"] = float(time_limit_s)
         args = {

@@ -14,8 +14,9 @@ How a plan is found (`solve`, and every `frontier` point):
 2. With scipy (the `pipeline` extra), `exact.refine`: the LP relaxation of the exact integer program (each
    instruction on the lower convex hull of its options: a time-cost tradeoff LP) gives a lower bound on
    every plan; its durations rounded to the next faster option are improved by local search (below); while
-   the best plan is not proven within 0.1 % of that bound, HiGHS' branch and bound runs under a time limit
-   on small programs. The gap proven is logged (INFO when above 0.1 %).
+   the best plan is not proven within 0.1 % of that bound, HiGHS' branch and bound runs for at most a number
+   of nodes (never a number of seconds: the same inputs give the same plan on any machine) on small
+   programs. The gap proven is kept with the plan (`Plan.proven_gap`) and logged (INFO when above 0.1 %).
 3. Local search repairs the greedy's mistakes: an *exchange* speeds one instruction up, freezes it and hands
    the freed slack to the others; an *ejection* slows one down past its slack and speeds up the cheapest
    instructions on the paths that overrun.
@@ -33,6 +34,7 @@ the planner runs steps 1 and 3 only, over several deadlines, and cannot tell its
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -58,6 +60,9 @@ OptionTable = Mapping[tuple[int, str], Sequence["FrequencyOption"]]
 
 # Relative tolerance on the target time, to absorb floating-point rounding of sums of durations.
 _REL_TOL = 1e-9
+# Branch-and-bound nodes HiGHS may explore for `solve`'s plan and for each frontier point: work, not seconds.
+SOLVE_NODE_LIMIT = 200
+FRONTIER_NODE_LIMIT = 60
 # Ejections cost far more than exchanges and matter with few, coarse options per instruction: they run only
 # when (instructions x options per instruction) is at most this.
 _EJECT_MAX_WORK = 1000
@@ -74,12 +79,18 @@ class FrequencyOption:
 
 @dataclass(frozen=True)
 class Plan:
-    """An SM frequency for every instruction of the iteration, with its predicted time and energy."""
+    """An SM frequency for every instruction of the iteration, with its predicted time and energy.
+
+    `proven_gap` is how far above the optimum under the plan's target its energy can be at most, relative
+    (0.001: within 0.1 %), proven by the LP relaxation or branch and bound; None when not proven (no scipy,
+    or a plan not made by the planner).
+    """
 
     frequencies_mhz: Mapping[Instruction, int]
     iteration_time_s: float
     energy_j: float
     schedule: tuple[tuple[Instruction, ...], ...] = field(repr=False, compare=False)
+    proven_gap: float | None = field(default=None, compare=False)
 
     def stage_frequencies(self) -> list[list[int]]:
         """Frequency (MHz) of each stage's instructions, in the stage's execution order."""
@@ -173,13 +184,14 @@ def solve(
     target_time_s: float | None = None,
     num_deadlines: int = 8,
     max_passes: int = 8,
-    time_limit_s: float = 1.0,
+    node_limit: int = SOLVE_NODE_LIMIT,
 ) -> Plan:
     """The least-energy plan found whose iteration time does not exceed `target_time_s`.
 
     With scipy (the `pipeline` extra): the greedy search and the LP relaxation's rounded plan, each improved
-    by local search, then HiGHS' branch and bound for at most `time_limit_s` while the best plan is not proven
-    within 0.1 % of the optimum (see `exact.refine`); the proven gap is logged. Without scipy: the best of one
+    by local search, then HiGHS' branch and bound for at most `node_limit` nodes while the best plan is not
+    proven within 0.1 % of the optimum (see `exact.refine`); the proven gap is the plan's `proven_gap`. No
+    step depends on the clock, so the same inputs give the same plan on any machine. Without scipy: the best of one
     search that prices iteration time at the total blocking power and searches that minimise effective energy
     under `num_deadlines` deadlines spread from the fastest time to the target.
 
@@ -190,7 +202,7 @@ def solve(
         target_time_s: Deadline on the iteration time; defaults to the all-max-frequency iteration time.
         num_deadlines: Without scipy, deadlines tried between the fastest time and the target (at least 1).
         max_passes: Local-search passes after each greedy search or rounding (0: none; more: slower, better).
-        time_limit_s: With scipy, the most time (s) branch and bound may take (0: never run it).
+        node_limit: With scipy, the most nodes branch and bound may explore (0: never run it).
 
     Raises:
         ValueError: On missing or invalid options, or a target faster than the fastest options allow.
@@ -204,7 +216,7 @@ def solve(
         )
     target = max(target, problem.fastest_time_s)
     if _refine_available():
-        return problem.plan(problem.best_levels(target, [0] * len(problem.dag), max_passes, time_limit_s))
+        return problem.best_plan(target, [0] * len(problem.dag), max_passes, node_limit)[1]
     levels = [0] * len(problem.dag)
     problem.optimize(levels, target, priced=True, max_passes=max_passes)
     plans = [problem.plan(levels)]
@@ -223,7 +235,7 @@ def frontier(
     p_blk_w: float | Sequence[float],
     num_points: int = 24,
     max_passes: int = 1,
-    time_limit_s: float = 0.5,
+    node_limit: int = FRONTIER_NODE_LIMIT,
 ) -> Frontier:
     """The time-energy frontier, from the fastest plan to the least-energy one.
 
@@ -239,7 +251,7 @@ def frontier(
         p_blk_w: Blocking power (W) while a stage waits: one value, or one per stage.
         num_points: Number of targets to solve for (at least 2).
         max_passes: Local-search passes per target (with scipy; without, the greedy runs alone).
-        time_limit_s: With scipy, the most time (s) branch and bound may take per target (0: never run it).
+        node_limit: With scipy, the most nodes branch and bound may explore per target (0: never run it).
     """
     if num_points < 2:
         raise ValueError(f"`frontier(num_points={num_points})` needs at least 2 points.")
@@ -247,16 +259,17 @@ def frontier(
     lo = problem.fastest_time_s
     plans: list[Plan] = []
     if _refine_available():
-        least = problem.best_levels(problem.slowest_time_s, [0] * len(problem.dag), max_passes, time_limit_s)
-        plans.append(problem.plan(least))
+        plans.append(
+            problem.best_plan(problem.slowest_time_s, [0] * len(problem.dag), max_passes, node_limit)[1]
+        )
         hi = plans[0].iteration_time_s
         targets = {lo + (hi - lo) * k / (num_points - 1) for k in range(num_points)}
         if problem.max_frequency_time_s < hi:
             targets.add(problem.max_frequency_time_s)
         levels = [0] * len(problem.dag)
         for target in sorted(targets):
-            levels = problem.best_levels(target, levels, max_passes, time_limit_s)
-            plans.append(problem.plan(levels))
+            levels, plan = problem.best_plan(target, levels, max_passes, node_limit)
+            plans.append(plan)
     else:
         hi = problem.slowest_time_s
         targets = {
@@ -371,18 +384,20 @@ class _Problem:
         durations = [t[k] for t, k in zip(self.times, levels, strict=True)]
         return self.dag.iteration_time(durations) <= target_time_s * (1 + _REL_TOL)
 
-    def best_levels(
-        self, target_time_s: float, start: Sequence[int], max_passes: int, time_limit_s: float
-    ) -> list[int]:
-        """The priced greedy from `start` (feasible under the target), then `exact.refine`; logs the gap."""
+    def best_plan(
+        self, target_time_s: float, start: Sequence[int], max_passes: int, node_limit: int
+    ) -> tuple[list[int], Plan]:
+        """The priced greedy from `start` (feasible under the target), then `exact.refine`: the levels and the
+        plan, with its proven gap (also logged)."""
         from zeus_callbacks.core.pipeline_frequency.exact import GAP_GOAL, refine
 
         levels = list(start)
         # Local search pays off more from the relaxation's rounded plan than from the greedy: only there.
         self.optimize(levels, target_time_s, priced=True, max_passes=0)
-        levels, bound = refine(self, levels, target_time_s, time_limit_s, max_passes)
-        energy = self.plan(levels).energy_j
-        gap = energy / bound - 1 if bound > 0 else float("inf")
+        levels, bound = refine(self, levels, target_time_s, node_limit, max_passes)
+        plan = self.plan(levels)
+        energy = plan.energy_j
+        gap = max(0.0, energy / bound - 1) if bound > 0 else float("inf")
         log = logger.info if gap > GAP_GOAL else logger.debug
         log(
             "Plan for target %.6g s: %.6g J, proven within %.3g %% of the optimum.",
@@ -390,7 +405,7 @@ class _Problem:
             energy,
             100 * gap,
         )
-        return levels
+        return levels, dataclasses.replace(plan, proven_gap=gap)
 
     def optimize(self, levels: list[int], target_time_s: float, priced: bool, max_passes: int) -> None:
         """Improve `levels` in place: least energy with the iteration time within `target_time_s`.

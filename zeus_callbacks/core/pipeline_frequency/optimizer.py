@@ -587,8 +587,8 @@ class PipelineFrequencyOptimizer:
             return [], False
         if not supported:
             logger.warning(
-                "PipelineFrequencyOptimizer: %s lists no supported SM clocks (NVML answered an empty list), so "
-                "clock locking is not supported on it.",
+                "PipelineFrequencyOptimizer: %s lists no supported SM clocks (NVML answered an empty list of "
+                "memory or SM clocks), so clock locking is not supported on it.",
                 self.gpu.label,
             )
             return [], False

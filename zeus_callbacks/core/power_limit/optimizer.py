@@ -14,7 +14,7 @@ import numpy as np
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.arguments import bad_argument, require_monitor, whole_number
 from zeus_callbacks.core.callback import Callback
-from zeus_callbacks.core.device.errors import GPUError, InvalidInputError
+from zeus_callbacks.core.device.errors import GPUError, GPULostError, InvalidInputError
 from zeus_callbacks.core.device.power import MAX_REFRESH_PERIOD_S, energy_refresh_period_s
 from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -25,7 +25,7 @@ from zeus_callbacks.core.power_limit.profile_file import (
     measurement_problem,
     save_profile,
 )
-from zeus_callbacks.core.power_limit.ranks import all_ranks_take_part
+from zeus_callbacks.core.power_limit.ranks import JobMembership
 from zeus_callbacks.core.power_limit.search import (
     MAX_VISITS,
     SEARCHES,
@@ -59,6 +59,7 @@ CHUNK_REFRESHES = 1
 # end, up to this many steps, so that it keeps samples from after it. One seen to end early in a visit
 # that did not expect it began before: the visits of up to this many steps before are set aside.
 BURST_STEPS = 20
+_NOT_CLOSED = object()  # `_record_step`: the step's window is still open
 
 
 # -- phases -----------------------------------------------------------------------------------------
@@ -114,6 +115,9 @@ class _Profiling:
     chunk_time_s: float = 0.0  # their time (each step's maxed over ranks),
     chunk_energy_j: float = 0.0  # and this rank's energy
     chunk_own_s: float = 0.0  # this rank's own time in the chunk
+    # `search="zeus"`: the limit's last step, measured, is counted at the next step's beginning, as Zeus
+    # closes its window there (an epoch's end before that interrupts the limit). A 1-tuple once held.
+    held: tuple[Any] | None = None
 
 
 @dataclass
@@ -253,6 +257,7 @@ class GlobalPowerLimitOptimizer(Callback):
         self.profiling_energy_j = 0.0
         self.power_limit_w: int | None = None
         self._failed = False
+        self._unfinished = ""  # what the last run's end said when it cut profiling short
         self._warmed_up = False  # this run's first limit had its full warm-up (later ones settle)
         self._burst_open = False  # the last visit ended inside a burst
         self._visit_in_burst = False  # the current visit began inside one
@@ -260,9 +265,14 @@ class GlobalPowerLimitOptimizer(Callback):
         # The slowest rank's energy-counter refresh period (0: steps are long enough, or the counter is
         # always current); learned at the first measured step.
         self.energy_refresh_s: float | None = None
-        # Under torchrun the process group may not exist yet (transformers creates it later): then the
-        # job's size is only known at the first step, and the setup waits for it.
-        if dist.is_distributed() or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        # Under torch.distributed the setup waits for the end of the first step, when every rank that runs
+        # an optimizer has registered, however late it started (`ranks`: no clock decides who takes part).
+        # Under torchrun the process group may not exist yet (transformers creates it later), nor under
+        # Lightning's launcher, whose first process builds its callbacks before it becomes rank 0.
+        self._membership = JobMembership()
+        if dist.is_distributed():
+            self._membership.register()
+        elif int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
             self._setup()
 
     # -- public state ---------------------------------------------------------------------------
@@ -320,7 +330,9 @@ class GlobalPowerLimitOptimizer(Callback):
 
     def report(self) -> dict[str, Any]:
         """The profile as plain data: one row per profiled limit, the choice, and the saving against the
-        maximum limit (by the measurements; labelled `simulated` when the GPUs are)."""
+        maximum limit (by the measurements; labelled `simulated` when the GPUs are). After a run that
+        ended before profiling finished, `phase` is `incomplete` and `incomplete_reason` says how far it
+        got and how many steps a run needs (`phase` itself is `waiting`: for the next run)."""
         rows = []
         ref = self.stats.get(self.grid[0]) if self.grid else None
         ref_time = ref.mean_time_s if ref is not None and ref.steps else float("nan")
@@ -356,7 +368,7 @@ class GlobalPowerLimitOptimizer(Callback):
             "search": self.search,
             "simulated": self.monitor.simulated,
             "num_gpus": self.num_gpus,
-            "phase": self.phase,
+            "phase": "incomplete" if self._unfinished and not self._started else self.phase,
             "power_limits": rows,
             "optimal_power_limit_w": self.optimal_power_limit_w,
             "applied": isinstance(self._phase, _Done),
@@ -365,6 +377,8 @@ class GlobalPowerLimitOptimizer(Callback):
         }
         if isinstance(self._phase, _Inactive):
             out["inactive_reason"] = self._phase.reason
+        if out["phase"] == "incomplete":
+            out["incomplete_reason"] = self._unfinished
         best = self.stats.get(self.optimal_power_limit_w or -1)
         if ref is not None and ref.steps and best is not None and best.steps:
             out["energy_saved_pct"] = 100 * (1 - best.mean_energy_j / ref.mean_energy_j)
@@ -375,7 +389,17 @@ class GlobalPowerLimitOptimizer(Callback):
     def on_step_begin(self) -> None:
         """Mark the beginning of a training step."""
         if not self._started:
+            if dist.is_distributed():  # the first step: the job's membership settles at its end
+                self._membership.register()
+                if self._ready:  # set up before this process knew it was a rank (Lightning's launcher)
+                    self._ready, self.stats, self._spent_before = False, {}, 0
+                    self._phase = _Waiting(self.wait_steps)
+                return
             self._start()
+        if isinstance(self._phase, _Profiling) and self._phase.held is not None:
+            phase, (m,) = self._phase, self._phase.held
+            phase.held = None
+            self._record_step(phase, m)
         if isinstance(self._phase, _Waiting) and self._phase.steps_left <= 0:
             self._begin_next()  # after an epoch's end interrupted a limit (`search="zeus"`)
         if isinstance(self._phase, (_Warmup, _Profiling)) and not self._failed:
@@ -389,7 +413,12 @@ class GlobalPowerLimitOptimizer(Callback):
     def on_step_end(self) -> None:
         """Mark the end of a training step."""
         if not self._started:
-            return
+            if not dist.is_distributed():
+                return
+            self._start()  # after a step every rank synchronised on: every optimizer has registered
+            if isinstance(self._phase, (_Warmup, _Profiling)):  # begun now (`wait_steps=0`): nothing to count
+                self.monitor.gpus.step_boundary(self.monitor.gpu_indices)
+                return
         phase = self._phase
         if isinstance(phase, _Waiting):
             phase.steps_left -= 1
@@ -412,7 +441,13 @@ class GlobalPowerLimitOptimizer(Callback):
                 self._warmed_up = True
                 self._phase = _Profiling(phase.power_limit_w, phase.stats)
         elif isinstance(phase, _Profiling):
-            self._record_step(phase)
+            if (
+                self.search == "zeus"
+                and phase.stats.spent_steps + phase.chunk_steps + 1 >= self.profile_steps
+            ):
+                phase.held = (self._close_step(),)
+            else:
+                self._record_step(phase)
         self.monitor.gpus.step_boundary(self.monitor.gpu_indices)
 
     def on_epoch_begin(self) -> None:
@@ -421,7 +456,8 @@ class GlobalPowerLimitOptimizer(Callback):
     def on_epoch_end(self) -> None:
         """Mark the end of an epoch. Profiling carries on across epochs, except with `search="zeus"`:
         then the limit being warmed up or profiled is dropped, the GPU goes back to the maximum limit,
-        and that limit is profiled again from its warm-up at the next step, as Zeus does."""
+        and that limit is profiled again from its warm-up at the next step, as Zeus does (also when the
+        epoch ends right after the limit's last step: Zeus counts that step at the next one's beginning)."""
         phase = self._phase
         if self.search != "zeus" or not self._started or not isinstance(phase, (_Warmup, _Profiling)):
             return
@@ -446,7 +482,7 @@ class GlobalPowerLimitOptimizer(Callback):
         guard().restore()
         self.power_limit_w = None
         if self._started and isinstance(self._phase, (_Waiting, _Warmup, _Profiling)):
-            self._say_unfinished()
+            self._unfinished = self._say_unfinished()
         self._started = False
         self._warmed_up = False
         self._burst_open = False
@@ -454,7 +490,45 @@ class GlobalPowerLimitOptimizer(Callback):
         if isinstance(self._phase, (_Warmup, _Profiling)):
             self._phase = _Waiting(self.wait_steps)
 
-    def _say_unfinished(self) -> None:
+    def steps_needed(self) -> int:
+        """Training steps a run needs for profiling to finish from the start (`wait_steps` included): a
+        sweep's `warmup_steps + profile_steps` per limit; the adaptive search's budget, which grows where
+        steps are shorter than the energy counter's refresh (a sample then groups several steps), though
+        it usually stops well before it."""
+        per_limit = self.warmup_steps + self.profile_steps
+        if self._by_steps():
+            return self.wait_steps + len(self.grid) * per_limit
+        per_sample = chunk_steps(self.stats)
+        return self.wait_steps + adaptive_budget_steps(
+            len(self.grid), self.warmup_steps, self.profile_steps, per_sample
+        )
+
+    def _steps_needed_text(self) -> str:
+        limits, per_sample = len(self.grid), chunk_steps(self.stats)
+        if self._by_steps():
+            return (
+                f"profiling needs {self.steps_needed()} steps in one run ({self.wait_steps} wait + {limits} "
+                f"limits x ({self.warmup_steps} warm-up + {self.profile_steps} measured)"
+                + (
+                    ", and epochs longer than warmup_steps + profile_steps, as an epoch's end restarts a limit"
+                    if self.search == "zeus"
+                    else ""
+                )
+                + ")"
+            )
+        grouped = (
+            f"; {per_sample:.1f} steps per sample, as these steps are shorter than the energy counter's "
+            "refresh"
+            if per_sample > 1
+            else ""
+        )
+        return (
+            f"profiling needs at most {self.steps_needed()} steps in one run ({self.wait_steps} wait + 3/4 of "
+            f"{limits} limits x ({self.warmup_steps} warm-up + {self.profile_steps} samples){grouped}), "
+            "usually far fewer"
+        )
+
+    def _say_unfinished(self) -> str:
         measured = sum(1 for s in self.stats.values() if s.steps)
         carry = (
             f"it is saved in {self.profile_path}: the next run with the same profile_path carries on"
@@ -462,14 +536,16 @@ class GlobalPowerLimitOptimizer(Callback):
             else "pass `profile_path=...` to carry the profile to the next run (or resume from a checkpoint: "
             "the profile is in the optimizer's state)"
         )
+        said = (
+            f"training ended before profiling finished ({measured} of {len(self.grid)} power limits measured "
+            f"in {self.profiling_steps} steps): {self._steps_needed_text()}"
+        )
         logger.warning(
-            "GlobalPowerLimitOptimizer: training ended before profiling finished (%d of %d power limits "
-            "measured in %d steps); no power limit was chosen and the GPUs are back as they were. %s.",
-            measured,
-            len(self.grid),
-            self.profiling_steps,
+            "GlobalPowerLimitOptimizer: %s; no power limit was chosen and the GPUs are back as they were. %s.",
+            said,
             carry[0].upper() + carry[1:],
         )
+        return said
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -529,7 +605,7 @@ class GlobalPowerLimitOptimizer(Callback):
         """Learn the grid, the job's size and permissions (collectives when every rank takes part), and
         load a saved profile: a complete one is applied now."""
         self._ready = True
-        self._collective = dist.is_distributed() and all_ranks_take_part()
+        self._collective = dist.is_distributed() and self._membership.settle()
         try:
             constraints = {g.power_limit_constraints_mw() for g in self._gpus}
         except GPUError as e:  # e.g. no power-limit control on this GPU: every rank stands down below
@@ -617,6 +693,7 @@ class GlobalPowerLimitOptimizer(Callback):
 
     def _start(self) -> None:
         self._started = True
+        self._unfinished = ""
         if not self._ready:
             self._setup()
         if isinstance(self._phase, _Done):  # a profile applied at construction, or a later run
@@ -691,19 +768,29 @@ class GlobalPowerLimitOptimizer(Callback):
             self._warmed_up = True
             self._phase = _Profiling(pl, stats)
 
-    def _record_step(self, phase: _Profiling | None) -> float | None:
-        """Close the step's window and add it to the profiling cost; when measuring, add the job's step
-        (time maxed over ranks) to the chunk being measured; once the chunk spans `CHUNK_REFRESHES`
-        refreshes of the energy counter, add it (energy summed over ranks) to the limit's samples and
-        decide whether to go on."""
+    def _close_step(self) -> Any:
+        """Close the step's window and add it to the profiling cost: its `Measurement`, or None when a
+        GPU failed (said, and the optimizer stands down)."""
         self.profiling_steps += 1
         m = None
         if not self._failed:
             try:
                 m = self.monitor.end_window(_WINDOW)
+                lost = getattr(self.monitor, "lost_gpus", None)  # the monitor measures on without them
+                if lost:
+                    raise GPULostError(next(iter(lost.values())))
                 self.profiling_energy_j += m.total_energy
             except (GPUError, ValueError) as e:
                 self._gpu_failed(e)
+        return m
+
+    def _record_step(self, phase: _Profiling | None, m: Any = _NOT_CLOSED) -> float | None:
+        """Close the step's window (unless `m`, its measurement, was taken already) and add it to the
+        profiling cost; when measuring, add the job's step (time maxed over ranks) to the chunk being
+        measured; once the chunk spans `CHUNK_REFRESHES` refreshes of the energy counter, add it (energy
+        summed over ranks) to the limit's samples and decide whether to go on."""
+        if m is _NOT_CLOSED:
+            m = self._close_step()
         if phase is None or (self._phase is not phase and not self._collective):
             return m.time if m is not None else None
         t, e = (m.time, m.total_energy) if m is not None else (0.0, 0.0)

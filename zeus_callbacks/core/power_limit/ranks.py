@@ -2,32 +2,28 @@
 
 The optimizer reaches one decision for the whole job with collectives, which every rank must call.
 Zeus's data-parallel example builds the optimizer on rank 0 only; collectives there would wait forever.
-So each optimizer registers in the job's store when it is set up and waits (a few seconds at most) for
-the other ranks' to register; the first rank to conclude writes the verdict, and every rank follows it:
-`all` (collectives) or `alone` (each optimizer decides for its own GPUs, with a warning).
+So each optimizer registers in the job's store as soon as it knows it is a rank (when it is built under
+a process group, else at its first step's beginning), and the membership is settled at the end of its
+first step: a data-parallel job synchronises its ranks in every step (DDP's, FSDP's, DeepSpeed's gradient
+collectives), so by the time any rank ends its first step every rank has begun its own, and every rank
+that runs an optimizer has registered, however late it started. No clock decides: the first rank to
+settle writes the verdict, `all` (collectives) or `alone` (each optimizer decides for its own GPUs, with
+a warning: the rank-0-only case), and every rank follows it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
-import time
 from typing import Any
 
 from zeus_callbacks.core import distributed as dist
 
-__all__ = ["all_ranks_take_part", "JOIN_TIMEOUT_ENV"]
+__all__ = ["JobMembership", "all_ranks_take_part"]
 
 logger = logging.getLogger(__name__)
 
-# Seconds a rank waits for the others' optimizers to register (ranks build them at about the same time:
-# after init_process_group and the model's wrapping, which are collectives themselves).
-JOIN_TIMEOUT_ENV = "ZEUS_CALLBACKS_JOIN_TIMEOUT_S"
-_DEFAULT_TIMEOUT_S = 10.0
-_POLL_S = 0.02
-
-_sequence = itertools.count()  # the n-th optimizer set up in this process meets the n-th of the others
+_sequence = itertools.count()  # the n-th optimizer registered in this process meets the n-th of the others
 
 
 def _store() -> Any:
@@ -39,31 +35,57 @@ def _store() -> Any:
         return None
 
 
+class JobMembership:
+    """One optimizer's place in the job: `register()` early, `settle()` once a step synchronised the ranks."""
+
+    def __init__(self, what: str = "GlobalPowerLimitOptimizer") -> None:
+        self.what = what
+        self._key: str | None = None
+        self._verdict: bool | None = None
+
+    @property
+    def settled(self) -> bool:
+        """Whether `settle` has decided."""
+        return self._verdict is not None
+
+    def register(self) -> None:
+        """Say in the job's store that this rank runs one (once; nothing outside torch.distributed)."""
+        if self._key is not None or not dist.is_distributed():
+            return
+        store = _store()
+        if store is None:
+            return
+        self._key = f"zeus_callbacks/{self.what}/{next(_sequence)}"
+        store.add(f"{self._key}/count", 1)
+
+    def settle(self) -> bool:
+        """True when every rank of the job runs this optimizer (decide together), False when this one
+        decides alone. Call it after a step every rank synchronised on; not distributed: True."""
+        if self._verdict is not None:
+            return self._verdict
+        if not dist.is_distributed() or dist.world_size() == 1:
+            return True
+        self.register()
+        store = _store()
+        if store is None or self._key is None:
+            self._verdict = True
+            return True
+        world = dist.world_size()
+        count = store.add(f"{self._key}/count", 0)
+        verdict = store.compare_set(f"{self._key}/verdict", "", "all" if count >= world else "alone")
+        self._verdict = verdict == b"all"
+        if not self._verdict:
+            logger.warning(
+                "%s: only %d of the job's %d ranks run one (Zeus's data-parallel example builds it on rank 0 "
+                "only), so this rank decides for its own GPU(s) alone; build it on every rank for one "
+                "decision for the whole job.",
+                self.what,
+                count,
+                world,
+            )
+        return self._verdict
+
+
 def all_ranks_take_part(what: str = "GlobalPowerLimitOptimizer") -> bool:
-    """True when every rank of the job runs this optimizer (decide together), False when this one
-    decides alone. Not distributed: True (there is nobody else)."""
-    if not dist.is_distributed() or dist.world_size() == 1:
-        return True
-    store = _store()
-    if store is None:
-        return True
-    key = f"zeus_callbacks/{what}/{next(_sequence)}"
-    world = dist.world_size()
-    count = store.add(f"{key}/count", 1)
-    timeout_s = float(os.environ.get(JOIN_TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
-    deadline = time.monotonic() + timeout_s
-    while count < world and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
-        count = store.add(f"{key}/count", 0)
-    verdict = store.compare_set(f"{key}/verdict", "", "all" if count >= world else "alone")
-    if verdict == b"all":
-        return True
-    logger.warning(
-        "%s: only %d of the job's %d ranks run one (Zeus's data-parallel example builds it on rank 0 "
-        "only), so this rank decides for its own GPU(s) alone; build it on every rank for one decision "
-        "for the whole job.",
-        what,
-        count,
-        world,
-    )
-    return False
+    """`JobMembership(what)` registered and settled at once: for a caller past a synchronising step."""
+    return JobMembership(what).settle()

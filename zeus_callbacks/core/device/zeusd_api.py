@@ -1,0 +1,278 @@
+"""zeusd's HTTP API as released: its generations, `/discover` per generation, the GPU mapping, its error answers.
+
+Read from zeusd's Rust source (ml-energy/zeus, `zeusd/src/`) at the tags `zeusd-v0.4.0`, `zeusd-v0.5.0`
+and at master (still `version = "0.5.0"` in its Cargo.toml, but with more fields), not from its documents:
+
+- `routes/server.rs` `DiscoveryInfo`: 0.4 lists `gpu_ids` (numbers only), `cpu_ids`, `dram_available`; 0.5
+  lists `gpus: [{id, name}]` and `cpus: [{id, dram_available}]`; master adds `pci_address`
+  (`{:04x}:{:02x}:{:02x}.0`, `devices/gpu/nvml.rs`) and `cumulative_energy_available` to each GPU. Every
+  generation has `enabled_api_groups` and `auth_required`.
+- `error.rs`: an NVML failure is `NVML error: <nvml-wrapper's Display text>`. From 0.5 a write answers the
+  worst per-GPU status (`aggregate_error_response`: 403 NoPermission, 400 InvalidArg and NotSupported, 500
+  the rest); 0.4 answers every per-GPU failure with 500. Both as `{"errors": {"<id>": text}}` (JSON).
+- `routes/gpu.rs`: an index the daemon does not have is `ZeusdError::GpuNotFoundError`, which actix answers
+  400 `text/plain` ("GPU index 3 does not exist."), before any command runs; a malformed query is actix's
+  `QueryPayloadError` (400 `text/plain`, "Query deserialize error: ...").
+- `auth.rs`: 401 and 403 (a missing scope) and 404 (a disabled API group) as `{"error": text}`.
+
+zeusd numbers GPUs as NVML does on the daemon's side: all of the node's, in PCI bus order. A job's NVML may
+see fewer (a container, a cgroup), so an index is only meaningful where both provably see the same GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "GENERATIONS",
+    "ZeusdGPU",
+    "Discovery",
+    "parse_discovery",
+    "pci_key",
+    "Match",
+    "MappingRefused",
+    "match_gpu",
+    "Answer",
+    "classify",
+]
+
+# "master" is zeusd after its 0.5.0 release (its Cargo.toml still says 0.5.0): the first with PCI addresses.
+GENERATIONS = ("0.4", "0.5", "master")
+
+# nvml-wrapper's `NvmlError` Display texts (Cldfire/nvml-wrapper, `nvml-wrapper/src/error.rs`), as zeusd
+# sends them after "NVML error: " (sic "inacessible").
+NVML_NOT_SUPPORTED = "the requested operation is not available on the target device"
+NVML_INVALID_ARG = "a supplied argument was invalid"
+NVML_NO_PERMISSION = "the current user does not have permission to perform this operation"
+NVML_GPU_LOST = "device fell off the bus or has otherwise become inacessible"
+NVML_RESET_REQUIRED = "device requires a reset before it can be used again"
+# `error.rs` from 0.5: what a platform without persistence mode answers (400).
+PERSISTENCE_CANNOT_BE_DISABLED = "Persistence mode cannot be disabled on this platform."
+
+
+@dataclass(frozen=True)
+class ZeusdGPU:
+    """A GPU as `GET /discover` lists it; `name` from 0.5, `pci_address` and the energy flag after 0.5."""
+
+    id: int
+    name: str | None = None
+    pci_address: str | None = None  # `0000:17:00.0`
+    cumulative_energy_available: bool | None = None
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What `GET /discover` says (it never needs a token) and which API generation says it."""
+
+    generation: str  # one of GENERATIONS
+    gpus: tuple[ZeusdGPU, ...]
+    enabled_api_groups: frozenset[str]
+    auth_required: bool
+
+    @property
+    def describe(self) -> str:
+        """`zeusd 0.5 (GPU names, no PCI addresses)`: for messages and `doctor`."""
+        return {
+            "0.4": "zeusd 0.4 (GPU indices only)",
+            "0.5": "zeusd 0.5 (GPU names, no PCI addresses)",
+            "master": "zeusd after 0.5 (GPU PCI addresses)",
+        }[self.generation]
+
+
+def parse_discovery(body: Any) -> Discovery:
+    """The `Discovery` of a `/discover` body of any released generation.
+
+    Raises:
+        ValueError: not zeusd's discovery document.
+    """
+    if not isinstance(body, dict) or not isinstance(body.get("enabled_api_groups"), list):
+        raise ValueError("no enabled_api_groups")
+    groups = frozenset(str(g) for g in body["enabled_api_groups"])
+    auth = body.get("auth_required")
+    if not isinstance(auth, bool):
+        raise ValueError("no auth_required")
+    if "gpus" not in body and isinstance(body.get("gpu_ids"), list):  # 0.4
+        ids = body["gpu_ids"]
+        if not all(type(i) is int for i in ids):
+            raise ValueError("gpu_ids are not numbers")
+        return Discovery("0.4", tuple(ZeusdGPU(i) for i in ids), groups, auth)
+    entries = body.get("gpus")
+    if not isinstance(entries, list) or not all(
+        isinstance(g, dict) and type(g.get("id")) is int for g in entries
+    ):
+        raise ValueError("no gpus list")
+    gpus = tuple(
+        ZeusdGPU(
+            g["id"],
+            str(g["name"]) if g.get("name") is not None else None,
+            str(g["pci_address"]) if g.get("pci_address") else None,
+            g.get("cumulative_energy_available"),
+        )
+        for g in entries
+    )
+    generation = "master" if any(g.pci_address for g in gpus) else "0.5"
+    return Discovery(generation, gpus, groups, auth)
+
+
+def pci_key(address: str) -> tuple[int, int, int] | None:
+    """(domain, bus, device) of `0000:17:00.0` or NVML's `00000000:17:00.0`; None if malformed.
+
+    The function is left out: zeusd writes `.0` for every GPU (`devices/gpu/nvml.rs`, `pci_address`).
+    """
+    try:
+        domain, bus, rest = address.strip().split(":")
+        device, _function = rest.split(".")
+        return int(domain, 16), int(bus, 16), int(device, 16)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Match:
+    """zeusd's index of one GPU and how it was found (said by `doctor`)."""
+
+    zeusd_id: int
+    how: str  # "PCI address 0000:17:00.0" | "NVML index 1 (same N GPUs, same names)" | ...
+
+
+class MappingRefused(Exception):  # noqa: N818 - a refusal, raised to be turned into a GPUError
+    """The GPU cannot be matched to zeusd's safely; the message says why and what to do."""
+
+
+def _visible_subset(cuda_visible: str | None, node_count: int) -> bool:
+    if cuda_visible is None:
+        return False
+    entries = [e for e in cuda_visible.split(",") if e.strip()]
+    return len(set(entries)) < node_count
+
+
+def match_gpu(
+    found: Discovery,
+    *,
+    pci: tuple[int, int, int] | None,
+    nvml_index: int,
+    node_names: list[str],
+    cuda_visible: str | None = None,
+) -> Match:
+    """zeusd's index of the GPU at NVML index `nvml_index` (this job's NVML, which sees `node_names`).
+
+    By PCI address where zeusd gives them. Otherwise by NVML index, only where this job provably sees the
+    node as zeusd does: as many GPUs, with the same names in the same order (0.5; 0.4 gives no names), and
+    no `CUDA_VISIBLE_DEVICES` naming a subset (a job given part of a node).
+
+    Raises:
+        MappingRefused: no safe match; the message ends with what to do.
+    """
+    addressed = [g for g in found.gpus if g.pci_address]
+    if addressed:
+        if pci is None:
+            raise MappingRefused("this job's NVML gives no PCI address for it; check the driver")
+        hits = [g for g in addressed if pci_key(g.pci_address or "") == pci]
+        if len(hits) != 1:
+            listed = ", ".join(f"{g.id}: {g.pci_address}" for g in addressed)
+            raise MappingRefused(
+                f"zeusd serves no GPU at PCI address {pci[0]:04x}:{pci[1]:02x}:{pci[2]:02x}.0 (it serves "
+                f"{listed}): point ZEUSD_SOCK_PATH / ZEUSD_HOST_PORT at the zeusd of this node"
+            )
+        return Match(hits[0].id, f"PCI address {hits[0].pci_address}")
+    upgrade = f"{found.describe} gives no PCI addresses to match GPUs by"
+    fix = (
+        "upgrade zeusd to a build that reports PCI addresses (after 0.5), or run the job with every GPU of "
+        "the node visible in NVML order (CUDA_VISIBLE_DEVICES unset or 0,1,...,N-1) and choose GPUs with "
+        "gpu_indices"
+    )
+    ids = sorted(g.id for g in found.gpus)
+    if len(node_names) != len(found.gpus) or ids != list(range(len(ids))):
+        raise MappingRefused(
+            f"{upgrade}, and this job sees {len(node_names)} GPU(s) where zeusd serves {len(found.gpus)}, so "
+            f"NVML index {nvml_index} may be another GPU on zeusd's side: {fix}"
+        )
+    if _visible_subset(cuda_visible, len(node_names)):
+        raise MappingRefused(
+            f"{upgrade}, and CUDA_VISIBLE_DEVICES={cuda_visible!r} gives this job part of the node, so its "
+            f"NVML view cannot be proven to be zeusd's: {fix}"
+        )
+    theirs = {g.id: g.name for g in found.gpus}
+    if any(theirs[i] is not None and theirs[i] != name for i, name in enumerate(node_names)):
+        order = ", ".join(f"{g.id}: {g.name}" for g in sorted(found.gpus, key=lambda g: g.id))
+        raise MappingRefused(
+            f"{upgrade}, and its GPUs [{order}] are not this job's NVML GPUs {node_names} in the same order: "
+            f"{fix}"
+        )
+    same = "same names" if found.generation != "0.4" else "zeusd 0.4 gives no names"
+    return Match(nvml_index, f"NVML index {nvml_index} (the same {len(node_names)} GPU(s), {same})")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One error answer of zeusd, classified: `kind` (below) and zeusd's own text."""
+
+    status: int
+    kind: str
+    text: str
+
+
+# Kinds: auth (401), scope (403 from auth.rs), group_disabled (404 from auth.rs), no_endpoint (404),
+# bad_query (400 text/plain from actix), unknown_gpu (400 GpuNotFoundError), no_permission (NVML),
+# not_supported (NVML, or persistence on a platform without it), invalid_arg (NVML), gpu_lost (NVML),
+# failed (anything else).
+def _texts(body: Any) -> str:
+    """zeusd's error text: `{"error": msg}`, per-GPU `{"errors": {"0": msg}}`, or actix's plain text."""
+    if isinstance(body, dict):
+        if isinstance(body.get("error"), str):
+            return body["error"]
+        errors = body.get("errors")
+        if isinstance(errors, dict):
+            return "; ".join(f"GPU {k}: {v}" for k, v in sorted(errors.items()))
+        return json.dumps(body)[:300]
+    return "" if body is None else str(body).strip()[:300]
+
+
+def _nvml_kind(text: str) -> str | None:
+    lowered = text.lower()
+    if NVML_GPU_LOST in lowered or NVML_RESET_REQUIRED in lowered:
+        return "gpu_lost"
+    if NVML_NOT_SUPPORTED in lowered or PERSISTENCE_CANNOT_BE_DISABLED.lower() in lowered:
+        return "not_supported"
+    if NVML_NO_PERMISSION in lowered:
+        return "no_permission"
+    if NVML_INVALID_ARG in lowered:
+        return "invalid_arg"
+    return None
+
+
+def classify(status: int, body: Any) -> Answer:
+    """What an error answer means: by HTTP status first, by zeusd's texts second (see the module docstring).
+
+    `body` is the decoded JSON or the plain text of the answer.
+    """
+    text = _texts(body)
+    lowered = text.lower()
+    nvml = _nvml_kind(text)
+    if status == 401:
+        kind = "auth"
+    elif status == 403:
+        kind = "scope" if "lacks required scope" in lowered else "no_permission"
+    elif status == 404:
+        kind = "group_disabled" if "is not enabled on this server" in lowered else "no_endpoint"
+    elif status == 400:
+        if lowered.startswith("query deserialize error"):
+            kind = "bad_query"
+        elif "does not exist" in lowered or ("gpu" in lowered and "not found" in lowered):
+            kind = "unknown_gpu"
+        else:
+            kind = nvml if nvml in ("not_supported", "invalid_arg") else "bad_query"
+    elif status >= 500:
+        # 0.4 answers every per-GPU failure with 500: its text says which.
+        kind = nvml or "failed"
+    else:
+        kind = "failed"
+    return Answer(status, kind, text)
+
+
+def cuda_visible_devices() -> str | None:
+    """`CUDA_VISIBLE_DEVICES` as this job has it (None: unset)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
