@@ -1,9 +1,10 @@
 """Cost of one begin_window+end_window pair: this package's ZeusMonitor vs Zeus 0.16's, on simulated NVML.
 
-Both monitors read the same simulated GPUs through the same fake NVML (`zeus_callbacks.sim.fake_nvml`,
-installed as `pynvml` before Zeus is imported), without device synchronisation (`sync_execution=False`),
-and measure GPUs only (`cpu_indices=[]`). The "bare reads" column is the floor both share: the
-`nvmlDeviceGetTotalEnergyConsumption` calls a pair needs (two per GPU), made in a tight loop.
+Both monitors read the same simulated GPUs through the same real nvidia-ml-py (`pynvml`), beneath which
+the simulator answers as the NVML library (`zeus_callbacks.sim.nvml_library`, ctypes callbacks at NVML's C
+boundary), without device synchronisation (`sync_execution=False`), and measure GPUs only
+(`cpu_indices=[]`). The "bare reads" column is the floor both share: the
+`pynvml.nvmlDeviceGetTotalEnergyConsumption` calls a pair needs (two per GPU), made in a tight loop.
 
 Run: `python benchmarks/monitor_overhead.py [--pairs 2000] [--repeat 50]`
 """
@@ -18,27 +19,25 @@ import timeit
 import warnings
 from collections.abc import Callable
 
+import pynvml
+
 from zeus_callbacks import sim
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.sim import fake_nvml
 
 GPU_COUNTS = (1, 4, 8)
 
 
 def _import_zeus():
-    """Zeus's monitor class, running on the fake NVML (None, with the reason, when Zeus is missing)."""
-    real_pynvml = sys.modules.get("pynvml")
-    sys.modules["pynvml"] = fake_nvml
+    """Zeus's monitor class (None, with the reason, when Zeus is missing). Zeus imports the same `pynvml`,
+    so it reaches the simulated GPUs with nothing patched."""
     try:
         import zeus.device.gpu as zeus_gpu
         import zeus.device.gpu.nvidia as zeus_nvidia
         from zeus.monitor import ZeusMonitor as ZeusZeusMonitor
     except ImportError as e:
-        if real_pynvml is not None:
-            sys.modules["pynvml"] = real_pynvml
         return None, f"zeus is not importable ({e}); install it with `pip install 'zeus==0.16.*'`"
-    if zeus_nvidia.pynvml is not fake_nvml:
-        return None, "zeus was imported before the fake NVML could be installed"
+    if zeus_nvidia.pynvml is not pynvml:
+        return None, f"zeus uses another `pynvml` ({zeus_nvidia.pynvml!r}) than nvidia-ml-py's"
     return (ZeusZeusMonitor, zeus_gpu, zeus_nvidia), ""
 
 
@@ -64,8 +63,9 @@ def _pair(monitor) -> Callable[[], None]:
 
 
 def _bare_reads(gpu_count: int) -> Callable[[], None]:
-    read = fake_nvml.nvmlDeviceGetTotalEnergyConsumption
-    handles = [fake_nvml.nvmlDeviceGetHandleByIndex(i) for i in range(gpu_count)]
+    read = pynvml.nvmlDeviceGetTotalEnergyConsumption
+    pynvml.nvmlInit()
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(gpu_count)]
 
     def reads() -> None:
         list(map(read, handles))
@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     warnings.simplefilter("ignore")  # Zeus warns on zero-energy windows; the warning call still costs
 
     zeus, why_not = _import_zeus()
-    print("Monitor overhead per begin_window+end_window pair (simulated NVML, A40, sync_execution=False)")
+    print(
+        "Monitor overhead per begin_window+end_window pair (simulated GPUs beneath nvidia-ml-py, A40, "
+        "sync_execution=False)"
+    )
     print(f"best of {args.repeat} x {args.pairs} pairs; Python {sys.version.split()[0]}")
     if zeus is None:
         print(f"Zeus column skipped: {why_not}")
@@ -120,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {ours_us - bare_us:>12.2f}  {zeus_us - bare_us:>12.2f}"
             )
         sim.disable()
-    print("Figures are for simulated NVML: real NVML calls cost more, and the same for every monitor.")
+    print(
+        "Figures are for simulated GPUs (each read a ctypes callback into the simulator): real NVML calls "
+        "cost differently, and the same for every monitor."
+    )
     return 0
 
 

@@ -1,11 +1,12 @@
 """Power-limit search on SIMULATED GPUs: this package's GlobalPowerLimitOptimizer against Zeus 0.16's.
 
 Both optimizers run unmodified against the same simulated GPUs (`zeus_callbacks.sim`, virtual clock, the
-same noise and seeds): ours through its NVML layer, Zeus's through the same fake NVML installed as
-`pynvml` before Zeus is imported (its clock patched to the virtual one, its device synchronisation to a
-no-op since a virtual GPU has no queued work). Every workload and batch size of the shipped traces is
-run (NSDI'23 A40 and V100, every dataset/network/batch/optimizer key and the Zeus monitor logs; Zeus²
-A10G and T4 batch sizes) with every selector.
+same noise and seeds): ours through its NVML layer, Zeus's through its own, both over the real
+nvidia-ml-py (`pynvml`) beneath which the simulator answers as the NVML library (Zeus's clock patched to
+the virtual one, its device synchronisation to a no-op since a virtual GPU has no queued work). Every
+workload and batch size of the shipped traces is run (NSDI'23 A40 and V100, every
+dataset/network/batch/optimizer key and the Zeus monitor logs; Zeus² A10G and T4 batch sizes) with every
+selector.
 
 Accuracy is judged by the trace, not by the measurements: the true time and energy of a step at limit
 `pl` are `work * relative_time(pl)` and that times `power(pl)`; a choice counts when its true cost is
@@ -33,6 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
+import pynvml
 
 from zeus_callbacks import sim
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -45,7 +47,6 @@ from zeus_callbacks.core.power_limit.selectors import (
     Time,
     ZeusCost,
 )
-from zeus_callbacks.sim import fake_nvml
 
 KINDS = ("a40", "v100", "a10g", "t4")
 SELECTORS = ("ZeusCost(0.5)", "Energy()", "Time()", "MaxSlowdownConstraint(1.1)")
@@ -146,23 +147,17 @@ _ZEUS = None
 
 
 def _import_zeus():
-    """Zeus's optimizer module, bound to the fake NVML (imported once per process)."""
+    """Zeus's optimizer module (imported once per process). Zeus imports the same `pynvml` as this package,
+    beneath which the simulated GPUs answer: nothing of its NVML access is patched."""
     global _ZEUS
     if _ZEUS is None:
-        real = sys.modules.get("pynvml")
-        sys.modules["pynvml"] = fake_nvml
-        try:
-            import zeus.device.gpu as zeus_gpu
-            import zeus.device.gpu.nvidia as zeus_nvidia
-            import zeus.monitor.energy as zeus_energy
-            import zeus.optimizer.power_limit as zeus_pl
-        finally:
-            if real is not None:
-                sys.modules["pynvml"] = real
-        if zeus_nvidia.pynvml is not fake_nvml:
-            raise RuntimeError(
-                "zeus was imported before the fake NVML could be installed; run this as a script."
-            )
+        import zeus.device.gpu as zeus_gpu
+        import zeus.device.gpu.nvidia as zeus_nvidia
+        import zeus.monitor.energy as zeus_energy
+        import zeus.optimizer.power_limit as zeus_pl
+
+        if zeus_nvidia.pynvml is not pynvml:
+            raise RuntimeError(f"zeus uses another `pynvml` ({zeus_nvidia.pynvml!r}) than nvidia-ml-py's.")
         zeus_energy.sync_execution_fn = lambda *a, **k: None  # a virtual GPU has no queued work to wait for
         try:
             import torch  # noqa: F401
@@ -190,13 +185,8 @@ def run_zeus(
         "Time()": zeus_pl.Time,
         "MaxSlowdownConstraint(1.1)": lambda: zeus_pl.MaxSlowdownConstraint(1.1),
     }[selector]()
-    real, sys.modules["pynvml"] = sys.modules.get("pynvml"), fake_nvml  # Zeus re-imports it to probe NVML
-    try:
-        monitor = zeus_energy.ZeusMonitor(gpu_indices=[0], cpu_indices=[])
-        opt = zeus_pl.GlobalPowerLimitOptimizer(monitor, sel, pl_step=pl_step)
-    finally:
-        if real is not None:
-            sys.modules["pynvml"] = real
+    monitor = zeus_energy.ZeusMonitor(gpu_indices=[0], cpu_indices=[])
+    opt = zeus_pl.GlobalPowerLimitOptimizer(monitor, sel, pl_step=pl_step)
     steps, energy = 0, 0.0
     for _ in range(MAX_STEPS):
         opt.on_step_begin()
@@ -335,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--search", default="adaptive", choices=("adaptive", "sweep"))
     parser.add_argument("--no-zeus", action="store_true", help="run only this package's optimizer")
-    parser.add_argument("--misses", action="store_true", help="list the runs that missed the 1% band")
+    parser.add_argument("--misses", action="store_true", help="list the runs that missed the 1%% band")
     args = parser.parse_args(argv)
     kinds = [k.strip() for k in args.gpus.split(",") if k.strip()]
     selectors = tuple(s.strip() for s in args.selectors.split(",") if s.strip())

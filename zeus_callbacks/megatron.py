@@ -83,7 +83,9 @@ def megatron_schedule_order(
     return order
 
 
-def _warmup(schedules: Any, rank: int, num_stages: int, num_microbatches: int, chunks: int, group: int) -> int:
+def _warmup(
+    schedules: Any, rank: int, num_stages: int, num_microbatches: int, chunks: int, group: int
+) -> int:
     """The warm-up forwards of pipeline rank `rank`: Megatron's `get_pp_rank_microbatches` where present,
     else its formula (megatron/core/pipeline_parallel/schedules.py of 0.12)."""
     get = getattr(schedules, "get_pp_rank_microbatches", None)
@@ -151,7 +153,9 @@ class MegatronInstrumentation:
         self._pp: tuple[int, int] = (1, 0)  # (pipeline size, this rank)
         self._interleaved = False
         self._pending: dict[int, tuple[int, int]] = {}  # id(output tensor) -> (microbatch, chunk)
-        self._counts: dict[int, int] = {}  # forwards per chunk this step (versions without current_microbatch)
+        self._counts: dict[
+            int, int
+        ] = {}  # forwards per chunk this step (versions without current_microbatch)
         self._running: list[Instruction] = []
 
     # -- installing ------------------------------------------------------------------------------

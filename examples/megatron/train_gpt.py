@@ -41,20 +41,28 @@ from megatron_cpu import cpu_megatron  # noqa: E402
 from zeus_callbacks import PipelineFrequencyOptimizer, ZeusMonitor  # noqa: E402
 
 # Megatron-Core says at import that it falls back to torch without Transformer Engine and Apex: as intended here.
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|full scope is deprecated).*")
 
 NUM_STAGES = 4
 SCHEDULES = {"1f1b": None, "interleaved": 2}  # schedule -> virtual pipeline size (model chunks per rank)
+# The interleaved split, in Megatron's `pipeline_model_parallel_layout` notation (one `|`-separated entry per
+# virtual stage v = chunk * 4 + rank; E: embedding, t: transformer layer, L: output head and loss): the last
+# rank holds 2 layers' worth in each of its chunks (v3: 2 layers; v7: a layer and the head), the others 1.
+# The planner profiles a rank's forwards (backwards) over all its chunks, so a rank's chunks weigh the same.
+INTERLEAVED_LAYOUT = "Et|t|t|tt|t|t|t|tL"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schedules", default="1f1b", help="comma-separated, run in turn: 1f1b, interleaved")
-    p.add_argument("--layers", type=int, default=8, help="transformer layers (split evenly over the chunks)")
+    p.add_argument("--layers", type=int, default=8, help="transformer layers of 1F1B (split evenly)")
+    p.add_argument(
+        "--layout", default=INTERLEAVED_LAYOUT, help="the interleaved split (pipeline_model_parallel_layout)"
+    )
     p.add_argument("--hidden", type=int, default=32, help="hidden size")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument(
-        "--vocab", type=int, default=640, help="vocabulary; the head costs vocab / (12 hidden) layers"
+        "--vocab", type=int, default=384, help="vocabulary; the head costs vocab / (12 hidden) layers"
     )
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -62,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--kernel-ms",
         type=float,
-        default=4.0,
+        default=10.0,
         help="simulated GPU time of one transformer layer's forward per microbatch at the maximum clock "
         "(backward: twice; the head: in proportion to its FLOPs)",
     )
@@ -72,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=3, help="measured steps per profiled clock")
     p.add_argument("--min-mhz", type=int, default=None, help="lowest clock to profile")
     p.add_argument("--patience", type=int, default=2, help="clocks without a gain before a stage stops")
+    p.add_argument(
+        "--slack-margin", type=float, default=0.0, help="extra planning margin of a lowered clock's time"
+    )
     p.add_argument("--max-steps", type=int, default=200, help="give up if the plan is not applied by then")
     p.add_argument("--out", default=None, help="write each rank's results here (JSON, for the tests)")
     p.add_argument(
@@ -109,6 +120,17 @@ def add_simulated_kernels(chunk: torch.nn.Module, gpu: int, args: argparse.Names
         head.register_forward_pre_hook(lambda module, inputs: (kernels(inputs[0]), *inputs[1:]))
 
 
+def describe(args: argparse.Namespace, schedule: str | None = None) -> str:
+    """The model and its split under `schedule` (default: the first of `--schedules`), in one line."""
+    chunks = SCHEDULES[schedule or args.schedules.split(",")[0]] or 1
+    split = f"layout {args.layout}" if chunks > 1 else f"{args.layers} layers evenly"
+    return (
+        f"Megatron-Core GPTModel: {split} over {NUM_STAGES} stages ({chunks} chunk(s) per rank), "
+        f"head = {head_layers(args):.2f} layers on the last stage, {args.kernel_ms:g} ms simulated kernel per "
+        f"layer's forward, {args.microbatches} microbatches"
+    )
+
+
 class Pipeline:
     """This rank's part of the GPT pipeline under one Megatron schedule: `step()` trains one iteration."""
 
@@ -121,9 +143,11 @@ class Pipeline:
         vp = SCHEDULES[schedule]
         parallel_state.initialize_model_parallel(1, NUM_STAGES, virtual_pipeline_model_parallel_size=vp)
         config = TransformerConfig(
-            num_layers=args.layers,
+            num_layers=args.layout.count("t") if vp else args.layers,
+            pipeline_model_parallel_layout=args.layout if vp else None,
             hidden_size=args.hidden,
             num_attention_heads=args.heads,
+            pipeline_model_parallel_size=NUM_STAGES,
             use_cpu_initialization=True,
             pipeline_dtype=torch.float32,
             batch_p2p_sync=False,  # no torch.cuda.synchronize() after p2p (a CPU host)
@@ -202,6 +226,7 @@ def make_optimizer(rank: int, args: argparse.Namespace, wait_steps: int) -> Pipe
         frequency_stride_mhz=args.stride_mhz,
         min_frequency_mhz=args.min_mhz,
         patience=args.patience,
+        slack_margin=args.slack_margin,
     )
 
 
@@ -276,13 +301,12 @@ def print_summary(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None
 
     if args.verbose:
         for i, steps in enumerate(zip(*(r["history"] for r in ranks), strict=False)):
-            print(f"step {i:3d} {steps[0][0]:<10} {max(h[1] for h in steps):8.4f} s {sum(h[2] for h in steps):9.2f} J")
+            print(
+                f"step {i:3d} {steps[0][0]:<10} {max(h[1] for h in steps):8.4f} s {sum(h[2] for h in steps):9.2f} J"
+            )
     print(f"\n== Perseus on Megatron-Core {first['schedule']} (SIMULATED GPUs: 4x A40) ==")
-    print(
-        f"GPTModel: {args.layers} layers over {NUM_STAGES} stages ({SCHEDULES[first['schedule']] or 1} chunk(s) "
-        f"per rank), head = {head_layers(args):.2f} layers on the last stage, {args.microbatches} microbatches; "
-        f"schedule {first['megatron_schedule']}"
-    )
+    print(describe(args, first["schedule"]))
+    print(f"schedule: {first['megatron_schedule']}")
     same = all(r["ran"] == r["expected"] for r in ranks)
     print(f"instruction order of every rank {'equals' if same else 'DIFFERS FROM'} Megatron's schedule")
     if "predicted" not in report:

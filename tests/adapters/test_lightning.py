@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import csv
 import importlib
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from helpers import TOY_STEPS_COUNTER
+from helpers import EXAMPLES, TOY_STEPS_COUNTER
 from torch.utils.data import DataLoader, TensorDataset
 
 from zeus_callbacks import ZeusMonitor
@@ -317,6 +320,37 @@ def test_ddp_example_ranks_choose_the_same_limit(run_example) -> None:
     assert sorted(chosen) == ["0", "1"], stdout
     assert chosen["0"] == chosen["1"]
     assert stdout.count("GPU restored to 300 W") == 2
+
+
+@pytest.mark.slow
+def test_ddp_under_lightnings_own_launcher_decides_once_for_both_ranks(
+    tmp_path: Path, sim_state_dir: Path
+) -> None:
+    """Issue 24: under `strategy="ddp"` launched by Lightning itself, rank 0 builds its callbacks before it
+    knows it is a rank; it decided alone, and rank 1 waited out a wall-clock join timeout, then decided alone."""
+    env = {
+        **os.environ,
+        **TOY_STEPS_COUNTER,
+        "ZEUS_CALLBACKS_SIMULATE": "2*a40",
+        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(sim_state_dir),
+        "ZEUS_CALLBACKS_JOIN_TIMEOUT_S": "1",  # the old timeout, short: had it decided, the ranks would split
+    }
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "lightning" / "train_power_limit.py"), "--devices", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    chosen = re.findall(
+        r"rank (\d+) \(simulated GPU \d+\): optimal power limit (\d+) W after (\d+) profiling steps",
+        proc.stdout,
+    )
+    assert sorted(r for r, _, _ in chosen) == ["0", "1"], proc.stdout
+    assert len({(w, steps) for _, w, steps in chosen}) == 1, chosen  # one limit, after the same steps
+    assert "decides for its own GPU(s) alone" not in proc.stderr
 
 
 class SpawnTiny(importlib.import_module("lightning.pytorch").LightningModule):

@@ -358,3 +358,47 @@ def test_a_forked_worker_that_gets_sigint_leaves_the_parents_gpu_and_journal(sim
         parent.communicate(timeout=30)
     assert system.gpus[0].power_limit_mw == 300_000  # the parent itself restores it
     assert _journals() == []
+
+
+# -- the simulator's state directory (issue 24) ------------------------------------------------------------
+def _default_state_file(tmp_path: Path, spec: str) -> Path:
+    """Where `simulate(spec)` keeps GPU 0's state with `ZEUS_CALLBACKS_SIM_STATE_DIR` unset and TMPDIR here."""
+    import hashlib
+
+    digest = hashlib.sha1(spec.encode()).hexdigest()[:12]
+    return tmp_path / f"zeus_callbacks-sim-{os.getuid()}" / digest / "gpu0.state"
+
+
+@pytest.mark.parametrize("how", ["symlinked_file", "world_writable_dir", "foreign_dir"])
+def test_the_default_sim_state_dir_follows_no_planted_symlink_nor_foreign_dir(tmp_path, monkeypatch, how):
+    """A `gpu0.state` planted as a symbolic link to someone's file made the simulator overwrite that file's
+    first bytes; the journal's trust rules now apply to the state directory too."""
+    import tempfile
+
+    from zeus_callbacks import sim
+    from zeus_callbacks.core.device.errors import InvalidInputError
+
+    if how == "foreign_dir" and os.geteuid() != 0:
+        pytest.skip("needs root to chown")
+    monkeypatch.delenv("ZEUS_CALLBACKS_SIM_STATE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # $TMPDIR, as `tempfile.gettempdir` reads it
+    state = _default_state_file(tmp_path, "a40")
+    state.parent.mkdir(parents=True, mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious " * 100)
+    if how == "symlinked_file":
+        state.symlink_to(victim)
+    elif how == "world_writable_dir":
+        state.parent.chmod(0o777)
+    else:
+        os.chown(state.parent.parent, NOBODY, NOBODY)
+    with pytest.raises(InvalidInputError, match="ZEUS_CALLBACKS_SIM_STATE_DIR") as raised:
+        sim.simulate("a40", export_env=False)
+    reason = {
+        "symlinked_file": "symbolic link",
+        "world_writable_dir": "writable by other",
+        "foreign_dir": "other",
+    }
+    assert reason[how] in str(raised.value) or "uid" in str(raised.value), raised.value
+    assert victim.read_bytes() == b"precious " * 100
+    assert not state.exists() or state.is_symlink()  # nothing written in its place either

@@ -450,7 +450,14 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, {})
 
 
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _Quiet:
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A caller that left before its answer (a client's timeout) is no error of the daemon's.
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)  # type: ignore[misc]
+
+
+class _UnixServer(_Quiet, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
     def get_request(self) -> tuple[Any, Any]:
@@ -458,7 +465,7 @@ class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         return request, ("local", 0)  # BaseHTTPRequestHandler wants a (host, port) client address
 
 
-class _TCPServer(socketserver.ThreadingMixIn, HTTPServer):
+class _TCPServer(_Quiet, socketserver.ThreadingMixIn, HTTPServer):
     daemon_threads = True
 
 

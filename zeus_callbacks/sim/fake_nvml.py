@@ -1,7 +1,9 @@
-"""A `pynvml`-shaped module backed by simulated GPUs: same function names, units and error classes.
+"""The simulator's NVML semantics and injected faults, one Python function per NVML function.
 
-The package's NVML layer (and Zeus, for side-by-side benchmarks) call this module exactly as they call
-`pynvml`; errors are the real `pynvml.NVMLError` subclasses.
+Nothing of the package calls this module as its NVML: the real nvidia-ml-py (`pynvml`) does, through the
+ctypes callbacks of `zeus_callbacks.sim.nvml_library` installed beneath it as the NVML library, which call
+these functions with the `SimulatedGPU` behind each handle and turn an `NVMLError` into its `nvmlReturn_t`.
+Only the zeusd test double calls them directly. Errors are the real `pynvml.NVMLError` subclasses.
 """
 
 from __future__ import annotations

@@ -95,6 +95,7 @@ class SimulatedNVMLLibrary:
         self._base = _HANDLE_BASE + next(_library_numbers) * 0x1_0000_0000
         self._gpu_at: dict[int, SimulatedGPU] = {}  # handle address -> GPU
         self._handle_of: dict[int, Any] = {}  # id(GPU) -> its `c_nvmlDevice_t`
+        self._handles_lock = threading.Lock()
         # Non-NVML exceptions raised inside a callback, by thread, to re-raise once the C call returned.
         self._raised: dict[int, BaseException] = {}
         for name, (prototype, impl) in _FUNCTIONS.items():
@@ -117,9 +118,12 @@ class SimulatedNVMLLibrary:
         """The `c_nvmlDevice_t` that stands for `gpu` (the same address for the library's lifetime)."""
         handle = self._handle_of.get(id(gpu))
         if handle is None:
-            address = self._base + (len(self._gpu_at) + 1) * _HANDLE_STRIDE
-            self._gpu_at[address] = gpu
-            handle = self._handle_of[id(gpu)] = ctypes.cast(address, pynvml.c_nvmlDevice_t)
+            with self._handles_lock:
+                handle = self._handle_of.get(id(gpu))
+                if handle is None:
+                    address = self._base + (len(self._gpu_at) + 1) * _HANDLE_STRIDE
+                    self._gpu_at[address] = gpu
+                    handle = self._handle_of[id(gpu)] = ctypes.cast(address, pynvml.c_nvmlDevice_t)
         return handle
 
     def gpu_at(self, address: int | None) -> SimulatedGPU | None:
@@ -404,7 +408,9 @@ def _memory_clocks(lib: SimulatedNVMLLibrary, h: int, count: Any, clocks: Any) -
 
 
 @_c("nvmlDeviceGetSupportedGraphicsClocks", _HANDLE, c_uint, _UINT, _UINT)
-def _graphics_clocks(lib: SimulatedNVMLLibrary, h: int, memory_mhz: int, count: Any, clocks: Any) -> int | None:
+def _graphics_clocks(
+    lib: SimulatedNVMLLibrary, h: int, memory_mhz: int, count: Any, clocks: Any
+) -> int | None:
     values = fake_nvml.nvmlDeviceGetSupportedGraphicsClocks(lib._gpu(h), memory_mhz)
     return _put_uints(values, count, clocks)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from zeus_callbacks.core.device.backend import cuda_visible_uuids
 from zeus_callbacks.core.device.errors import InvalidInputError
+from zeus_callbacks.core.device.journal import open_trusted_file
 from zeus_callbacks.sim.specs import GPUSpec, spec_for
 from zeus_callbacks.sim.traces import Trace, load_trace, provenance, shipped_trace
 
@@ -159,8 +160,13 @@ class _State:
             self._fd = None
             self._write_all(initial)
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # the journal's trust rules: a planted symbolic link or another user's file is never written
+            fd = open_trusted_file(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise InvalidInputError(
+                f"Simulated GPU state {e.filename or path}: {e.strerror or e}. Remove it, or set "
+                f"ZEUS_CALLBACKS_SIM_STATE_DIR to a directory only you may write (e.g. `mkdir -m 700`)."
+            ) from None
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             fresh = os.fstat(fd).st_size < _SIZE

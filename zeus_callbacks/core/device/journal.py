@@ -23,9 +23,11 @@ __all__ = [
     "JOURNAL_ENV",
     "UntrustedJournalError",
     "boot_id",
+    "check_trusted_file",
     "default_journal_dir",
     "directory_lock",
     "ensure_trusted_dir",
+    "open_trusted_file",
     "read_journal",
     "trusted_dir",
     "write_atomic",
@@ -134,6 +136,40 @@ def ensure_trusted_dir(path: Path) -> None:
     _check_ancestors(path)
 
 
+def check_trusted_file(fd: int, path: Path) -> None:
+    """Check that the file open as `fd` (opened with `O_NOFOLLOW`: never a symbolic link) may be trusted: a
+    regular file of this user or root that no other user may write.
+
+    Raises:
+        UntrustedJournalError: it may not (an `OSError` whose `strerror` says why).
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UntrustedJournalError(errno.EPERM, "is not a regular file", str(path))
+    if not _owner_ok(st):
+        raise UntrustedJournalError(errno.EPERM, f"is owned by uid {st.st_uid}", str(path))
+    if st.st_mode & 0o022:
+        raise UntrustedJournalError(errno.EPERM, "is writable by other users", str(path))
+
+
+def open_trusted_file(path: Path, flags: int, mode: int = 0o600) -> int:
+    """`os.open` under the journal's trust rules: `path`'s directory is created (mode 700) if missing and
+    checked (`ensure_trusted_dir`), the file is never opened through a symbolic link, and is checked
+    (`check_trusted_file`) before its descriptor is returned.
+
+    Raises:
+        OSError: it cannot be opened, or may not be trusted (`UntrustedJournalError`; a symbolic link: ELOOP).
+    """
+    ensure_trusted_dir(path.parent)
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        check_trusted_file(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write `data` as JSON to `path` by an atomic replace (readers see the old file or the new, whole).
 
@@ -163,13 +199,9 @@ def read_journal(path: Path) -> dict[str, Any]:
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd) as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise ValueError("not a regular file")
-        if not _owner_ok(st):
-            raise UntrustedJournalError(errno.EPERM, f"is owned by uid {st.st_uid}", str(path))
-        if st.st_mode & 0o022:
-            raise UntrustedJournalError(errno.EPERM, "is writable by other users", str(path))
+        check_trusted_file(f.fileno(), path)
         data = json.load(f)
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise ValueError("no list of entries")
