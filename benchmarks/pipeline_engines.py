@@ -69,6 +69,9 @@ def _deepspeed(rank: int, extra: list[str]) -> tuple[Any, Any, Any]:
     import train_pipeline_module as example  # examples/deepspeed/train_pipeline_module.py
 
     example.skip_shared_memory_op()  # deepspeed.initialize would compile it on this CPU host
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's view of the process group made by run()
     args = example.parse_args(extra)
     return example, args, example.Pipeline(rank, args)
 

@@ -10,7 +10,8 @@ The optimizer measures iterations at the maximum clocks first, profiles every st
 per SM clock, plans the clocks on rank 0 and applies them; the script prints the iteration time and energy
 before and after. All figures are SIMULATED.
 
-    python examples/deepspeed/train_pipeline_module.py
+    python examples/deepspeed/train_pipeline_module.py                 # spawns 4 ranks
+    torchrun --nproc_per_node 4 examples/deepspeed/train_pipeline_module.py
 """
 
 from __future__ import annotations
@@ -289,6 +290,12 @@ def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", f"{NUM_STAGES}*a40")
+    if "RANK" in os.environ:  # torchrun (or the deepspeed launcher)
+        os.environ.setdefault(
+            "ZEUS_CALLBACKS_SIM_STATE_DIR", tempfile.gettempdir() + "/zeus_callbacks-deepspeed-example"
+        )
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        return
     os.environ.setdefault(
         "ZEUS_CALLBACKS_SIM_STATE_DIR", tempfile.mkdtemp(prefix="zeus-callbacks-deepspeed-")
     )

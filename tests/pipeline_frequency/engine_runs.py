@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -82,11 +83,10 @@ def sigterm_one_rank(script: Path, args: list[str], state: Path, rank: int = 1) 
     try:
         pids = {}
         for line in proc.stdout:  # type: ignore[union-attr]  # every rank says when it holds its plan
-            if line.startswith("holding rank"):
-                _, _, r, _, pid = line.split()
-                pids[int(r)] = int(pid)
-                if len(pids) == WORLD:
-                    break
+            # (the ranks share the pipe: a line may hold several ranks' messages, or an engine's log too)
+            pids.update({int(r): int(pid) for r, pid in re.findall(r"holding rank (\d+) pid (\d+)", line)})
+            if len(pids) == WORLD:
+                break
         assert len(pids) == WORLD, "the ranks ended before holding the plan"
         assert any(mhz is not None for mhz in locked_clocks(state))
         os.kill(pids[rank], signal.SIGTERM)

@@ -214,6 +214,7 @@ def _shared_gpu_worker(rank: int, world: int, port: int, state_dir: str, out_dir
     )  # both on GPU 0
     for _ in range(3):  # training goes on: the optimizer stands down, it does not stop the job
         plo.on_step_begin()
+        dist.all_reduce(torch.ones(1))  # as DDP does: ranks wait for each other once per step
         plo.on_step_end()
     message = " ".join(r for r in records if "gpu_indices" in r)
     limit_w = get_gpus()[0].power_limit_mw() // 1000

@@ -216,8 +216,11 @@ def test_modelled_boards_are_labelled_in_devices_and_doctor(capsys):
 
 def test_a_modelled_board_with_a_users_trace_names_that_trace(tmp_path):
     profile = tmp_path / "mine.json"
-    profile.write_text(json.dumps({"64": [{"power_limit": 150, "energy": 1800.0, "time": 12.0},
-                                          {"power_limit": 400, "energy": 1500.0, "time": 10.0}]}))  # fmt: skip
+    points = [
+        {"power_limit": 150, "energy": 1800.0, "time": 12.0},
+        {"power_limit": 400, "energy": 1500.0, "time": 10.0},
+    ]
+    profile.write_text(json.dumps({"64": points}))
     system = sim.simulate(f"a100:64@{profile}", virtual_clock=True)
     assert system.gpus[0].provenance == f"modelled A100, power curve from {profile}"
     assert get_gpus()[0].provenance == system.gpus[0].provenance

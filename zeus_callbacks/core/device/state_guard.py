@@ -450,8 +450,8 @@ class GPUStateGuard:
                 continue
             restored.append(entry)
             logger.warning(
-                "Process %s received %s while blocked where Python cannot run its handler; restored %s of "
-                "%s to %r.",
+                "Process %s received %s; restored %s of %s to %r at once (its own handler cannot run while "
+                "it is blocked in native code, e.g. a collective).",
                 pid,
                 signal.Signals(signum).name,
                 entry.knob,
