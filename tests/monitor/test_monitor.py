@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from zeus_callbacks import Measurement, ZeusMonitor, sim
+from zeus_callbacks import Measurement, ReplayZeusMonitor, ZeusMonitor, sim
 from zeus_callbacks.core.device.errors import GPULostError
 from zeus_callbacks.sim import load_trace
 
@@ -78,6 +78,12 @@ def test_a_lost_gpu_leaves_the_others_measured(sim_gpus, tmp_path, caplog):
     assert len(said) == 1 and "GPU 1 (" in said[0] and "GPU 0" not in said[0]
     rows = list(csv.DictReader(log.open()))
     assert rows[0]["gpu1_energy"] and rows[-1]["gpu1_energy"] == "" and float(rows[-1]["gpu0_energy"]) > 0
+    replay = ReplayZeusMonitor(log_file=log)  # the empty cell replays as a missing GPU, not 0 J
+    replayed = []
+    for _ in rows:
+        replay.begin_window("step")
+        replayed.append(replay.end_window("step").gpu_energy)
+    assert replayed == [m.gpu_energy for m in ms]
     # A window open when the GPU was lost keeps GPU 0's energy over the whole window.
     system = sim_gpus("2*a40", virtual_clock=True, faults="lost_after=30@1")
     monitor = ZeusMonitor()

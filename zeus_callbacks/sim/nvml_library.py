@@ -221,6 +221,27 @@ _HANDLE = c_void_p  # nvmlDevice_t: a pointer to an opaque struct, the same as v
 _CHARS = POINTER(c_char)
 
 
+def _uint_out(name: str, *inputs: Any) -> None:
+    """Register `nvmlReturn_t name(nvmlDevice_t, inputs..., unsigned int *out)`, answered by `fake_nvml.name`."""
+
+    def impl(lib: SimulatedNVMLLibrary, h: int, *args: Any) -> None:
+        *given, out = args
+        value = getattr(fake_nvml, name)(lib._gpu(h), *given)
+        _check_out(out)
+        out[0] = value
+
+    _c(name, _HANDLE, *inputs, _UINT)(impl)
+
+
+def _no_out(name: str, *inputs: Any) -> None:
+    """Register `nvmlReturn_t name(nvmlDevice_t, inputs...)` (a setter), answered by `fake_nvml.name`."""
+
+    def impl(lib: SimulatedNVMLLibrary, h: int, *given: Any) -> None:
+        getattr(fake_nvml, name)(lib._gpu(h), *given)
+
+    _c(name, _HANDLE, *inputs)(impl)
+
+
 # -- library --------------------------------------------------------------------------------------
 @_c("nvmlInit_v2")
 def _init(lib: SimulatedNVMLLibrary) -> None:
@@ -277,20 +298,6 @@ def _name(lib: SimulatedNVMLLibrary, h: int, buffer: Any, length: int) -> int | 
     return _put_string(fake_nvml.nvmlDeviceGetName(lib._gpu(h)), buffer, length)
 
 
-@_c("nvmlDeviceGetIndex", _HANDLE, _UINT)
-def _index(lib: SimulatedNVMLLibrary, h: int, index: Any) -> None:
-    value = fake_nvml.nvmlDeviceGetIndex(lib._gpu(h))
-    _check_out(index)
-    index[0] = value
-
-
-@_c("nvmlDeviceGetArchitecture", _HANDLE, _UINT)
-def _architecture(lib: SimulatedNVMLLibrary, h: int, arch: Any) -> None:
-    value = fake_nvml.nvmlDeviceGetArchitecture(lib._gpu(h))
-    _check_out(arch)
-    arch[0] = value
-
-
 @_c("nvmlDeviceGetPciInfo_v3", _HANDLE, POINTER(pynvml.nvmlPciInfo_t))
 def _pci_info(lib: SimulatedNVMLLibrary, h: int, info: Any) -> None:
     value = fake_nvml.nvmlDeviceGetPciInfo_v3(lib._gpu(h))
@@ -336,13 +343,6 @@ def _total_energy(lib: SimulatedNVMLLibrary, h: int, energy: Any) -> None:
     raise NotImplementedError
 
 
-@_c("nvmlDeviceGetPowerUsage", _HANDLE, _UINT)
-def _power_usage(lib: SimulatedNVMLLibrary, h: int, power: Any) -> None:
-    value = fake_nvml.nvmlDeviceGetPowerUsage(lib._gpu(h))
-    _check_out(power)
-    power[0] = value
-
-
 @_c("nvmlDeviceGetFieldValues", _HANDLE, c_int32, c_void_p)
 def _field_values(lib: SimulatedNVMLLibrary, h: int, count: int, values: int | None) -> None:
     """`values` is an array of `count` `nvmlFieldValue_t` whose `fieldId` and `scopeId` the caller set."""
@@ -362,45 +362,6 @@ def _limit_constraints(lib: SimulatedNVMLLibrary, h: int, low: Any, high: Any) -
     low[0], high[0] = lo, hi
 
 
-@_c("nvmlDeviceGetPowerManagementDefaultLimit", _HANDLE, _UINT)
-def _default_limit(lib: SimulatedNVMLLibrary, h: int, limit: Any) -> None:
-    value = fake_nvml.nvmlDeviceGetPowerManagementDefaultLimit(lib._gpu(h))
-    _check_out(limit)
-    limit[0] = value
-
-
-@_c("nvmlDeviceGetPowerManagementLimit", _HANDLE, _UINT)
-def _limit(lib: SimulatedNVMLLibrary, h: int, limit: Any) -> None:
-    value = fake_nvml.nvmlDeviceGetPowerManagementLimit(lib._gpu(h))
-    _check_out(limit)
-    limit[0] = value
-
-
-@_c("nvmlDeviceGetEnforcedPowerLimit", _HANDLE, _UINT)
-def _enforced_limit(lib: SimulatedNVMLLibrary, h: int, limit: Any) -> None:
-    value = fake_nvml.nvmlDeviceGetEnforcedPowerLimit(lib._gpu(h))
-    _check_out(limit)
-    limit[0] = value
-
-
-@_c("nvmlDeviceSetPowerManagementLimit", _HANDLE, c_uint)
-def _set_limit(lib: SimulatedNVMLLibrary, h: int, limit: int) -> None:
-    fake_nvml.nvmlDeviceSetPowerManagementLimit(lib._gpu(h), limit)
-
-
-# -- persistence ----------------------------------------------------------------------------------
-@_c("nvmlDeviceGetPersistenceMode", _HANDLE, _UINT)
-def _persistence(lib: SimulatedNVMLLibrary, h: int, mode: Any) -> None:
-    value = fake_nvml.nvmlDeviceGetPersistenceMode(lib._gpu(h))
-    _check_out(mode)
-    mode[0] = value
-
-
-@_c("nvmlDeviceSetPersistenceMode", _HANDLE, c_uint)
-def _set_persistence(lib: SimulatedNVMLLibrary, h: int, mode: int) -> None:
-    fake_nvml.nvmlDeviceSetPersistenceMode(lib._gpu(h), mode)
-
-
 # -- clocks ---------------------------------------------------------------------------------------
 @_c("nvmlDeviceGetSupportedMemoryClocks", _HANDLE, _UINT, _UINT)
 def _memory_clocks(lib: SimulatedNVMLLibrary, h: int, count: Any, clocks: Any) -> int | None:
@@ -415,47 +376,6 @@ def _graphics_clocks(
     return _put_uints(values, count, clocks)
 
 
-@_c("nvmlDeviceGetMaxClockInfo", _HANDLE, c_uint, _UINT)
-def _max_clock(lib: SimulatedNVMLLibrary, h: int, clock_type: int, mhz: Any) -> None:
-    value = fake_nvml.nvmlDeviceGetMaxClockInfo(lib._gpu(h), clock_type)
-    _check_out(mhz)
-    mhz[0] = value
-
-
-@_c("nvmlDeviceGetClockInfo", _HANDLE, c_uint, _UINT)
-def _clock(lib: SimulatedNVMLLibrary, h: int, clock_type: int, mhz: Any) -> None:
-    value = fake_nvml.nvmlDeviceGetClockInfo(lib._gpu(h), clock_type)
-    _check_out(mhz)
-    mhz[0] = value
-
-
-@_c("nvmlDeviceSetGpuLockedClocks", _HANDLE, c_uint, c_uint)
-def _lock_sm(lib: SimulatedNVMLLibrary, h: int, min_mhz: int, max_mhz: int) -> None:
-    fake_nvml.nvmlDeviceSetGpuLockedClocks(lib._gpu(h), min_mhz, max_mhz)
-
-
-@_c("nvmlDeviceResetGpuLockedClocks", _HANDLE)
-def _reset_sm(lib: SimulatedNVMLLibrary, h: int) -> None:
-    fake_nvml.nvmlDeviceResetGpuLockedClocks(lib._gpu(h))
-
-
-@_c("nvmlDeviceSetMemoryLockedClocks", _HANDLE, c_uint, c_uint)
-def _lock_memory(lib: SimulatedNVMLLibrary, h: int, min_mhz: int, max_mhz: int) -> None:
-    fake_nvml.nvmlDeviceSetMemoryLockedClocks(lib._gpu(h), min_mhz, max_mhz)
-
-
-@_c("nvmlDeviceResetMemoryLockedClocks", _HANDLE)
-def _reset_memory(lib: SimulatedNVMLLibrary, h: int) -> None:
-    fake_nvml.nvmlDeviceResetMemoryLockedClocks(lib._gpu(h))
-
-
-@_c("nvmlDeviceGetTemperature", _HANDLE, c_uint, _UINT)
-def _temperature(lib: SimulatedNVMLLibrary, h: int, sensor: int, celsius: Any) -> None:
-    value = fake_nvml.nvmlDeviceGetTemperature(lib._gpu(h), sensor)
-    _check_out(celsius)
-    celsius[0] = value
-
-
 @_c("nvmlDeviceGetTemperatureV", _HANDLE, POINTER(pynvml.c_nvmlTemperature_v1_t))
 def _temperature_v(lib: SimulatedNVMLLibrary, h: int, reading: Any) -> None:
     gpu = lib._gpu(h)
@@ -463,6 +383,32 @@ def _temperature_v(lib: SimulatedNVMLLibrary, h: int, reading: Any) -> None:
     if reading[0].version != pynvml.nvmlTemperature_v1:
         raise pynvml.NVMLError(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
     reading[0].temperature = fake_nvml.nvmlDeviceGetTemperature(gpu, reading[0].sensorType)
+
+
+# Functions of one `unsigned int` answer, or none (setters); the inputs after the handle are `unsigned int`
+# (the enums `nvmlClockType_t`, `nvmlTemperatureSensors_t` and `nvmlEnableState_t` included).
+for _name, _inputs in {
+    "nvmlDeviceGetIndex": 0,
+    "nvmlDeviceGetArchitecture": 0,
+    "nvmlDeviceGetPowerUsage": 0,
+    "nvmlDeviceGetPowerManagementDefaultLimit": 0,
+    "nvmlDeviceGetPowerManagementLimit": 0,
+    "nvmlDeviceGetEnforcedPowerLimit": 0,
+    "nvmlDeviceGetPersistenceMode": 0,
+    "nvmlDeviceGetMaxClockInfo": 1,
+    "nvmlDeviceGetClockInfo": 1,
+    "nvmlDeviceGetTemperature": 1,
+}.items():
+    _uint_out(_name, *[c_uint] * _inputs)
+for _name, _inputs in {
+    "nvmlDeviceSetPowerManagementLimit": 1,
+    "nvmlDeviceSetPersistenceMode": 1,
+    "nvmlDeviceSetGpuLockedClocks": 2,
+    "nvmlDeviceResetGpuLockedClocks": 0,
+    "nvmlDeviceSetMemoryLockedClocks": 2,
+    "nvmlDeviceResetMemoryLockedClocks": 0,
+}.items():
+    _no_out(_name, *[c_uint] * _inputs)
 
 
 # -- installing the library beneath pynvml ---------------------------------------------------------

@@ -93,6 +93,8 @@ class ReplayZeusMonitor(ZeusMonitor):
         columns = [int(c[3:].split("_")[0]) for c in header[3:] if c]
         self.gpu_indices: list[int] = list(columns if gpu_indices is None else gpu_indices)
         self.cpu_indices: list[int] = []
+        self._lost: dict[int, str] = {}  # `lost_gpus`: none (a GPU lost when recorded is an empty cell)
+        self._live_indices = list(self.gpu_indices)
         self._rows = [line for line in lines[1:] if line]
         self._next_row = 0
         # A Zeus log's per-limit rows, by power limit (W): time and energy per step, for the step windows.
