@@ -296,3 +296,11 @@ def test_a_backend_factory_is_imported_only_when_its_condition_holds(monkeypatch
     with pytest.raises(ModuleNotFoundError, match="no_such_module_anywhere"):
         active_backend()
     backends.reset_backend()
+
+
+def test_simulate_called_directly_names_the_unofficial_pynvml(unofficial_pynvml, run_python):
+    # Fails before the simulator refused the unofficial bindings first: importing it died on an unrelated error.
+    code = "import zeus_callbacks.sim as sim\nsim.simulate('a40')\n"
+    proc = run_python(code, env=unofficial_pynvml)
+    assert proc.returncode == 1
+    assert "UnofficialPynvmlError" in proc.stderr and UNOFFICIAL_PYNVML_FIX in proc.stderr, proc.stderr[-2000:]

@@ -52,7 +52,11 @@ from typing import Any
 
 from zeus_callbacks.core.device import gpus as devices
 from zeus_callbacks.core.device.errors import InvalidInputError
-from zeus_callbacks.sim import fake_nvml, nvml_library
+from zeus_callbacks.sim import (
+    _bindings,  # noqa: F401  (first: refuses the unofficial pynvml)
+    fake_nvml,
+    nvml_library,
+)
 from zeus_callbacks.sim.system import (
     IDEAL_BEHAVIOURS,
     SimulatedGPU,
