@@ -54,6 +54,10 @@ class Watchdog:
     def __init__(self) -> None:
         self._pid = os.getpid()
         self._wakeup_w: int | None = None  # this process's wakeup fd (the signal pipe's write end)
+        # This process keeps the read end open too, so that a write after the watchdog has gone fills the pipe
+        # (silent, as `warn_on_full_buffer=False`) instead of failing with EPIPE, which CPython reports on
+        # stderr as "Exception ignored when trying to write to the signal wakeup fd" at every later signal.
+        self._wakeup_r: int | None = None
         self._previous_wakeup = -1  # the wakeup fd it replaced, passed on to
         argv, pass_fds, wakeup_r = [str(self._pid)], [], self._take_wakeup_fd()
         if wakeup_r is not None:
@@ -74,9 +78,6 @@ class Watchdog:
         except OSError:
             self._give_back_wakeup_fd()
             raise
-        finally:
-            if wakeup_r is not None:
-                os.close(wakeup_r)  # the watchdog's end
         os.register_at_fork(after_in_child=self._forget)
         self.ready = self._wait_ready(READY_TIMEOUT_S)
 
@@ -86,12 +87,12 @@ class Watchdog:
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)  # `set_wakeup_fd` requires it: a signal handler must not block
         try:
-            self._previous_wakeup = signal.set_wakeup_fd(write_end)
+            self._previous_wakeup = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
         except ValueError:  # not the main thread
             os.close(read_end)
             os.close(write_end)
             return None
-        self._wakeup_w = write_end
+        self._wakeup_w, self._wakeup_r = write_end, read_end
         return read_end
 
     def _give_back_wakeup_fd(self) -> None:
@@ -104,9 +105,10 @@ class Watchdog:
             return
         if current != self._wakeup_w:  # someone set another since: leave theirs in place
             signal.set_wakeup_fd(current)
-        with contextlib.suppress(OSError):
-            os.close(self._wakeup_w)
-        self._wakeup_w = None
+        for fd in (self._wakeup_w, self._wakeup_r):
+            with contextlib.suppress(OSError, TypeError):
+                os.close(fd)  # type: ignore[arg-type]
+        self._wakeup_w = self._wakeup_r = None
 
     def _wait_ready(self, timeout_s: float) -> bool:
         """Wait until the watchdog says it is ready (or exits: no GPU to watch, or it failed to start)."""
