@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction
+from zeus_callbacks.core.pipeline_frequency.engine_step import EngineStep
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 
 __all__ = ["DeepSpeedInstrumentation", "instrument_deepspeed", "deepspeed_schedule_order"]
@@ -60,7 +61,7 @@ def _kind(schedule: Any, cmd: Any) -> str | None:
     return None
 
 
-class DeepSpeedInstrumentation:
+class DeepSpeedInstrumentation(EngineStep):
     """A `PipelineEngine` reporting to a `PipelineFrequencyOptimizer`; made by `instrument_deepspeed`.
 
     Hooks: `engine.train_batch(...)` -> `on_step_begin` before and `on_step_end` after (with `mark_steps`);
@@ -73,14 +74,10 @@ class DeepSpeedInstrumentation:
     """
 
     def __init__(self, engine: Any, optimizer: PipelineFrequencyOptimizer, mark_steps: bool) -> None:
+        super().__init__(optimizer, mark_steps)
         self.engine = engine
-        self.optimizer = optimizer
-        self.mark_steps = mark_steps
-        self.last_step: list[Instruction] = []
         self.schedule: str | None = None
-        self._training = False
         self._counts = {"forward": 0, "backward": 0}
-        self._running: list[Instruction] = []
 
     def _install(self) -> None:
         schedule = _schedule_module()
@@ -115,18 +112,7 @@ class DeepSpeedInstrumentation:
                 self.optimizer.use_schedule(order, name="TrainSchedule")
                 self.schedule = "TrainSchedule"
             self._counts = {"forward": 0, "backward": 0}
-            self._running = []
-            if self.mark_steps:
-                self.optimizer.on_step_begin()
-            self._training = True
-            try:
-                out = original(*args, **kwargs)
-            finally:
-                self._training = False
-            self.last_step, self._running = self._running, []
-            if self.mark_steps:
-                self.optimizer.on_step_end()
-            return out
+            return self._run_step(original, *args, **kwargs)
 
         return run
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction
+from zeus_callbacks.core.pipeline_frequency.engine_step import EngineStep
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 
 __all__ = ["MegatronInstrumentation", "instrument_megatron", "megatron_schedule_order"]
@@ -125,7 +126,7 @@ def _first_tensor(value: Any) -> Any:
     return value[0] if isinstance(value, list | tuple) and value else value
 
 
-class MegatronInstrumentation:
+class MegatronInstrumentation(EngineStep):
     """Megatron-Core's schedules, reporting to a `PipelineFrequencyOptimizer`; made by `instrument_megatron`.
 
     Hooks, per training call of a schedule (`forward_only=False`; evaluation passes are not reported):
@@ -142,13 +143,10 @@ class MegatronInstrumentation:
     """
 
     def __init__(self, optimizer: PipelineFrequencyOptimizer, mark_steps: bool) -> None:
-        self.optimizer = optimizer
-        self.mark_steps = mark_steps
-        self.last_step: list[Instruction] = []
+        super().__init__(optimizer, mark_steps)
         self.schedule: str | None = None  # the schedule function given to the optimizer, by name
         self._originals: dict[str, Callable[..., Any]] = {}
         self._wrappers: dict[str, Callable[..., Any]] = {}
-        self._training = False
         self._chunks: Sequence[Any] = ()
         self._pp: tuple[int, int] = (1, 0)  # (pipeline size, this rank)
         self._interleaved = False
@@ -156,7 +154,6 @@ class MegatronInstrumentation:
         self._counts: dict[
             int, int
         ] = {}  # forwards per chunk this step (versions without current_microbatch)
-        self._running: list[Instruction] = []
 
     # -- installing ------------------------------------------------------------------------------
     def _install(self) -> None:
@@ -204,17 +201,7 @@ class MegatronInstrumentation:
             if kwargs.get("forward_only", False) or self._training:  # evaluation, or a nested call
                 return original(*args, **kwargs)
             self._begin(original.__name__, interleaved, kwargs)
-            if self.mark_steps:
-                self.optimizer.on_step_begin()
-            self._training = True
-            try:
-                out = original(*args, **kwargs)
-            finally:
-                self._training = False
-            self.last_step, self._running = self._running, []
-            if self.mark_steps:
-                self.optimizer.on_step_end()
-            return out
+            return self._run_step(original, *args, **kwargs)
 
         return run
 
@@ -243,7 +230,6 @@ class MegatronInstrumentation:
         self._interleaved = interleaved
         self._pending.clear()
         self._counts.clear()
-        self._running = []
         if self.schedule is None:
             group = getattr(config, "microbatch_group_size_per_vp_stage", None)
             order = megatron_schedule_order(self._pp[0], kwargs["num_microbatches"], len(self._chunks), group)
