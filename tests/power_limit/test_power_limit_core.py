@@ -13,23 +13,22 @@ from helpers import alternating_stats as _stats
 
 from zeus_callbacks import sim
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit.optimizer import CorruptedStateError, GlobalPowerLimitOptimizer
-from zeus_callbacks.core.power_limit.search import (
-    PowerLimitStats,
-    adaptive_budget_steps,
+from zeus_callbacks.core.power_limit.bursts import (
     burst_runs,
     burst_suspects,
-    chunk_steps,
-    clearly_worse,
-    contenders,
     level_shift,
-    measurement_verdict,
-    next_power_limit,
-    pooled_noise,
-    power_limit_grid,
     robust_chunks,
-    settle_steps,
     slower_above,
+)
+from zeus_callbacks.core.power_limit.chunk import Chunk
+from zeus_callbacks.core.power_limit.costs import clearly_worse, contenders
+from zeus_callbacks.core.power_limit.estimates import PowerLimitStats, chunk_steps, pooled_noise
+from zeus_callbacks.core.power_limit.optimizer import CorruptedStateError, GlobalPowerLimitOptimizer
+from zeus_callbacks.core.power_limit.search import (
+    Search,
+    adaptive_budget_steps,
+    power_limit_grid,
+    settle_steps,
 )
 from zeus_callbacks.core.power_limit.selectors import Energy, MaxSlowdownConstraint, Time, ZeusCost
 
@@ -40,6 +39,13 @@ WORK_S = 0.1
 def _sim_off():
     yield
     sim.disable()
+
+
+def _search(grid, stats, selector, max_power_w, mode="adaptive", warmup_steps=10) -> Search:
+    """A `Search` over `grid` holding `stats` (40 profile steps, the optimizer's default)."""
+    search = Search(grid, selector, max_power_w, mode, warmup_steps=warmup_steps, profile_steps=40)
+    search.stats = stats
+    return search
 
 
 def vsim(spec: str = "a40", **kw) -> sim.SimulatedSystem:
@@ -178,18 +184,18 @@ def test_refinement_revisits_the_contender_with_fewest_steps_within_the_budget()
     ref = _stats(300, 0.100, 30.0, 40)
     stats = {300: ref, 275: _stats(275, 0.101, 25.0, 20), 250: _stats(250, 0.102, 25.1, 6)}
     grid = [300, 275, 250]
-    assert next_power_limit(grid[:2] + [225], stats, Energy(), 300) == 225  # unvisited limits first
-    assert next_power_limit(grid, stats, Energy(), 300, warmup_steps=10, profile_steps=40) == 250
-    assert next_power_limit(grid, stats, Energy(), 300, search="sweep") is None
+    assert _search(grid[:2] + [225], stats, Energy(), 300).next_power_limit() == 225  # unvisited limits first
+    assert _search(grid, stats, Energy(), 300).next_power_limit() == 250
+    assert _search(grid, stats, Energy(), 300, mode="sweep").next_power_limit() is None
     # With 66 steps and 5 warm-ups spent of a budget of 3/4 x 3 x 50 = 112, no room for a settling step
     # (a limit takes effect at once: one sample's worth, not the warm-up) and 5 more.
     stats[275].visits = 3
-    assert next_power_limit(grid, stats, Energy(), 300, warmup_steps=10, profile_steps=40) is None
+    search = _search(grid, stats, Energy(), 300)
+    assert search.next_power_limit() is None
     # A revisit adds to the earlier samples and goes on while the limit is a contender.
     again = replace(stats[250], visits=2)
-    verdict = measurement_verdict(again, stats, Energy(), 300, ref, 5, 40, budget_left_steps=20)
-    assert verdict == "more"
-    assert measurement_verdict(again, stats, Energy(), 300, ref, 5, 40, budget_left_steps=0) == "measured"
+    assert search.measurement_verdict(again, budget_left_steps=20) == "more"
+    assert search.measurement_verdict(again, budget_left_steps=0) == "measured"
 
 
 def test_refinement_adds_to_the_earlier_visits():
@@ -584,7 +590,7 @@ def test_samples_inside_a_burst_are_set_aside():
         s.add(t, 20.0 * t)
     assert s.steps == 3 and s.mean_time_s == pytest.approx(0.1, rel=0.01)
     # A second visit slower all along than the first ran inside a burst (nothing makes steps faster).
-    s = replace(s, visits=2, chunks=[list(c) for c in s.chunks])
+    s = replace(s, visits=2, chunks=list(s.chunks))
     for t in (0.130, 0.131, 0.129, 0.130):
         s.add(t, 20.0 * t)
     assert s.steps == 3 and s.mean_time_s == pytest.approx(0.1, rel=0.01)
@@ -663,7 +669,7 @@ def test_a_visit_slower_than_a_lower_limit_or_above_the_chord_is_visited_again()
     assert burst_suspects(stats, noise) == [200]
     grid = [250, 225, 200, 175, 150]
     stats[175] = _visit(175, 0.109)
-    assert next_power_limit(grid, stats, ZeusCost(0.5), 250.0) == 200
+    assert _search(grid, stats, ZeusCost(0.5), 250.0, warmup_steps=0).next_power_limit() == 200
     # Above the chord of a higher and a lower limit (time is convex in the limit): 175 W between 225 W
     # and 125 W, though faster than every lower limit.
     chord = {225: _visit(225, 0.103), 175: _visit(175, 0.128), 125: _visit(125, 0.128 * 1.01)}
@@ -671,7 +677,7 @@ def test_a_visit_slower_than_a_lower_limit_or_above_the_chord_is_visited_again()
     # Within the traces' wiggles, or measured twice already: not a suspect.
     calm = {250: _visit(250, 0.100), 225: _visit(225, 0.1005), 200: _visit(200, 0.104)}
     assert burst_suspects(calm, pooled_noise(calm)) == []
-    again = replace(stats[200], visits=2, chunks=[list(c) for c in stats[200].chunks])
+    again = replace(stats[200], visits=2, chunks=list(stats[200].chunks))
     for t in (0.105, 0.106, 0.104, 0.105, 0.105):
         again.add(t, 20.0 * t)
     assert again.mean_time_s == pytest.approx(0.105, rel=0.01)  # the slower visit set aside
@@ -684,8 +690,8 @@ def test_several_bursts_in_one_visit_are_all_set_aside():
     wiggle = [1, 1.01, 0.99, 1, 1.005, 0.995] * 2
     times = [0.1 * w for w in wiggle[:3] + wiggle + wiggle[:8]] + [0.155 * w for w in wiggle[:9]]
     times[3:15] = [0.13 * w for w in wiggle]
-    kept = robust_chunks([[1, t, 20.0 * t, 1] for t in times])
-    assert len(kept) == 11 and max(c[1] for c in kept) < 0.11
+    kept = robust_chunks([Chunk(1, t, 20.0 * t) for t in times])
+    assert len(kept) == 11 and max(c.time_s for c in kept) < 0.11
 
 
 def test_an_imprecise_best_stays_a_contender():
@@ -760,7 +766,7 @@ def test_a_limit_whose_samples_were_all_set_aside_survives_a_checkpoint():
         burst.add(t, 20.0 * t)
     burst.set_aside_visit(1)
     assert burst.steps == 0 and not burst.pruned
-    opt.stats = {300: _stats(300, 0.1, 22.0, 10), 225: burst}
+    opt._search.stats = {300: _stats(300, 0.1, 22.0, 10), 225: burst}
     resumed = GlobalPowerLimitOptimizer(ZeusMonitor(), MaxSlowdownConstraint(1.1))
     resumed.load_state_dict(opt.state_dict())
     state = opt.state_dict()

@@ -157,14 +157,14 @@ def test_every_rank_decides_the_same_at_the_same_step(
             [s for s in r["steps"] if s["phase"] == "profiling" and s["limit_w"] == int(limit)]
             for r in results
         ]
-        assert all(len(m) == sum(c[0] for c in chunks) for m in measured)
+        assert all(len(m) == sum(c["steps"] for c in chunks) for m in measured)
         energy = sum(s["energy_j"] for m in measured for s in m)
         time_s = max(sum(s["time_s"] for s in m) for m in measured)
         # The optimizer's window encloses the rank's own by a few instructions (a preempted rank: more), so
         # only the outcome is asserted: energy summed once over ranks (counted twice would be 2x), time maxed
         # (a sum of the ranks' times would be about `world` times their maximum).
-        assert 0.98 * energy <= sum(c[2] for c in chunks) <= 1.5 * energy
-        assert 0.98 * time_s <= sum(c[1] for c in chunks) <= 1.5 * time_s
+        assert 0.98 * energy <= sum(c["energy_j"] for c in chunks) <= 1.5 * energy
+        assert 0.98 * time_s <= sum(c["time_s"] for c in chunks) <= 1.5 * time_s
 
 
 def test_a_rank_that_starts_late_still_takes_part_in_the_one_decision(

@@ -6,15 +6,19 @@ from __future__ import annotations
 import pytest
 from helpers import alternating_stats as _stats
 
-from zeus_callbacks.core.power_limit.search import (
-    PowerLimitStats,
-    contenders,
-    measurement_verdict,
-    pooled_noise,
-    robust_chunks,
-    visit_bursts,
-)
+from zeus_callbacks.core.power_limit.bursts import robust_chunks, visit_bursts
+from zeus_callbacks.core.power_limit.chunk import Chunk
+from zeus_callbacks.core.power_limit.costs import contenders
+from zeus_callbacks.core.power_limit.estimates import PowerLimitStats, pooled_noise
+from zeus_callbacks.core.power_limit.search import Search
 from zeus_callbacks.core.power_limit.selectors import Energy, MaxSlowdownConstraint
+
+
+def _verdict(current: PowerLimitStats, stats: dict, selector) -> str:
+    """`Search.measurement_verdict` on a 250 W..100 W grid (40 profile steps: 5 samples at least)."""
+    search = Search([250, 225, 200, 175, 150, 125, 100], selector, 250.0, profile_steps=40)
+    search.stats = stats
+    return search.measurement_verdict(current)
 
 
 def test_the_reference_is_measured_to_precision_for_a_slowdown_bound():
@@ -22,10 +26,9 @@ def test_the_reference_is_measured_to_precision_for_a_slowdown_bound():
     # other limit's slowdown is judged against (a bound that changes the cost only near 1.1x).
     ref = _stats(250, 0.1, 22.0, 6)
     stats = {250: ref}
-    verdict = measurement_verdict(ref, stats, MaxSlowdownConstraint(1.1), 250.0, ref, 5, 40)
-    assert verdict == "more"
+    assert _verdict(ref, stats, MaxSlowdownConstraint(1.1)) == "more"
     ref = _stats(250, 0.1, 22.0, 14)
-    assert measurement_verdict(ref, {250: ref}, MaxSlowdownConstraint(1.1), 250.0, ref, 5, 40) == "measured"
+    assert _verdict(ref, {250: ref}, MaxSlowdownConstraint(1.1)) == "measured"
 
 
 def test_the_reference_is_a_contender_while_it_decides_a_contender_side_of_the_bound():
@@ -58,9 +61,9 @@ def test_a_contender_is_measured_for_half_of_profile_steps_in_the_first_pass():
     best = _stats(250, 0.1, 20.0, 40, rel_sd=0.1)
     current = _stats(225, 0.1, 20.1, 19, rel_sd=0.1)
     stats = {250: best, 225: current}
-    assert measurement_verdict(current, stats, Energy(), 250.0, best, 5, 40) == "more"
+    assert _verdict(current, stats, Energy()) == "more"
     current.add(0.1, 20.1)
-    assert measurement_verdict(current, stats, Energy(), 250.0, best, 5, 40) == "measured"
+    assert _verdict(current, stats, Energy()) == "measured"
 
 
 def test_settling_steps_count_towards_a_one_second_power_window():
@@ -85,8 +88,8 @@ def test_a_burst_that_began_before_the_visit_is_seen_behind_a_stronger_one():
     # inside, then the true pace: the 25% one began before the visit, so the visits before it ran in it.
     per_step = [1.24, 1.28, 1.33, 0.98, 1.24, 1.41, 1.42, 1.46, 1.47, 1.43, 1.46]
     per_step += [0.99, 0.99, 1.01, 1.00, 0.99, 1.03, 1.01, 1.00]
-    chunks = [[1, 0.1 * t, 20.0, 2, -1.0, -1.0] for t in per_step]
-    chunks[0] += [1]  # a settling step
+    chunks = [Chunk(1, 0.1 * t, 20.0, visit=2) for t in per_step]
+    chunks[0] = Chunk(1, chunks[0].time_s, 0.0, visit=2, settling=True)
     inside, began_before, goes_on = visit_bursts(chunks, 2)
     assert began_before and not goes_on
     assert set(range(5, 11)) <= set(inside)
@@ -96,6 +99,6 @@ def test_a_sample_well_above_the_median_is_set_aside_more_readily_than_one_below
     # 2% noise (a robust SD of 2.2%): 7% below the median is noise; 7% above it is a mild burst (steps
     # are never faster than the limit allows, but a burst slows a few of them).
     base = [1.00, 1.02, 0.98, 1.01, 0.99] * 2
-    kept = robust_chunks([[1, 0.1 * t, 20.0 * t] for t in [*base, 0.93, 1.07]])
-    per_step = sorted(round(c[1] / 0.1, 4) for c in kept)
+    kept = robust_chunks([Chunk(1, 0.1 * t, 20.0 * t) for t in [*base, 0.93, 1.07]])
+    per_step = sorted(round(c.time_s / 0.1, 4) for c in kept)
     assert 0.93 in per_step and 1.07 not in per_step

@@ -207,6 +207,7 @@ def test_a_limit_pruned_for_one_selector_counts_for_another(tmp_path: Path):
         return s.to_dict()
 
     from zeus_callbacks import __version__
+    from zeus_callbacks.core.power_limit.schema import SCHEMA_VERSION
 
     vsim("a40", noise=0.0)
     path = tmp_path / "zeuscost.json"
@@ -215,7 +216,7 @@ def test_a_limit_pruned_for_one_selector_counts_for_another(tmp_path: Path):
         json.dumps(
             {
                 "format": "zeus_callbacks.power_limit_profile",
-                "version": 1,
+                "version": SCHEMA_VERSION,
                 "context": {**context, "simulated": True, "package_version": __version__},
                 "complete": True,
                 "selector": "ZeusCost(eta_knob=0.5, world_size=1)",

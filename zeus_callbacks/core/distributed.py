@@ -8,8 +8,9 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields, replace
+from typing import Any, TypeVar
 
 __all__ = [
     "is_distributed",
@@ -17,6 +18,8 @@ __all__ = [
     "world_size",
     "local_rank",
     "all_reduce",
+    "reduce_by",
+    "all_reduce_record",
     "broadcast_object",
     "all_gather_object",
     "Group",
@@ -86,6 +89,41 @@ def all_reduce(values: Sequence[float], op: str) -> list[float]:
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t.cpu().tolist()
+
+
+_Record = TypeVar("_Record")
+
+
+def reduce_by(op: str) -> Mapping[str, str]:
+    """The metadata of a field of an `all_reduce_record` record: reduced by `op` ("sum", "max" or "min")."""
+    if op not in ("sum", "max", "min"):
+        raise ValueError(f"reduce_by op must be 'sum', 'max' or 'min', not {op!r}.")
+    return {"reduce": op}
+
+
+def all_reduce_record(record: _Record) -> _Record:
+    """The dataclass `record` with each field reduced over every rank by the op its metadata names
+    (`field(metadata=reduce_by(op))`), back in the field's type (bool, int or float). One collective for
+    the sums and one for the maxima and minima (a minimum is the maximum of the negated values). Every
+    rank must call it; not distributed: `record` itself."""
+    if not is_distributed():
+        return record
+    ops = {f.name: f.metadata["reduce"] for f in fields(record)}  # type: ignore[arg-type]
+    # Back in the declared type: a bool or an int field (its name, under postponed annotations), else float.
+    kinds = {
+        f.name: {"bool": bool, "int": int}.get(str(getattr(f.type, "__name__", f.type)), float)
+        for f in fields(record)
+    }  # type: ignore[arg-type]
+    out: dict[str, Any] = {}
+    for kind in ("sum", "max"):
+        names = [n for n, o in ops.items() if (o == "sum") == (kind == "sum")]
+        if not names:
+            continue
+        signs = [-1.0 if ops[n] == "min" else 1.0 for n in names]
+        values = [sign * float(getattr(record, n)) for sign, n in zip(signs, names, strict=True)]
+        for name, sign, value in zip(names, signs, all_reduce(values, kind), strict=True):
+            out[name] = kinds[name](sign * value)
+    return replace(record, **out)  # type: ignore[type-var]
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

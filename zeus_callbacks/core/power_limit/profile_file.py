@@ -1,5 +1,8 @@
 """The power-limit optimizer's saved profile: what was measured, on what, and for which selector.
 
+The measurements are in the versioned form of `schema` (version 1 files, written up to commit 1e9a50b,
+are read too).
+
 Reads Zeus's profile files too (`{"measurements": [{"power_limit", "energy", "time"}, ...]}`, each a
 window of Zeus's `profile_steps` steps at one limit); they do not say what they were measured on.
 """
@@ -7,17 +10,23 @@ window of Zeus's `profile_steps` steps at one limit); they do not say what they 
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zeus_callbacks.core.device.errors import InvalidInputError
-from zeus_callbacks.core.power_limit.search import PowerLimitStats
+from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
+from zeus_callbacks.core.power_limit.schema import (
+    SCHEMA_VERSION,
+    VERSIONS,
+    measurement_problem,
+    saved_stats,
+    stats_from_saved,
+)
 
-__all__ = ["ProfileContext", "SavedProfile", "save_profile", "load_profile", "measurement_problem"]
+__all__ = ["ProfileContext", "SavedProfile", "save_profile", "load_profile"]
 
 _FORMAT = "zeus_callbacks.power_limit_profile"
 
@@ -69,12 +78,12 @@ def save_profile(
     """Write the profile atomically (a partial one too, so a preempted job resumes)."""
     data = {
         "format": _FORMAT,
-        "version": 1,
+        "version": SCHEMA_VERSION,
         "context": {**context.__dict__, "power_limit_range_w": list(context.power_limit_range_w)},
         "complete": complete,
         "selector": selector,
         "search": search,
-        "measurements": [s.to_dict() for s in sorted(stats.values(), key=lambda s: -s.power_limit_w)],
+        "measurements": [saved_stats(s) for s in sorted(stats.values(), key=lambda s: -s.power_limit_w)],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -106,51 +115,6 @@ def _zeus_stats(path: Path, data: dict, steps: int) -> dict[int, PowerLimitStats
     if not stats:
         raise ValueError(f"The Zeus profile {str(path)!r} holds no measurements. Delete it to profile again.")
     return stats
-
-
-def measurement_problem(
-    s: PowerLimitStats, range_w: tuple[int, int] | None, saved: Mapping[str, Any] | None = None
-) -> str | None:
-    """What makes one limit's saved measurement unusable (a limit outside `range_w` when given, no count of
-    steps, a sum that is not finite and non-negative, a chunk that is not numbers), or None; shared by
-    profile files and checkpoints. `saved` is the entry as read: the sums are checked as written too, since
-    `PowerLimitStats` recounts them from its chunks."""
-    if not isinstance(s.power_limit_w, int) or isinstance(s.power_limit_w, bool):
-        return f"power limit {s.power_limit_w!r} is not a whole number of watts"
-    if range_w is not None and not range_w[0] <= s.power_limit_w <= range_w[1]:
-        return f"power limit {s.power_limit_w} W is outside the GPU's range {range_w[0]}-{range_w[1]} W"
-    for values in ([saved] if saved is not None else []) + [asdict(s)]:
-        problem = _sums_problem(s.power_limit_w, values, s.pruned)
-        if problem is not None:
-            return problem
-    for chunk in saved.get("chunks") or [] if saved is not None else []:
-        if not isinstance(chunk, list) or not all(_finite(x) for x in chunk) or not chunk or chunk[0] < 0:
-            return f"{s.power_limit_w} W: chunk {chunk!r} is not a list of finite numbers"
-    return None
-
-
-def _finite(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def _sums_problem(power_limit_w: int, values: Mapping[str, Any], pruned: bool) -> str | None:
-    steps = values.get("steps", 0)
-    if (
-        not isinstance(steps, int)
-        or isinstance(steps, bool)
-        or steps < 0
-        or (steps == 0 and (values.get("time_s") or values.get("energy_j")))
-    ):
-        return f"{power_limit_w} W: steps={steps!r} is not a count of measured steps"
-    # No kept step is a measurement still to come when samples were taken and set aside (a burst): the
-    # search measures that limit again. Without any sample, nothing was measured.
-    if steps == 0 and not pruned and not values.get("chunks"):
-        return f"{power_limit_w} W: steps=0 with no measurement"
-    for name in ("time_s", "energy_j", "time_sq", "energy_sq"):
-        value = values.get(name, 0.0)
-        if not _finite(value) or value < 0:
-            return f"{power_limit_w} W: {name}={value!r} is not a finite, non-negative number"
-    return None
 
 
 def _check_measurement(
@@ -194,11 +158,17 @@ def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -
             f"{str(path)!r} is neither a zeus_callbacks nor a Zeus power-limit profile. Pass another "
             "profile_path, or delete the file to profile again."
         )
+    version = data.get("version", 1)
+    if version not in VERSIONS:
+        raise ValueError(
+            f"The power-limit profile {str(path)!r} has version {version!r}, which this zeus_callbacks does not "
+            f"read (it reads {', '.join(map(str, VERSIONS))}): upgrade zeus_callbacks, or delete it to profile again."
+        )
     try:
         raw = dict(data["context"])
         raw["power_limit_range_w"] = tuple(raw["power_limit_range_w"])
         saved = ProfileContext(**raw)
-        stats = {int(m["power_limit_w"]): PowerLimitStats(**m) for m in data["measurements"]}
+        stats = {int(m["power_limit_w"]): stats_from_saved(m, version) for m in data["measurements"]}
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(
             f"The power-limit profile {str(path)!r} is corrupted ({type(e).__name__}: {e}). Delete it to profile again."
