@@ -7,14 +7,31 @@ boundary), without device synchronisation (`sync_execution=False`), and measure 
 `pynvml.nvmlDeviceGetTotalEnergyConsumption` calls a pair needs (two per GPU), made in a tight loop.
 
 Run: `python benchmarks/monitor_overhead.py [--pairs 2000] [--repeat 50]`
+
+`--section step` (or `all`) measures instead what the background observers cost a 100 ms training step: the
+Prometheus endpoint (scraped by another process) with this package's power timeline (`PowerMonitor`, a
+thread), side by side with Zeus's `PowerMonitor` (processes it spawns), all at the same sampling period, on a
+real-clock simulated A40. The step is fixed pure-Python work calibrated to 100 ms: the worst case, since a
+Python thread that runs delays it by its GIL time, where a real step mostly waits on the GPU with the GIL free.
+Each configuration runs in turn (`--rounds` rounds of `--steps` steps); the figures are the step time against
+the run without observers in the same round, and the observers' CPU time per step (threads of this process,
+or Zeus's processes), which bounds what they can take from the step.
+
+    python benchmarks/monitor_overhead.py --section step [--rounds 3] [--steps 30] [--scrape-interval 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import multiprocessing.context
+import multiprocessing.synchronize
+import os
+import statistics
 import sys
 import tempfile
+import time
 import timeit
 import warnings
 from collections.abc import Callable
@@ -25,6 +42,14 @@ from zeus_callbacks import sim
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 
 GPU_COUNTS = (1, 4, 8)
+
+if __name__ == "__mp_main__" and os.environ.get(sim.SIMULATE_ENV):
+    # A process Zeus's PowerMonitor spawned (`--section step`): the simulated node its parent selected.
+    sim.simulate(
+        os.environ[sim.SIMULATE_ENV],
+        state_dir=os.environ.get("ZEUS_CALLBACKS_SIM_STATE_DIR"),
+        export_env=False,
+    )
 
 
 def _import_zeus():
@@ -90,10 +115,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=2_000, help="window pairs per timing")
     parser.add_argument("--repeat", type=int, default=50, help="timings per figure; the best is reported")
+    parser.add_argument(
+        "--section",
+        choices=("windows", "step", "all"),
+        default="windows",
+        help="windows: the begin/end_window table (default); step: observers' cost to a 100 ms step; all: both",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="step section: rounds of every configuration")
+    parser.add_argument(
+        "--steps", type=int, default=30, help="step section: steps per configuration and round"
+    )
+    parser.add_argument(
+        "--scrape-interval", type=float, default=1.0, help="step section: seconds between scrapes"
+    )
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)  # Zeus logs at INFO/WARNING while it probes devices
     warnings.simplefilter("ignore")  # Zeus warns on zero-energy windows; the warning call still costs
 
+    if args.section in ("windows", "all"):
+        _windows_section(args)
+    if args.section in ("step", "all"):
+        _step_section(args)
+    return 0
+
+
+def _windows_section(args: argparse.Namespace) -> None:
     zeus, why_not = _import_zeus()
     print(
         "Monitor overhead per begin_window+end_window pair (simulated GPUs beneath nvidia-ml-py, A40, "
@@ -127,7 +173,193 @@ def main(argv: list[str] | None = None) -> int:
         "Figures are for simulated GPUs (each read a ctypes callback into the simulator): real NVML calls "
         "cost differently, and the same for every monitor."
     )
-    return 0
+
+
+# -- the observers' cost to a training step (`--section step`) ----------------------------------------------
+STEP_S = 0.1
+
+
+def _calibrated_step(host_s: float, wait_s: float) -> Callable[[], None]:
+    """A step: fixed pure-Python work that takes `host_s` when nothing else runs (the best of a few timings),
+    then `wait_s` waiting with the GIL released, as `torch.cuda.synchronize()` waits for the GPU."""
+
+    def work(n: int) -> int:
+        x = 0
+        for i in range(n):
+            x ^= i
+        return x
+
+    n = 100_000
+    best = min(timeit.timeit(lambda: work(n), number=1) for _ in range(5))
+    n = max(1, int(n * host_s / best))
+
+    def step() -> None:
+        work(n)
+        if wait_s:
+            time.sleep(wait_s)
+
+    return step
+
+
+def _cpu_s_of(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (/proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+_SCRAPER = (
+    "import sys, time, urllib.request\n"
+    "url, every = sys.argv[1], float(sys.argv[2])\n"
+    "while True:\n"
+    "    urllib.request.urlopen(url, timeout=10).read()\n"
+    "    time.sleep(every)\n"
+)
+
+
+class _PatientEvent(multiprocessing.synchronize.Event):
+    def wait(self, timeout=None):
+        return super().wait(None if timeout is None else max(timeout, 180.0))
+
+
+@contextlib.contextmanager
+def _patient_spawn():
+    """Zeus's PowerMonitor gives its spawned process 10 s to start (`zeus/monitor/power.py`, the
+    `ready_events[...].wait(timeout=10.0)`); that process imports torch, which on a loaded host takes longer.
+    Here the wait is up to 180 s; what the process does once started is unchanged."""
+    real = multiprocessing.context.SpawnContext.Event
+
+    def event(ctx):
+        return _PatientEvent(ctx=ctx.get_context())
+
+    multiprocessing.context.SpawnContext.Event = event
+    try:
+        yield
+    finally:
+        multiprocessing.context.SpawnContext.Event = real
+
+
+class _Observers:
+    """One configuration's background observers: started, then `stop()`; `cpu_s()` is what they used so far."""
+
+    def __init__(self, kind: str, period_s: float, scrape_every_s: float) -> None:
+        import subprocess
+
+        self.kind = kind
+        self._stops: list[Callable[[], None]] = []
+        self._pids: list[int] = []
+        if kind in ("ours: power timeline", "ours: endpoint + power timeline"):
+            from zeus_callbacks.core.monitor.power import PowerMonitor
+
+            pm = PowerMonitor(gpu_indices=[0], update_period=period_s)
+            self._stops.append(pm.stop)
+        if kind == "ours: endpoint + power timeline":
+            from zeus_callbacks.core.observability.endpoint import serve_metrics
+
+            server = serve_metrics(port=0, addr="127.0.0.1", per_rank=False)
+            scraper = subprocess.Popen([sys.executable, "-c", _SCRAPER, server.url, str(scrape_every_s)])
+            self._stops += [scraper.kill, server.stop]
+        if kind == "zeus: PowerMonitor":
+            from zeus.monitor.power import PowerMonitor as ZeusPowerMonitor
+
+            # One domain (one process): all three spawn three, whose start can outlast Zeus's 10 s timeout on a
+            # loaded host; fewer samples than ours take, so the comparison leans in Zeus's favour.
+            with _patient_spawn():
+                zpm = ZeusPowerMonitor(
+                    gpu_indices=[0], update_period=period_s, power_domains=["device_instant"]
+                )
+            self._pids = [p.pid for p in zpm.processes.values()]
+            self._stops.append(zpm.stop)
+        time.sleep(2 * max(period_s, 0.05))  # started and sampling
+        self._start = self._cpu_now()
+
+    def _cpu_now(self) -> float:
+        # This process's threads other than the training thread, plus Zeus's sampling processes.
+        return time.process_time() - time.thread_time() + _cpu_s_of(self._pids)
+
+    def cpu_s(self) -> float:
+        return self._cpu_now() - self._start
+
+    def stop(self) -> None:
+        for stop in reversed(self._stops):
+            stop()
+
+
+# (name, host Python s, GPU wait s): the worst case, and a step that mostly waits for the GPU.
+STEP_KINDS = (("host-bound", STEP_S, 0.0), ("GPU-bound", 0.1 * STEP_S, 0.9 * STEP_S))
+
+
+def _step_section(args: argparse.Namespace) -> None:
+    zeus, why_not = _import_zeus()
+    try:
+        from zeus_callbacks.core.monitor.power import PowerMonitor
+    except ImportError as e:
+        print(f"Step section skipped: this package's PowerMonitor is not importable ({e}).")
+        return
+    kinds = ["none", "ours: power timeline", "ours: endpoint + power timeline"]
+    if zeus is not None:
+        kinds.append("zeus: PowerMonitor")
+    steps = {name: _calibrated_step(host_s, wait_s) for name, host_s, wait_s in STEP_KINDS}
+    step_s = {(k, s): [] for k in kinds for s in steps}  # mean step time per round
+    cpu_share = {k: [] for k in kinds}  # observers' CPU s per wall s, per round
+    with tempfile.TemporaryDirectory(prefix="zeus_callbacks-bench-") as state_dir:
+        sim.simulate("a40", state_dir=state_dir)  # exported: Zeus's spawned processes simulate it too
+        period_s = PowerMonitor(gpu_indices=[0], background=False).update_period
+        for _ in range(args.rounds):
+            for kind in kinds:
+                observers = None if kind == "none" else _Observers(kind, period_s, args.scrape_interval)
+                wall0 = time.perf_counter()
+                for name, step in steps.items():
+                    t0 = time.perf_counter()
+                    for _ in range(args.steps):
+                        step()
+                    step_s[kind, name].append((time.perf_counter() - t0) / args.steps)
+                wall = time.perf_counter() - wall0
+                cpu_share[kind].append(0.0 if observers is None else observers.cpu_s() / wall)
+                if observers is not None:
+                    observers.stop()
+        sim.disable()
+    print()
+    print(
+        f"Observers' cost to a {STEP_S * 1000:.0f} ms step: 1 simulated A40 beneath nvidia-ml-py, real clock; "
+        f"power sampled every {period_s * 1000:.0f} ms (ours and Zeus's), the endpoint scraped every "
+        f"{args.scrape_interval:g} s by another process"
+    )
+    print(
+        f"host-bound: {STEP_S * 1000:.0f} ms of pure-Python work (GIL held: the worst case); GPU-bound: "
+        f"{STEP_KINDS[1][1] * 1000:.0f} ms of it, then {STEP_KINDS[1][2] * 1000:.0f} ms waiting with the GIL "
+        f"released; {args.rounds} rounds x {args.steps} steps each; medians over rounds"
+    )
+    if zeus is None:
+        print(f"Zeus row skipped: {why_not}")
+    header = (
+        f"{'observers':<32}  {'host-bound ms':>13}  {'vs none':>8}  {'GPU-bound ms':>12}  {'vs none':>8}"
+        f"  {'observer CPU per 100 ms':>23}"
+    )
+    print(header)
+    print("-" * len(header))
+    for kind in kinds:
+        cols = []
+        for name in steps:
+            rel = [a / b - 1 for a, b in zip(step_s[kind, name], step_s["none", name], strict=True)]
+            cols.append((statistics.median(step_s[kind, name]) * 1000, statistics.median(rel) * 100))
+        (h_ms, h_rel), (g_ms, g_rel) = cols
+        cpu_ms = statistics.median(cpu_share[kind]) * STEP_S * 1000
+        print(
+            f"{kind:<32}  {h_ms:>13.2f}  {h_rel:>+7.2f}%  {g_ms:>12.2f}  {g_rel:>+7.2f}%  {cpu_ms:>19.3f} ms"
+        )
+    print(
+        "'vs none': step time against the same steps without observers in the same round (load on the host "
+        "moves it either way); 'observer CPU': CPU the observers used per 100 ms of wall time (this process's "
+        "other threads, or Zeus's spawned process, which runs beside the step where a core is free): what they "
+        "can take from a host-bound step at most. SIMULATED GPU: its NVML answers are Python callbacks, "
+        "dearer than a real driver's."
+    )
 
 
 if __name__ == "__main__":

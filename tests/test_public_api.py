@@ -39,6 +39,8 @@ def test_star_import_needs_no_framework(run_python) -> None:
         "LightningPipelineFrequencyOptimizer",
         "LightningHeterogeneous",
         "LightningEpochLog",
+        "instrument_megatron",
+        "instrument_deepspeed",
     ],
 )
 def test_adapters_are_importable_by_name_but_not_starred(name: str) -> None:
@@ -103,3 +105,20 @@ def test_zeus_small_utilities_are_exported_with_zeus_signatures(monkeypatch) -> 
         get_env("ZC_TEST_INT", int)
     assert zeus_cost(energy=2000.0, time=10.0, eta_knob=0.25, max_power=300) == 0.25 * 2000 + 0.75 * 300 * 10
     assert zeus_cost(100.0, 1.0, 1.0, 300) == 100.0 and zeus_cost(100.0, 1.0, 0.0, 300) == 300.0
+
+
+def test_zeus_metric_classes_are_exported_with_zeus_signatures() -> None:
+    """`zeus.metric`'s `EnergyHistogram`, `EnergyCumulativeCounter`, `PowerGauge`: Zeus's parameters, in its
+    order, with its defaults (ours add only the keyword-only `prometheus_url`, the name Zeus's docs use)."""
+    import inspect
+
+    zeus_metric = pytest.importorskip("zeus.metric")
+    for name in ("EnergyHistogram", "EnergyCumulativeCounter", "PowerGauge"):
+        assert name in zeus_callbacks.__all__
+        ours = inspect.signature(getattr(zeus_callbacks, name)).parameters
+        theirs = inspect.signature(getattr(zeus_metric, name)).parameters
+        assert list(ours)[: len(theirs)] == list(theirs), name
+        assert [p for p in ours if p not in theirs] == ["prometheus_url"], name
+        for p, zp in theirs.items():
+            if zp.default is not inspect.Parameter.empty:
+                assert list(ours[p].default) == list(zp.default), (name, p)

@@ -8,7 +8,8 @@ The package, by layer (data flows down: a trainer hook → an adapter → the co
 - `core/pipeline_frequency/`: `PipelineFrequencyOptimizer` (Perseus) and its planner, profile file, instrumentation.
 - `core/heterogeneous/`: the heterogeneous planner, its profile file and profiler, uneven training.
 - `core/distributed.py`: collectives, `local_rank()`, the one signal chain.
-- Adapters, one module per framework: `huggingface`, `lightning` (`lightning.pytorch` and `.pl`), `accelerate`.
+- Adapters, one module per framework: `huggingface`, `lightning` (`lightning.pytorch` and `.pl`), `accelerate`;
+  per pipeline engine: `megatron` (Megatron-Core), `deepspeed`.
 - `sim/`: simulated GPUs behind NVML; `cli/`: the `zeus-callbacks` command.
 
 Names of the core are importable from here; so are the adapters' classes, imported on first access so that
@@ -88,6 +89,16 @@ _CORE = {
     "steps_per_epoch": _HETEROGENEOUS_TRAINING,
     "get_env": "zeus_callbacks.core.zeus_utils",
     "zeus_cost": "zeus_callbacks.core.zeus_utils",
+    # Zeus's `zeus.metric` (Pushgateway) and the Prometheus endpoint; prometheus_client is imported when used.
+    "EnergyHistogram": "zeus_callbacks.core.observability.metric",
+    "EnergyCumulativeCounter": "zeus_callbacks.core.observability.metric",
+    "PowerGauge": "zeus_callbacks.core.observability.metric",
+    "serve_metrics": "zeus_callbacks.core.observability.endpoint",
+    "MetricsServer": "zeus_callbacks.core.observability.endpoint",
+    # Zeus's monitors: `zeus.monitor.power`, `.temperature`, `.carbon`, `.price`.
+    "PowerMonitor": "zeus_callbacks.core.monitor.power",
+    "PowerDomain": "zeus_callbacks.core.monitor.power",
+    "TemperatureMonitor": "zeus_callbacks.core.monitor.temperature",
 }
 
 # The adapters: importable by name, left out of `__all__` because they import their framework.
@@ -114,6 +125,9 @@ _ADAPTERS = {
         ],
         "zeus_callbacks.lightning.pytorch",
     ),
+    # The pipeline engines' adapters: their modules import Megatron-Core / DeepSpeed only when called.
+    "instrument_megatron": "zeus_callbacks.megatron",
+    "instrument_deepspeed": "zeus_callbacks.deepspeed",
 }
 
 __all__ = [
@@ -169,7 +183,15 @@ if TYPE_CHECKING:  # pragma: no cover
         weight_gradients,
     )
     from zeus_callbacks.core.monitor.dataloader import ProfileDataLoader  # noqa: F401
+    from zeus_callbacks.core.monitor.power import PowerDomain, PowerMonitor  # noqa: F401
     from zeus_callbacks.core.monitor.replay import ReplayZeusMonitor  # noqa: F401
+    from zeus_callbacks.core.monitor.temperature import TemperatureMonitor  # noqa: F401
+    from zeus_callbacks.core.observability.endpoint import MetricsServer, serve_metrics  # noqa: F401
+    from zeus_callbacks.core.observability.metric import (  # noqa: F401
+        EnergyCumulativeCounter,
+        EnergyHistogram,
+        PowerGauge,
+    )
     from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer  # noqa: F401
     from zeus_callbacks.core.pipeline_frequency.pipelining import instrument  # noqa: F401
     from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer  # noqa: F401

@@ -28,6 +28,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("profile", "profile a training script over batch sizes and power limits (Zeus² JSON)"),
     "plan": ("plan", "plan local batch sizes and power limits for heterogeneous GPUs"),
     "pipeline-plan": ("pipeline_plan", "plan per-instruction SM frequencies of a pipeline (Perseus)"),
+    "report": ("report", "write a recorded run's report: one self-contained HTML file"),
 }
 
 

@@ -66,6 +66,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--plot", metavar="FILE.png", help="plot time and energy per step against the power limit"
     )
+    parser.add_argument(
+        "--report",
+        metavar="FILE.html",
+        help="record the run and write its HTML report (the record is kept beside it in FILE.run/)",
+    )
+    parser.add_argument(
+        "--carbon-intensity",
+        type=float,
+        metavar="G_PER_KWH",
+        help="grid carbon intensity for the report's CO2eq (gCO2eq/kWh; default: not given)",
+    )
+    parser.add_argument(
+        "--region",
+        metavar="CODE",
+        help="the report's carbon intensity from the shipped yearly average of a region (ISO code, e.g. DE, US)",
+    )
+    parser.add_argument(
+        "--price", type=float, metavar="PER_KWH", help="electricity price per kWh for the report's cost"
+    )
+    parser.add_argument("--currency", default="USD", help="currency of --price (default USD)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=run)
 
@@ -78,6 +98,19 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--real uses this machine's GPU: drop --gpu/--workload")
         if args.steps < 1:
             raise ValueError(f"--steps {args.steps}: must be at least 1")
+        for option, value in (("--carbon-intensity", args.carbon_intensity), ("--price", args.price)):
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{option} {value}: must be a number >= 0")
+            if value is not None and not args.report:
+                raise ValueError(f"{option} goes into the HTML report: add --report FILE.html")
+        if args.region is not None:
+            if args.carbon_intensity is not None:
+                raise ValueError("--region and --carbon-intensity both set the carbon intensity: pass one")
+            if not args.report:
+                raise ValueError("--region goes into the HTML report: add --report FILE.html")
+            args.carbon_intensity, args.carbon_source = _region_intensity(args.region)
+        if args.report and Path(args.report).is_dir():
+            raise ValueError(f"--report {args.report}: is a folder; pass a file name such as demo.html")
     except ValueError as e:
         print(f"zeus-callbacks demo: {e}", file=sys.stderr)
         return 2
@@ -115,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(report, args.plot)
         print(f"Plot written to {args.plot}.", file=progress)
+    if args.report:
+        from zeus_callbacks.core.report import run_dir_for
+
+        print(f"Report written to {args.report} (record in {run_dir_for(args.report)}).", file=progress)
     print(json.dumps(_plain(report), indent=1) if args.json else table(report))
     return 0 if report["optimal_power_limit_w"] is not None else 1
 
@@ -138,6 +175,19 @@ def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: 
         profile_steps=args.profile_steps,
         pl_step=args.pl_step,
     )
+    recorder = None
+    if args.report:
+        from zeus_callbacks.core.report import start_report
+
+        recorder = start_report(
+            args.report,
+            monitor,
+            carbon_intensity_gco2_per_kwh=args.carbon_intensity,
+            price_per_kwh=args.price,
+            currency=args.currency,
+            carbon_intensity_source=getattr(args, "carbon_source", None),
+            title=f"demo: a tiny GPT-2 on {monitor.gpus[0].name}",
+        )
     label = "SIMULATED" if monitor.simulated else "measured"
     name = monitor.gpus[0].name
     system = sim.active()
@@ -168,6 +218,8 @@ def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: 
         train_dataset=ToyCorpus(args.seed),
         callbacks=[plo, HFSimulatedGPUWork(0, _STEP_GPU_WORK_S), _progress_callback(plo, out, label)],
     )
+    if recorder is not None:
+        trainer.add_callback(_record_callback(recorder))  # after the optimizer: its step is measured first
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     print(f"Profiling power limits with {selector!r} ({label}):", file=out)
@@ -177,9 +229,15 @@ def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: 
     started = time.perf_counter()
     try:
         trainer.train()
+    except BaseException as e:
+        if recorder is not None:
+            recorder.finish(optimizers=[plo], failed=f"{type(e).__name__}: {e}")
+        raise
     finally:
         plo.optimizer.on_train_end()  # done by the trainer already, unless training raised
         torch.set_num_threads(threads)
+    if recorder is not None:
+        recorder.finish(optimizers=[plo])
     report = plo.optimizer.report()
     report.update(
         gpu=name,
@@ -237,6 +295,34 @@ class ToyCorpus:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return {"input_ids": self._blocks[i], "labels": self._blocks[i]}
+
+
+def _region_intensity(region: str) -> tuple[float, str]:
+    """(gCO2eq/kWh, where it comes from) of `region` in the shipped table."""
+    from zeus_callbacks.core.monitor.carbon import RegionCarbonIntensity
+
+    try:
+        provider = RegionCarbonIntensity(region)
+    except Exception as e:  # the table's own message lists the known regions
+        raise ValueError(f"--region {region}: {e}") from None
+    return (
+        provider.get_current_carbon_intensity(),
+        f"{provider.name}, {provider.year} average, {provider.source}",
+    )
+
+
+def _record_callback(recorder):
+    """A callback that feeds each training step to the run recorder (built here, as `_progress_callback`)."""
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            recorder.on_step_begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            recorder.on_step_end()
+
+    return Record()
 
 
 def _progress_callback(plo, out: TextIO, label: str):

@@ -206,17 +206,35 @@ _POWER_FIELDS = {
 }
 
 
+# Memory power (`NVML_POWER_SCOPE_MEMORY`, nvml.h: "Targets the GPU Memory"): nvidia-smi reads it, nvml.h
+# documents no board list. Zeus finds it answered on the H100 and NOT_SUPPORTED on the A40
+# (zeus/device/gpu/nvidia.py, `get_average_memory_power_usage`), so Hopper boards answer and older ones do
+# not. Its value is ASSUMED: a fixed share of the board's 1-second average (no per-board split is published).
+MEMORY_POWER_SHARE = 0.15
+_MEMORY_POWER_FIELDS = {
+    _real.NVML_FI_DEV_POWER_AVERAGE: lambda g: (
+        g.average_power_mw() * MEMORY_POWER_SHARE
+        if g.spec.architecture >= _real.NVML_DEVICE_ARCH_HOPPER and g.spec.has_power_average_field
+        else None
+    ),
+}
+_FIELDS_BY_SCOPE = {
+    _real.NVML_POWER_SCOPE_GPU: _POWER_FIELDS,
+    _real.NVML_POWER_SCOPE_MEMORY: _MEMORY_POWER_FIELDS,
+}
+
+
 def nvmlDeviceGetFieldValues(handle, fieldIds: list) -> ctypes.Array:  # noqa: N802, N803
-    """Power fields (mW, `value.uiVal`) of the whole GPU; each other field answers NOT_SUPPORTED in its
-    own `nvmlReturn`, as NVML does, while the call itself succeeds."""
+    """Power fields (mW, `value.uiVal`) of the whole GPU (and, on Hopper, the average of its memory); each other
+    field or scope answers NOT_SUPPORTED in its own `nvmlReturn`, as NVML does, while the call itself succeeds."""
     g = _gpu(handle, call="nvmlDeviceGetFieldValues")
     values = (_real.c_nvmlFieldValue_t * len(fieldIds))()
     stamp = int(g.now() * 1e6)
     for v, field in zip(values, fieldIds, strict=True):
         field_id, scope = field if isinstance(field, tuple) else (field, 0)
         v.fieldId, v.scopeId, v.timestamp = field_id, scope, stamp
-        read = _POWER_FIELDS.get(field_id)
-        value = None if read is None or scope != _real.NVML_POWER_SCOPE_GPU else read(g)
+        read = _FIELDS_BY_SCOPE.get(scope, {}).get(field_id)
+        value = None if read is None else read(g)
         if value is None:
             v.nvmlReturn = _real.NVML_ERROR_NOT_SUPPORTED
             continue

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from torch.utils.data import DataLoader, Subset
 
+from zeus_callbacks.core.arguments import whole_number
+from zeus_callbacks.core.monitor import checks
 from zeus_callbacks.core.monitor.epoch_log import (
     LOG_PREFIX_ENV,
     EpochLog,
@@ -79,7 +81,10 @@ class ProfileDataLoader(DataLoader):
     ) -> None:
         if split not in ("train", "eval"):
             raise ValueError(f"`ProfileDataLoader(split={split!r})`: split must be 'train' or 'eval'.")
-        if not 0.0 < subset_proportion <= 1.0:
+        checks.require_zeus_monitor("ProfileDataLoader", monitor)
+        batch_size = whole_number("ProfileDataLoader", "batch_size", batch_size, 1)
+        number = isinstance(subset_proportion, (int, float)) and not isinstance(subset_proportion, bool)
+        if not number or not 0.0 < subset_proportion <= 1.0:
             raise ValueError(
                 f"`ProfileDataLoader(subset_proportion={subset_proportion!r})`: must be in (0, 1]."
             )

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TextIO
 
 from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.device.errors import InvalidInputError
+from zeus_callbacks.core.monitor import checks
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 
 __all__ = [
@@ -194,7 +196,10 @@ class EpochLog:
                 "PREFIX+gpu<i>.energy.csv, PREFIX+gpu<i>.power.csv)."
             )
         if sleep_ms is None:
-            sleep_ms = int(os.environ.get(MONITOR_SLEEP_MS_ENV) or _DEFAULT_SLEEP_MS)
+            text = os.environ.get(MONITOR_SLEEP_MS_ENV) or _DEFAULT_SLEEP_MS
+            sleep_ms = checks.sleep_ms(MONITOR_SLEEP_MS_ENV, text, from_env=True)
+        checks.sleep_ms(MONITOR_SLEEP_MS_ENV, sleep_ms, from_env=False)
+        checks.require_zeus_monitor("EpochLog", monitor)
         self.monitor = monitor if monitor is not None else monitor_for(None)
         self.log_prefix = str(prefix)
         self.sleep_ms = int(sleep_ms)
@@ -211,7 +216,13 @@ class EpochLog:
 
     def _open(self) -> None:
         self._opened = True
-        Path(self.log_prefix).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            Path(self.log_prefix).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InvalidInputError(
+                f"The log prefix {self.log_prefix!r} (log_prefix= or {LOG_PREFIX_ENV}): its folder cannot be "
+                f"created ({e.strerror or e}); pass a prefix in a folder you may write."
+            ) from None
         if dist.rank() == 0:
             self._time_file = open(f"{self.log_prefix}.time.csv", "w")  # noqa: SIM115 - open across epochs
             self._time_file.write("epoch,split,time\n")

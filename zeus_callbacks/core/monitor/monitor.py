@@ -21,7 +21,7 @@ from zeus_callbacks.core.device.power import (
     instant_power_mw,
     one_second_power_mw,
 )
-from zeus_callbacks.core.monitor import rapl
+from zeus_callbacks.core.monitor import checks, rapl
 
 __all__ = ["ZeusMonitor", "Measurement", "MeasurementState"]
 
@@ -233,7 +233,9 @@ class ZeusMonitor:
                 f"`ZeusMonitor(sync_execution_with={sync_execution_with!r})`: only 'torch' is supported."
             )
         self.gpu_indices: list[int] = list(gpu_indices)
-        self.approx_instant_energy = bool(approx_instant_energy)
+        self.approx_instant_energy = checks.flag(
+            "ZeusMonitor", "approx_instant_energy", approx_instant_energy
+        )
         self._short_warned: set[int] = set()
         # Windows shorter than this may fall between two refreshes of a GPU's energy counter.
         self._short_s = MAX_REFRESH_PERIOD_S
@@ -249,15 +251,13 @@ class ZeusMonitor:
         # GPUs that stopped answering -> why: left out of every later window (said once each).
         self._lost: dict[int, str] = {}
         self._live_indices: list[int] = list(self.gpu_indices)
-        self._rapl = _rapl_packages(cpu_indices)
+        self._rapl = _rapl_packages(checks.cpu_indices(cpu_indices))
         self.cpu_indices: list[int] = [p.index for p in self._rapl]
         # key -> (start, GPU counters mJ, the GPU indices they are of, RAPL counters µJ per package or None)
         self._windows: dict[str, tuple[float, list[int], list[int], list[tuple[int, int | None]] | None]] = {}
         self._log: TextIO | None = None
         if log_file is not None:
-            path = Path(log_file)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = path.open("w")
+            self._log = checks.open_log("ZeusMonitor", log_file)
             cols = ",".join(f"gpu{i}_energy" for i in self.gpu_indices)
             self._log.write(f"start_time,window_name,elapsed_time,{cols}\n")
             self._log.flush()
@@ -320,6 +320,8 @@ class ZeusMonitor:
         Raises:
             ValueError: a window named `key` is already open (and not `restart`).
         """
+        if not isinstance(key, str):
+            checks.window_key(key)
         if key in self._windows:
             if not restart:
                 raise ValueError(

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from zeus_callbacks.core.monitor import checks
 from zeus_callbacks.core.monitor.monitor import Measurement, ZeusMonitor
 
 __all__ = ["ReplayZeusMonitor"]
@@ -82,20 +83,23 @@ class ReplayZeusMonitor(ZeusMonitor):
         self.ignore_sync_execution = ignore_sync_execution
         self.match_window_name = match_window_name
         self.log_path = Path(log_file)
-        with self.log_path.open() as f:
-            lines = f.read().splitlines()
+        lines = checks.read_log_lines("ReplayZeusMonitor", self.log_path)
         header = lines[0].split(",") if lines else []
         if header[:3] != ["start_time", "window_name", "elapsed_time"]:
             raise ValueError(
                 f"`ReplayZeusMonitor(log_file={str(log_file)!r})`: not a monitor log (expected the header "
                 f"start_time,window_name,elapsed_time,gpu<i>_energy,...; got {lines[0] if lines else 'nothing'!r})."
             )
-        columns = [int(c[3:].split("_")[0]) for c in header[3:] if c]
-        self.gpu_indices: list[int] = list(columns if gpu_indices is None else gpu_indices)
+        self.gpu_indices: list[int] = checks.log_columns(
+            "ReplayZeusMonitor", self.log_path, header, gpu_indices
+        )
         self.cpu_indices: list[int] = []
         self._lost: dict[int, str] = {}  # `lost_gpus`: none (a GPU lost when recorded is an empty cell)
         self._live_indices = list(self.gpu_indices)
         self._rows = [line for line in lines[1:] if line]
+        for n, line in enumerate(lines[1:], start=2):
+            if line:
+                checks.log_cells("ReplayZeusMonitor", self.log_path, n, header, line.split(","))
         self._next_row = 0
         # A Zeus log's per-limit rows, by power limit (W): time and energy per step, for the step windows.
         self._per_limit: dict[int, tuple[float, dict[int, float]]] = {}

@@ -1,0 +1,249 @@
+"""PowerMonitor (Zeus's `zeus.monitor.power` interface) on simulated GPUs through the real nvidia-ml-py: the
+domains each generation offers, energy from the timeline against the simulator's own energy counter, no
+busy polling, clean stops and clear errors."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+
+from zeus_callbacks import PowerDomain, PowerMonitor
+from zeus_callbacks.core.device.errors import InvalidInputError
+from zeus_callbacks.core.device.gpus import get_gpus
+from zeus_callbacks.core.monitor import power as power_module
+from zeus_callbacks.core.monitor.timeline import Series, integrate
+from zeus_callbacks.sim import fake_nvml
+
+ALL = ["device_instant", "device_average", "memory_average"]
+
+
+def _domains(monitor: PowerMonitor) -> list[str]:
+    return [d.value for d in monitor.measurement_domains]
+
+
+@pytest.mark.parametrize(
+    ("spec", "domains"),
+    [
+        ("h100", ALL),  # Hopper: memory power too (Zeus: "Confirmed working on H100")
+        ("a40", ["device_instant", "device_average"]),  # GA102: no memory power (Zeus: "not working on A40")
+        ("a100", ["device_instant"]),  # GA100: nvml.h's "except GA100" for the 1-second average
+        ("v100", ["device_instant"]),
+        ("t4", ["device_instant"]),
+    ],
+)
+def test_each_generation_offers_the_domains_nvml_documents(sim_gpus, spec: str, domains: list[str]) -> None:
+    sim_gpus(spec, virtual_clock=True)
+    monitor = PowerMonitor(update_period=0.05, background=False)
+    assert _domains(monitor) == domains
+    assert set(monitor.get_all_power_timelines()) == set(domains)
+    assert monitor.simulated
+
+
+def test_a_domain_the_gpu_lacks_is_refused_with_what_it_offers(sim_gpus) -> None:
+    sim_gpus("a100", virtual_clock=True)
+    with pytest.raises(InvalidInputError, match=r"does not offer 'device_average' \(it offers \['device_instant'\]\)"):
+        PowerMonitor(update_period=0.05, power_domains=["device_average"], background=False)
+    monitor = PowerMonitor(update_period=0.05, power_domains=[PowerDomain.DEVICE_INSTANT], background=False)
+    with pytest.raises(InvalidInputError, match="not being monitored"):
+        monitor.get_power_timeline("memory_average")
+
+
+def test_a_mixed_node_monitors_the_domains_every_gpu_offers(sim_gpus) -> None:
+    sim_gpus("a40,h100", virtual_clock=True)
+    monitor = PowerMonitor(update_period=0.05, background=False)
+    assert _domains(monitor) == ["device_instant", "device_average"]
+
+
+@pytest.mark.parametrize(("spec", "domains"), [("a40", ["device_average"]), ("v100", ["device_instant"])])
+def test_without_field_values_power_usage_stands_for_its_domain(sim_gpus, spec: str, domains: list[str]) -> None:
+    """An old driver's NVML lacks nvmlDeviceGetFieldValues: nvmlDeviceGetPowerUsage is the 1-second average on
+    Ampere (except GA100) and newer, the instant reading before."""
+    sim_gpus(spec, virtual_clock=True, faults="missing=nvmlDeviceGetFieldValues")
+    monitor = PowerMonitor(update_period=0.05, background=False)
+    assert _domains(monitor) == domains
+    if "device_instant" not in domains:
+        with pytest.raises(InvalidInputError, match="needs device_instant"):
+            monitor.get_power()
+
+
+def test_energy_from_the_timeline_equals_the_energy_counter(sim_gpus) -> None:
+    """Steady steps on a virtual clock: the integral of sampled power over whole steps is the energy the
+    simulator's counter moved by, to rounding. Ideal counter and power window: the counter is exact and the
+    instant reading is the last step's power (a real A40's reading lags by up to its 100 ms update)."""
+    system = sim_gpus("a40", virtual_clock=True, ideal="energy_counter,power_window")
+    gpu = get_gpus()[0]
+    monitor = PowerMonitor(update_period=0.1, background=False)
+    system.run_step(0.1)  # the first reading saw the idle GPU; integrate from the first busy one
+    monitor.poll()
+    start, counter_start = system.clock.now(), gpu.energy_mj()
+    for _ in range(40):
+        system.run_step(0.1)
+        monitor.poll()
+    end, counter_end = system.clock.now(), gpu.energy_mj()
+    energy = monitor.get_energy(start, end)
+    assert energy is not None
+    assert energy[0] == pytest.approx((counter_end - counter_start) / 1000, rel=1e-3)
+    # The average domain tracks the same power once its one-second window is full of busy steps.
+    late = monitor.get_power_timeline("device_average", start_time=start + 1.0)[0]
+    assert late and all(w == pytest.approx(late[-1][1], rel=1e-3) for _, w in late)
+
+
+def test_energy_across_a_power_change_is_within_one_poll_of_the_counter(sim_gpus) -> None:
+    system = sim_gpus("a40", virtual_clock=True, ideal="energy_counter,power_window")
+    gpu = get_gpus()[0]
+    monitor = PowerMonitor(update_period=0.1, background=False)
+    system.run_step(0.1)
+    monitor.poll()
+    start, counter_start = system.clock.now(), gpu.energy_mj()
+    for limit_w in (300, 150):
+        gpu.set_power_limit_mw(limit_w * 1000)
+        for _ in range(10):
+            system.run_step(0.1)
+            monitor.poll()
+    end, counter_end = system.clock.now(), gpu.energy_mj()
+    truth = (counter_end - counter_start) / 1000
+    timeline = monitor.get_power_timeline("device_instant", start_time=start)[0]
+    busy = [w for _, w in timeline]
+    longest = max(b - a for (a, _), (b, _) in zip(timeline, timeline[1:], strict=False))
+    # The trapezoid spreads the step between two readings over one poll (a step, longer at the lower limit):
+    # at most half that poll times the difference.
+    error = abs(monitor.get_energy(start, end)[0] - truth)
+    assert 0 < error <= 0.5 * longest * (max(busy) - min(busy)) + 1e-6
+
+
+def test_get_power_is_the_latest_or_the_nearest_reading(sim_gpus) -> None:
+    system = sim_gpus("a40", virtual_clock=True)
+    monitor = PowerMonitor(update_period=0.1, background=False)
+    first_t = system.clock.now()
+    idle = monitor.get_power()[0]
+    for _ in range(5):
+        system.run_step(0.1)
+        monitor.poll()
+    busy = monitor.get_power()[0]
+    assert busy > idle
+    assert monitor.get_power(first_t)[0] == idle
+    assert monitor.get_power(system.clock.now() + 100)[0] == busy
+    timeline = monitor.get_power_timeline("device_instant", gpu_index=0)[0]
+    assert timeline == sorted(timeline) and timeline[0] == (first_t, idle)
+
+
+def test_equal_readings_keep_the_first_and_last_point_of_their_run() -> None:
+    s = Series(None)
+    for t, v in [(0, 5), (1, 5), (2, 5), (3, 7), (4, 7)]:
+        s.add(t, v)
+    assert s.points() == [(0, 5), (2, 5), (3, 7), (4, 7)]
+    assert s.points(1, 3) == [(2, 5), (3, 7)]
+    assert integrate(s.points(), 0, 4) == pytest.approx(5 * 2 + 6 + 7)
+    assert integrate(s.points(), 1, 2.5) == pytest.approx(5 + 5.5 * 0.5)  # a window between readings
+    bounded = Series(2)
+    for t in range(5):
+        bounded.add(t, t)
+    assert bounded.points() == [(3, 3), (4, 4)]
+
+
+def test_the_inferred_period_sleeps_and_is_never_zero(sim_gpus) -> None:
+    """Zeus 0.16.0's inference starts from 0 and takes the minimum, so it always returns 0 s: busy polling.
+    Here it is half the measured refresh (A40: 100 ms), floored at 10 ms."""
+    sim_gpus("a40")
+    monitor = PowerMonitor()
+    assert monitor.update_period == pytest.approx(0.05, rel=0.2)
+    sim_gpus("v100")
+    power_module._refresh_s.clear()
+    fast = PowerMonitor()
+    assert power_module.MIN_UPDATE_PERIOD_S <= fast.update_period <= 0.011
+    monitor.stop()
+    fast.stop()
+
+
+def test_zeus_0160_infers_a_zero_period() -> None:
+    """The behaviour this package does not copy: PyPI zeus 0.16.0's `infer_counter_update_period` begins at 0.0
+    and keeps the minimum (zeus/monitor/power.py), so `PowerMonitor(update_period=None)` polls without sleeping."""
+    zeus_power = pytest.importorskip("zeus.monitor.power")
+    import inspect
+
+    source = inspect.getsource(zeus_power.infer_counter_update_period)
+    if "update_period = 0.0" not in source or "min(update_period" not in source:
+        pytest.skip("this Zeus infers the period differently (fixed upstream)")
+
+
+def test_the_background_thread_reads_nvml_at_most_once_per_period(sim_gpus, monkeypatch) -> None:
+    """Count the NVML calls beneath pynvml over a wall-clock second: sleeping between ticks bounds them by
+    the elapsed time over the period (a slower host only makes fewer)."""
+    sim_gpus("a40")
+    calls: list[float] = []
+    real = fake_nvml.nvmlDeviceGetFieldValues
+
+    def counted(handle, fields):
+        calls.append(time.monotonic())
+        return real(handle, fields)
+
+    monitor = PowerMonitor(update_period=0.05)
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetFieldValues", counted)
+    start = time.monotonic()
+    time.sleep(1.0)
+    monitor.stop()
+    elapsed = time.monotonic() - start
+    assert 1 <= len(calls) <= elapsed / 0.05 + 1
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert all(g > 0.01 for g in gaps)  # never back to back
+    settled = len(calls)
+    time.sleep(0.2)
+    assert len(calls) == settled  # stopped means stopped
+
+
+def test_stop_is_idempotent_and_a_dropped_monitor_stops_its_thread(sim_gpus) -> None:
+    sim_gpus("a40")
+    monitor = PowerMonitor(update_period=0.02)
+    monitor.stop()
+    monitor.stop()
+    before = {t for t in threading.enumerate() if t.name == "zeus-callbacks-power-monitor"}
+    dropped = PowerMonitor(update_period=0.02)
+    (thread,) = {t for t in threading.enumerate() if t.name == "zeus-callbacks-power-monitor"} - before
+    del dropped
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_a_gpu_that_is_lost_ends_its_timeline_and_the_others_go_on(sim_gpus) -> None:
+    system = sim_gpus("2*a40", virtual_clock=True, faults="lost_after=25@1")
+    monitor = PowerMonitor(update_period=0.1, background=False)
+    for _ in range(40):
+        system.run_step(0.1)
+        monitor.poll()
+    (lost,) = monitor.failed_gpus  # NVML index 1 is one of the two CUDA indices (identical boards)
+    assert "lost" in monitor.failed_gpus[lost]
+    timelines = monitor.get_power_timeline("device_instant")
+    assert timelines[1 - lost][-1][0] > timelines[lost][-1][0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gpu_indices": []}, "name at least one GPU"),
+        ({"gpu_indices": [3]}, r"\[3\] not among the 1 visible"),
+        ({"gpu_indices": "0"}, "expected a list of GPU indices"),
+        ({"gpu_indices": [0, 0]}, "named twice"),
+        ({"update_period": 0}, "greater than 0"),
+        ({"update_period": "fast"}, "greater than 0"),
+        ({"max_samples_per_gpu": 1}, "at least 2"),
+        ({"power_domains": []}, "at least one domain"),
+        ({"power_domains": "device_instant"}, "expected a list of power domains"),
+        ({"power_domains": ["gpu"]}, "'gpu' is not a power domain"),
+    ],
+)
+def test_bad_arguments_say_what_to_pass(sim_gpus, kwargs: dict, message: str) -> None:
+    sim_gpus("a40", virtual_clock=True)
+    with pytest.raises(InvalidInputError, match=message):
+        PowerMonitor(**{"update_period": 0.05, "background": False, **kwargs})
+
+
+def test_get_energy_refuses_times_out_of_order(sim_gpus) -> None:
+    sim_gpus("a40", virtual_clock=True)
+    monitor = PowerMonitor(update_period=0.05, background=False)
+    with pytest.raises(InvalidInputError, match="end_time is before start_time"):
+        monitor.get_energy(10.0, 5.0)
+    assert monitor.get_energy(0.0, 1.0) == {0: 0.0}  # no reading in that window: nothing counted

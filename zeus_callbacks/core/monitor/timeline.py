@@ -1,0 +1,180 @@
+"""Timelines sampled in the background (power, temperature): deduplicated series and the sampling thread."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import operator
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from zeus_callbacks.core.device.errors import SIMULATION_HINT, InvalidInputError
+
+__all__ = ["Series", "Poller", "check_gpu_indices", "check_period", "check_max_samples"]
+
+logger = logging.getLogger(__name__)
+
+
+class Series:
+    """One reading of one GPU over time, stored when it changes.
+
+    A run of equal readings keeps its first and its last point (the last one is stored when the value
+    changes, and reported while the run lasts), so that the timeline says how long a value held: what
+    integrating it needs, where Zeus's deduplicated timeline keeps only the first point of each run.
+    """
+
+    def __init__(self, max_samples: int | None) -> None:
+        self._points: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._last: tuple[float, float] | None = None
+
+    def add(self, t: float, value: float) -> None:
+        """Record a reading taken at `t`."""
+        last = self._last
+        if last is not None and last[1] == value:
+            self._last = (t, value)
+            return
+        if last is not None and self._points and self._points[-1][0] != last[0]:
+            self._points.append(last)  # the end of the run of equal readings
+        self._points.append((t, value))
+        self._last = (t, value)
+
+    def points(self, start: float | None = None, end: float | None = None) -> list[tuple[float, float]]:
+        """The timeline (time, value), oldest first, within [start, end] where given."""
+        out = list(self._points)
+        if self._last is not None and (not out or out[-1][0] != self._last[0]):
+            out.append(self._last)
+        if start is not None:
+            out = out[bisect.bisect_left(out, (start, -math.inf)) :]
+        if end is not None:
+            out = out[: bisect.bisect_right(out, (end, math.inf))]
+        return out
+
+    def latest(self) -> tuple[float, float] | None:
+        """The latest reading, None before the first."""
+        return self._last
+
+    def nearest(self, t: float) -> tuple[float, float] | None:
+        """The reading closest in time to `t` (the earlier one on a tie), None before the first."""
+        points = self.points()
+        if not points:
+            return None
+        i = bisect.bisect_left(points, (t, -math.inf))
+        if i == 0:
+            return points[0]
+        if i == len(points):
+            return points[-1]
+        before, after = points[i - 1], points[i]
+        return before if t - before[0] <= after[0] - t else after
+
+
+def integrate(points: Sequence[tuple[float, float]], start: float, end: float) -> float:
+    """The integral of the piecewise-linear timeline `points` over [start, end], where it has points.
+
+    Outside its first and last points the timeline is unknown and adds nothing.
+    """
+    total = 0.0
+    for (t0, v0), (t1, v1) in zip(points, points[1:], strict=False):
+        lo, hi = max(t0, start), min(t1, end)
+        if hi <= lo or t1 <= t0:
+            continue
+        slope = (v1 - v0) / (t1 - t0)
+        total += (v0 + slope * (lo - t0) + v0 + slope * (hi - t0)) / 2 * (hi - lo)
+    return total
+
+
+class Poller:
+    """Calls `poll()` every `period_s` seconds in a daemon thread, sleeping in between, until `stop()`.
+
+    Ticks are scheduled `period_s` apart; a tick that would fall in the past (a slow poll, a loaded host)
+    is skipped rather than run late, so the thread never polls more often than once per period. An
+    exception in `poll` is logged and the thread keeps going.
+    """
+
+    def __init__(self, name: str, period_s: float, poll: Callable[[], None]) -> None:
+        self._period = period_s
+        self._poll = poll
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        period, clock = self._period, time.monotonic
+        next_at = clock() + period
+        while not self._stop.wait(max(0.0, next_at - clock())):
+            try:
+                self._poll()
+            except Exception:  # noqa: BLE001 - a background reader must not die silently, nor kill training
+                logger.exception("%s: a reading failed; sampling goes on.", self._thread.name)
+            next_at += period
+            now = clock()
+            if next_at <= now:
+                next_at = now + period
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs."""
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (idempotent)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+
+def check_gpu_indices(owner: str, gpu_indices: object, visible: int) -> list[int]:
+    """`gpu_indices` as distinct visible GPU indices (None: every visible GPU), or a clear error."""
+    call = f"`{owner}(gpu_indices={gpu_indices!r})`"
+    if gpu_indices is None:
+        if visible == 0:
+            raise InvalidInputError(
+                f"{call}: no GPU is visible to this process (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). {SIMULATION_HINT}"
+            )
+        return list(range(visible))
+    if isinstance(gpu_indices, (str, bytes)) or not isinstance(gpu_indices, Sequence | set | frozenset | range):
+        raise InvalidInputError(f"{call}: expected a list of GPU indices, e.g. [0] or [0, 1].")
+    if not gpu_indices:
+        raise InvalidInputError(f"{call}: name at least one GPU, or pass None for every visible GPU.")
+    indices = []
+    for i in gpu_indices:
+        try:
+            if isinstance(i, bool):
+                raise TypeError
+            indices.append(operator.index(i))
+        except TypeError:
+            raise InvalidInputError(f"{call}: {i!r} is not a GPU index; expected whole numbers.") from None
+    bad = [i for i in indices if not 0 <= i < visible]
+    if bad:
+        raise InvalidInputError(
+            f"{call}: {bad} not among the {visible} visible GPU(s); indices count from 0 after "
+            "CUDA_VISIBLE_DEVICES."
+        )
+    if len(set(indices)) != len(indices):
+        raise InvalidInputError(f"{call}: a GPU is named twice; name each once.")
+    return indices
+
+
+def check_period(owner: str, name: str, value: object) -> float:
+    """A sampling period in seconds: a finite number > 0, or a clear error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise InvalidInputError(
+            f"`{owner}({name}={value!r})`: expected a number of seconds greater than 0, e.g. 0.1."
+        )
+    return float(value)
+
+
+def check_max_samples(owner: str, value: object) -> int | None:
+    """`max_samples_per_gpu`: None (unbounded) or a whole number >= 2."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise InvalidInputError(
+            f"`{owner}(max_samples_per_gpu={value!r})`: expected None (keep every sample) or a whole number "
+            "of at least 2."
+        )
+    return value

@@ -1,0 +1,1 @@
+"""Observability: a Prometheus endpoint served from the training process, and Zeus's push metrics."""
