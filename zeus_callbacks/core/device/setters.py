@@ -90,7 +90,7 @@ _lock = threading.Lock()
 
 
 def _env_key() -> tuple[str | None, ...]:
-    names = (SETTERS_ENV, zeusd.SOCK_ENV, zeusd.HOST_PORT_ENV, zeusd.TOKEN_ENV)
+    names = (SETTERS_ENV, zeusd.SOCK_ENV, zeusd.HOST_PORT_ENV, zeusd.TOKEN_ENV, zeusd.TIMEOUT_ENV)
     return tuple(os.environ.get(n) for n in names)
 
 
@@ -124,6 +124,8 @@ def route() -> Route:
             f"{SETTERS_ENV}=zeusd, but neither {zeusd.SOCK_ENV} nor {zeusd.HOST_PORT_ENV} says where zeusd "
             "listens: set one (e.g. ZEUSD_SOCK_PATH=/run/zeusd/zeusd.sock), or unset ZEUS_CALLBACKS_SETTERS."
         )
+    if endpoint is not None:
+        zeusd.timeout_s()  # a malformed timeout is said now, not at the first change
     chosen: Route = _NVML if endpoint is None else zeusd.client_for(endpoint, os.environ.get(zeusd.TOKEN_ENV))
     with _lock:
         _cache = (key, chosen)

@@ -124,7 +124,14 @@ class Watchdog:
     @classmethod
     def start(cls) -> Watchdog | None:
         """A watchdog for this process, or None when disabled or it cannot start (then: a debug line)."""
-        if os.environ.get(WATCHDOG_ENV, "1") == "0":
+        switch = os.environ.get(WATCHDOG_ENV, "1")
+        if switch not in ("0", "1", ""):
+            from zeus_callbacks.core.device.errors import InvalidInputError
+
+            raise InvalidInputError(
+                f"{WATCHDOG_ENV}={switch!r}: set 0 to change GPUs without the restore watchdog, or 1 (default)."
+            )
+        if switch == "0":
             return None
         try:
             return cls()

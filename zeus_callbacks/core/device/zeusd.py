@@ -30,6 +30,7 @@ from zeus_callbacks.core.device.errors import (
     GPULostError,
     GPUNoPermissionError,
     GPUNotSupportedError,
+    InvalidInputError,
 )
 from zeus_callbacks.core.device.zeusd_api import (
     Answer,
@@ -73,6 +74,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _CONTROL = "gpu-control"
+NOT_ZEUSD = f"check that {SOCK_ENV} / {HOST_PORT_ENV} points at zeusd"
 
 
 def _gpu_pci_key(gpu: GPU) -> tuple[int, int, int] | None:
@@ -115,6 +117,21 @@ class _NoAnswer(OSError):
     """The request was sent, but the answer did not come (timeout, or the connection dropped)."""
 
 
+def _checked_token(token: str | None) -> str | None:
+    """`ZEUSD_TOKEN` without surrounding whitespace (a file's newline); None when empty.
+
+    Raises:
+        InvalidInputError: it holds a space, a line break or a character an HTTP header cannot carry.
+    """
+    text = (token or "").strip()
+    if any(not 0x21 <= ord(c) <= 0x7E for c in text):
+        raise InvalidInputError(
+            f"{TOKEN_ENV} holds a space, line break or non-ASCII character: set it to the token alone (what "
+            "`zeusd token issue` printed), or unset it."
+        )
+    return text or None
+
+
 class ZeusdClient:
     """The setters of one zeusd endpoint, in the shape of the device layer's NVML setters.
 
@@ -131,7 +148,7 @@ class ZeusdClient:
 
     def __init__(self, endpoint: ZeusdEndpoint, token: str | None = None) -> None:
         self.endpoint = endpoint
-        self._token = token or None
+        self._token = _checked_token(token)
         self._discovery: Discovery | None = None
         self._ids: dict[str, Match] = {}  # GPU UUID -> zeusd's index and how it was found
         self._lock = threading.Lock()
@@ -166,7 +183,13 @@ class ZeusdClient:
                 response = conn.getresponse()
                 raw = response.read().decode("utf-8", "replace")
             except (OSError, http.client.HTTPException) as e:
-                raise _NoAnswer(getattr(e, "errno", None), str(e) or type(e).__name__) from None
+                if isinstance(e, http.client.RemoteDisconnected):
+                    reason = "it closed the connection without answering"
+                elif isinstance(e, http.client.BadStatusLine):
+                    reason = f"not an HTTP answer: {ascii(str(e))[:60]}"
+                else:
+                    reason = str(e) or type(e).__name__
+                raise _NoAnswer(getattr(e, "errno", None), reason) from None
         finally:
             conn.close()
         kind = (response.getheader("Content-Type") or "").split(";")[0].strip()
@@ -182,6 +205,12 @@ class ZeusdClient:
 
     def _unreachable(self, what: str, gpu: str, error: OSError) -> GPUError:
         reason = error.strerror or str(error) or type(error).__name__
+        if isinstance(error, _NoAnswer) and reason.startswith(("not an HTTP", "it closed")):
+            return ZeusdNoAnswerError(
+                f"{what} on {gpu}: {self._where()} gave no usable answer ({reason}); {NOT_ZEUSD}. If it is zeusd, "
+                "the change may still be applied: it stays journaled and is undone at the end (or by "
+                "`zeus-callbacks restore`)."
+            )
         if isinstance(error, _NoAnswer):
             return ZeusdNoAnswerError(
                 f"{what} on {gpu}: {self._where()} gave no answer within {timeout_s():g} s ({reason}); zeusd "
@@ -266,7 +295,7 @@ class ZeusdClient:
         except ValueError:
             raise GPUError(
                 f"{what}: {self._where()} answered /discover with {str(body)[:200]!r}, not the discovery "
-                f"document of zeusd 0.4 or later; check that {SOCK_ENV} / {HOST_PORT_ENV} points at zeusd."
+                f"document of zeusd 0.4 or later; {NOT_ZEUSD}."
             ) from None
         with self._lock:
             self._discovery = found
