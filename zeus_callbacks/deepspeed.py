@@ -14,7 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction
-from zeus_callbacks.core.pipeline_frequency.engine_step import EngineStep
+from zeus_callbacks.core.pipeline_frequency.engine_step import (
+    EngineStep,
+    check_engine_arguments,
+    check_schedule_shape,
+)
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 
 __all__ = ["DeepSpeedInstrumentation", "instrument_deepspeed", "deepspeed_schedule_order"]
@@ -37,6 +41,7 @@ def deepspeed_schedule_order(num_stages: int, num_microbatches: int) -> list[lis
     `ForwardPass`/`BackwardPass` instructions numbered in turn: a stage runs the forwards, and the
     backwards, of its microbatches in order (the instructions carry only a buffer id).
     """
+    check_schedule_shape("deepspeed_schedule_order", num_stages=num_stages, num_microbatches=num_microbatches)
     schedule = _schedule_module()
     order = []
     for stage in range(num_stages):
@@ -173,6 +178,7 @@ def instrument_deepspeed(
             "`instrument_deepspeed(engine, ...)`: this engine is already instrumented; call `.remove()` on the "
             "first instrumentation before instrumenting again."
         )
+    check_engine_arguments("instrument_deepspeed", optimizer, mark_steps)
     hooks = DeepSpeedInstrumentation(engine, optimizer, mark_steps)
     hooks._install()
     return hooks

@@ -12,12 +12,17 @@ patches) and `MegatronInstrumentation.remove()` puts the originals back. Support
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction
-from zeus_callbacks.core.pipeline_frequency.engine_step import EngineStep
+from zeus_callbacks.core.pipeline_frequency.engine_step import (
+    EngineStep,
+    check_engine_arguments,
+    check_schedule_shape,
+)
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 
 __all__ = ["MegatronInstrumentation", "instrument_megatron", "megatron_schedule_order"]
@@ -58,6 +63,13 @@ def megatron_schedule_order(
         num_chunks: Model chunks per rank (virtual pipeline size; 1: the 1F1B schedule).
         microbatch_group_size: `TransformerConfig.microbatch_group_size_per_vp_stage` (default: `num_stages`).
     """
+    check_schedule_shape(
+        "megatron_schedule_order",
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        num_chunks=num_chunks,
+        microbatch_group_size=microbatch_group_size,
+    )
     schedules = _schedules()
     group = microbatch_group_size or num_stages
     total = num_microbatches * num_chunks
@@ -87,10 +99,11 @@ def megatron_schedule_order(
 def _warmup(
     schedules: Any, rank: int, num_stages: int, num_microbatches: int, chunks: int, group: int
 ) -> int:
-    """The warm-up forwards of pipeline rank `rank`: Megatron's `get_pp_rank_microbatches` where present,
-    else its formula (megatron/core/pipeline_parallel/schedules.py of 0.12)."""
+    """The warm-up forwards of pipeline rank `rank`: Megatron's `get_pp_rank_microbatches` where it can be
+    asked about any rank (0.13+: it takes the `p2p_communicator`), else its formula (0.12 reads this
+    process's `parallel_state`: megatron/core/pipeline_parallel/schedules.py `get_pp_rank_microbatches`)."""
     get = getattr(schedules, "get_pp_rank_microbatches", None)
-    if get is not None:
+    if get is not None and "p2p_communicator" in inspect.signature(get).parameters:
         pp_group = _Group(rank, num_stages)
         comm = _Communicator(pp_group, chunks if chunks > 1 else None)
         return int(get(num_microbatches, chunks, group, p2p_communicator=comm)[2])
@@ -316,6 +329,7 @@ def instrument_megatron(
         pfo.on_train_end()
     """
     global _active
+    check_engine_arguments("instrument_megatron", optimizer, mark_steps)
     if _active is not None:
         raise RuntimeError(
             "`instrument_megatron(...)`: Megatron-Core's schedules are already instrumented in this process; "

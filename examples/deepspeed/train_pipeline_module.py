@@ -17,29 +17,21 @@ before and after. All figures are SIMULATED.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import signal
-import socket
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # deepspeed_cpu.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))  # pipeline_job.py
 
+import pipeline_job as job  # noqa: E402
 from deepspeed_cpu import skip_shared_memory_op  # noqa: E402
-
-from zeus_callbacks import PipelineFrequencyOptimizer, ZeusMonitor  # noqa: E402
-
-NUM_STAGES = 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,21 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="simulated GPU time of one block's forward per microbatch at the maximum clock (backward: "
         "twice; the head: in proportion to its FLOPs)",
     )
-    p.add_argument("--before-steps", type=int, default=6, help="steps measured at the maximum clocks")
-    p.add_argument("--after-steps", type=int, default=6, help="steps measured with the plan applied")
-    p.add_argument("--stride-mhz", type=int, default=45, help="gap between profiled SM clocks")
-    p.add_argument("--profile-steps", type=int, default=3, help="measured steps per profiled clock")
-    p.add_argument("--min-mhz", type=int, default=None, help="lowest clock to profile")
-    p.add_argument("--patience", type=int, default=2, help="clocks without a gain before a stage stops")
-    p.add_argument(
-        "--slack-margin", type=float, default=0.0, help="extra planning margin of a lowered clock's time"
-    )
-    p.add_argument("--max-steps", type=int, default=200, help="give up if the plan is not applied by then")
-    p.add_argument("--out", default=None, help="write each rank's results here (JSON, for the tests)")
-    p.add_argument(
-        "--hold", action="store_true", help="after the run, keep training with the plan until signalled"
-    )
-    p.add_argument("--verbose", action="store_true", help="print every step's phase, time and energy")
+    job.add_optimizer_args(p, profile_steps=3, before_after=6)
     return p.parse_args(argv)
 
 
@@ -85,7 +63,7 @@ def head_blocks(args: argparse.Namespace) -> float:
 
 def describe(args: argparse.Namespace) -> str:
     return (
-        f"DeepSpeed PipelineModule GPT: {args.layers} blocks over {NUM_STAGES} stages, embedding on the first, "
+        f"DeepSpeed PipelineModule GPT: {args.layers} blocks over {job.NUM_STAGES} stages, embedding on the first, "
         f"head = {head_blocks(args):.2f} blocks on the last, {args.kernel_ms:g} ms simulated kernel per block's "
         f"forward, {args.microbatches} microbatches"
     )
@@ -147,7 +125,7 @@ class Pipeline:
             return nn.functional.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1))
 
         module = PipelineModule(
-            layers=layers, num_stages=NUM_STAGES, loss_fn=loss, partition_method="type:Block"
+            layers=layers, num_stages=job.NUM_STAGES, loss_fn=loss, partition_method="type:Block"
         )
         config = {
             "train_micro_batch_size_per_gpu": args.micro_batch_size,
@@ -171,52 +149,22 @@ class Pipeline:
         pass
 
 
-def make_optimizer(rank: int, args: argparse.Namespace, wait_steps: int) -> PipelineFrequencyOptimizer:
-    return PipelineFrequencyOptimizer(
-        monitor=ZeusMonitor(gpu_indices=[rank]),  # simulated GPU `rank` of the node
-        wait_steps=wait_steps,
-        warmup_steps=1,
-        profile_steps=args.profile_steps,
-        frequency_stride_mhz=args.stride_mhz,
-        min_frequency_mhz=args.min_mhz,
-        patience=args.patience,
-        slack_margin=args.slack_margin,
-    )
-
-
-def train(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+def train_engine(rank: int, args: argparse.Namespace) -> dict[str, Any]:
     """Profiled, planned and applied; this rank's history, report and instruction order."""
     from zeus_callbacks.deepspeed import deepspeed_schedule_order, instrument_deepspeed
 
     pipeline = Pipeline(rank, args)
-    pfo = make_optimizer(rank, args, wait_steps=1 + args.before_steps)  # the first step sets things up
-    history: list[tuple[str, float, float]] = []  # (phase, time s, energy J) of this rank's steps
-    after = 0
+    # The first step sets the schedule up; then the baseline at the maximum clocks.
+    pfo = job.make_optimizer(rank, args, wait_steps=1 + args.before_steps)
     with instrument_deepspeed(pipeline.engine, pfo) as hooks:
-        try:
-            for _ in range(args.max_steps):
-                phase = pfo.phase
-                pipeline.step()
-                m = pfo.metrics()
-                history.append((phase, float(m["iteration_time_s"]), float(m["iteration_energy_j"])))
-                after += phase == "applying"
-                if after >= args.after_steps or pfo.phase in ("inactive", "fallback"):
-                    break
-            report = pfo.report()
-            locked = pfo.frequency_mhz
-            if args.hold and pfo.phase == "applying":
-                print(f"holding rank {rank} pid {os.getpid()}", flush=True)
-                while True:
-                    pipeline.step()
-        finally:
-            pfo.on_train_end()
-    expected = deepspeed_schedule_order(NUM_STAGES, args.microbatches)[pipeline.engine.stage_id]
+        result = job.train(rank, pfo, pipeline.step, args)
+    expected = deepspeed_schedule_order(job.NUM_STAGES, args.microbatches)[pipeline.engine.stage_id]
     return {
         "schedule": "1f1b",
         "engine_schedule": hooks.schedule,
-        "history": history,
-        "report": report,
-        "locked_mhz": locked,
+        "history": result.history,
+        "report": result.report,
+        "locked_mhz": result.locked_mhz,
         "ran": [str(i) for i in hooks.last_step],
         "expected": [str(i) for i in expected],
     }
@@ -230,79 +178,29 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
-    result = train(rank, args)
+    result = train_engine(rank, args)
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, result)
     if rank == 0:
         print_summary(gathered, args)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"rank{rank}.json").write_text(json.dumps([result], default=str))
+    job.write_results(rank, [result], args)
     dist.destroy_process_group()
 
 
 def print_summary(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    report = ranks[0]["report"]
-
-    def per_step(phase: str, skip: int) -> tuple[float, float, int]:
-        rows = [[h for h in r["history"] if h[0] == phase][skip:] for r in ranks]
-        n = min(len(r) for r in rows)
-        times = [max(r[i][1] for r in rows) for i in range(n)]  # the pipeline is as slow as its slowest stage
-        energies = [sum(r[i][2] for r in rows) for i in range(n)]  # every GPU's energy
-        return statistics.median(times), statistics.median(energies), n
-
-    if args.verbose:
-        for i, steps in enumerate(zip(*(r["history"] for r in ranks), strict=False)):
-            print(
-                f"step {i:3d} {steps[0][0]:<10} {max(h[1] for h in steps):8.4f} s {sum(h[2] for h in steps):9.2f} J"
-            )
     print("\n== Perseus on DeepSpeed PipelineEngine, TrainSchedule (SIMULATED GPUs: 4x A40) ==")
     print(describe(args))
     same = all(r["ran"] == r["expected"] for r in ranks)
     print(
         f"instruction order of every stage {'equals' if same else 'DIFFERS FROM'} DeepSpeed's TrainSchedule"
     )
-    if "predicted" not in report:
-        print(f"no plan: {report.get('reason')}")
-        return
-    for stage, freqs in report["plan_frequencies_mhz"].items():
-        print(f"  stage {stage} clocks (MHz): {freqs}")
-    t0, e0, n0 = per_step("waiting", skip=1)  # the first step sets the schedule up
-    t1, e1, n1 = per_step("applying", skip=1)  # the first planned step still ran a profiling clock in part
-    pred = report["predicted"]
-    print(f"{'':<28}{'iteration time (s)':>20}{'energy (J)':>14}")
-    print(f"{'before (all max clocks)':<28}{t0:>20.4f}{e0:>14.2f}   ({n0} steps)")
-    print(f"{'after (planned clocks)':<28}{t1:>20.4f}{e1:>14.2f}   ({n1} steps)")
-    print(f"measured: energy {100 * (1 - e1 / e0):+.1f}% saved, iteration time {100 * (t1 / t0 - 1):+.2f}%")
-    print(
-        f"planner's prediction: energy {pred['energy_saved_pct']:+.1f}% saved, iteration time "
-        f"{pred['time_change_pct']:+.2f}%"
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    job.print_before_after([r["history"] for r in ranks], ranks[0]["report"], args)
 
 
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", f"{NUM_STAGES}*a40")
-    if "RANK" in os.environ:  # torchrun (or the deepspeed launcher)
-        os.environ.setdefault(
-            "ZEUS_CALLBACKS_SIM_STATE_DIR", tempfile.gettempdir() + "/zeus_callbacks-deepspeed-example"
-        )
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
-        return
-    os.environ.setdefault(
-        "ZEUS_CALLBACKS_SIM_STATE_DIR", tempfile.mkdtemp(prefix="zeus-callbacks-deepspeed-")
-    )
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    mp.spawn(run, args=(NUM_STAGES, args), nprocs=NUM_STAGES, join=True)
+    job.launch(run, args, "deepspeed-example")
 
 
 if __name__ == "__main__":

@@ -18,32 +18,26 @@ before and after. All figures are SIMULATED.
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
+import inspect
 import logging
-import os
-import signal
-import socket
-import statistics
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # megatron_cpu.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))  # pipeline_job.py
 
+import pipeline_job as job  # noqa: E402
 from megatron_cpu import cpu_megatron  # noqa: E402
-
-from zeus_callbacks import PipelineFrequencyOptimizer, ZeusMonitor  # noqa: E402
 
 # Megatron-Core says at import that it falls back to torch without Transformer Engine and Apex: as intended here.
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|full scope is deprecated).*")
 
-NUM_STAGES = 4
 SCHEDULES = {"1f1b": None, "interleaved": 2}  # schedule -> virtual pipeline size (model chunks per rank)
 # The interleaved split, in Megatron's `pipeline_model_parallel_layout` notation (one `|`-separated entry per
 # virtual stage v = chunk * 4 + rank; E: embedding, t: transformer layer, L: output head and loss): the last
@@ -74,21 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="simulated GPU time of one transformer layer's forward per microbatch at the maximum clock "
         "(backward: twice; the head: in proportion to its FLOPs)",
     )
-    p.add_argument("--before-steps", type=int, default=6, help="steps measured at the maximum clocks")
-    p.add_argument("--after-steps", type=int, default=6, help="steps measured with the plan applied")
-    p.add_argument("--stride-mhz", type=int, default=45, help="gap between profiled SM clocks")
-    p.add_argument("--profile-steps", type=int, default=3, help="measured steps per profiled clock")
-    p.add_argument("--min-mhz", type=int, default=None, help="lowest clock to profile")
-    p.add_argument("--patience", type=int, default=2, help="clocks without a gain before a stage stops")
-    p.add_argument(
-        "--slack-margin", type=float, default=0.0, help="extra planning margin of a lowered clock's time"
-    )
-    p.add_argument("--max-steps", type=int, default=200, help="give up if the plan is not applied by then")
-    p.add_argument("--out", default=None, help="write each rank's results here (JSON, for the tests)")
-    p.add_argument(
-        "--hold", action="store_true", help="after the run, keep training with the plan until signalled"
-    )
-    p.add_argument("--verbose", action="store_true", help="print every step's phase, time and energy")
+    job.add_optimizer_args(p, profile_steps=3, before_after=6)
     return p.parse_args(argv)
 
 
@@ -120,12 +100,24 @@ def add_simulated_kernels(chunk: torch.nn.Module, gpu: int, args: argparse.Names
         head.register_forward_pre_hook(lambda module, inputs: (kernels(inputs[0]), *inputs[1:]))
 
 
+def has_layout() -> bool:
+    """Whether this megatron-core splits by `pipeline_model_parallel_layout` (0.13+; 0.12 splits evenly)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return "pipeline_model_parallel_layout" in {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
 def describe(args: argparse.Namespace, schedule: str | None = None) -> str:
     """The model and its split under `schedule` (default: the first of `--schedules`), in one line."""
     chunks = SCHEDULES[schedule or args.schedules.split(",")[0]] or 1
-    split = f"layout {args.layout}" if chunks > 1 else f"{args.layers} layers evenly"
+    if chunks == 1:
+        split = f"{args.layers} layers evenly"
+    elif has_layout():
+        split = f"layout {args.layout}"
+    else:
+        split = f"{args.layers} layers evenly over {job.NUM_STAGES * chunks} virtual stages (this megatron-core has no layout)"
     return (
-        f"Megatron-Core GPTModel: {split} over {NUM_STAGES} stages ({chunks} chunk(s) per rank), "
+        f"Megatron-Core GPTModel: {split} over {job.NUM_STAGES} stages ({chunks} chunk(s) per rank), "
         f"head = {head_layers(args):.2f} layers on the last stage, {args.kernel_ms:g} ms simulated kernel per "
         f"layer's forward, {args.microbatches} microbatches"
     )
@@ -141,13 +133,14 @@ class Pipeline:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         vp = SCHEDULES[schedule]
-        parallel_state.initialize_model_parallel(1, NUM_STAGES, virtual_pipeline_model_parallel_size=vp)
+        parallel_state.initialize_model_parallel(1, job.NUM_STAGES, virtual_pipeline_model_parallel_size=vp)
+        layout = {"pipeline_model_parallel_layout": args.layout} if vp and has_layout() else {}
         config = TransformerConfig(
-            num_layers=args.layout.count("t") if vp else args.layers,
-            pipeline_model_parallel_layout=args.layout if vp else None,
+            num_layers=args.layout.count("t") if layout else args.layers,
+            **layout,
             hidden_size=args.hidden,
             num_attention_heads=args.heads,
-            pipeline_model_parallel_size=NUM_STAGES,
+            pipeline_model_parallel_size=job.NUM_STAGES,
             use_cpu_initialization=True,
             pipeline_dtype=torch.float32,
             batch_p2p_sync=False,  # no torch.cuda.synchronize() after p2p (a CPU host)
@@ -156,19 +149,23 @@ class Pipeline:
             attention_dropout=0.0,
         )
         chunks = vp or 1
-        self.chunks = [
-            GPTModel(
-                config=config,
-                transformer_layer_spec=get_gpt_layer_local_spec(),
-                vocab_size=args.vocab,
-                max_sequence_length=args.seq_len,
-                pre_process=rank == 0 and c == 0,
-                post_process=rank == NUM_STAGES - 1 and c == chunks - 1,
-                share_embeddings_and_output_weights=False,
-                vp_stage=c if vp else None,
+        with_vp_stage = "vp_stage" in inspect.signature(GPTModel.__init__).parameters  # megatron-core 0.13+
+        self.chunks = []
+        for c in range(chunks):
+            if vp and not with_vp_stage:  # 0.12 reads the chunk being built from parallel_state
+                parallel_state.set_virtual_pipeline_model_parallel_rank(c)
+            self.chunks.append(
+                GPTModel(
+                    config=config,
+                    transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=args.vocab,
+                    max_sequence_length=args.seq_len,
+                    pre_process=rank == 0 and c == 0,
+                    post_process=rank == job.NUM_STAGES - 1 and c == chunks - 1,
+                    share_embeddings_and_output_weights=False,
+                    **({"vp_stage": c if vp else None} if with_vp_stage else {}),
+                )
             )
-            for c in range(chunks)
-        ]
         for chunk in self.chunks:
             add_simulated_kernels(chunk, rank, args)
         params = [p for c in self.chunks for p in c.parameters()]
@@ -217,53 +214,23 @@ class Pipeline:
         parallel_state.destroy_model_parallel()
 
 
-def make_optimizer(rank: int, args: argparse.Namespace, wait_steps: int) -> PipelineFrequencyOptimizer:
-    return PipelineFrequencyOptimizer(
-        monitor=ZeusMonitor(gpu_indices=[rank]),  # simulated GPU `rank` of the node
-        wait_steps=wait_steps,
-        warmup_steps=1,
-        profile_steps=args.profile_steps,
-        frequency_stride_mhz=args.stride_mhz,
-        min_frequency_mhz=args.min_mhz,
-        patience=args.patience,
-        slack_margin=args.slack_margin,
-    )
-
-
-def train(rank: int, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
+def train_schedule(rank: int, schedule: str, args: argparse.Namespace) -> dict[str, Any]:
     """One schedule, profiled, planned and applied; this rank's history, report and instruction order."""
     from zeus_callbacks.megatron import instrument_megatron, megatron_schedule_order
 
     pipeline = Pipeline(rank, schedule, args)
-    pfo = make_optimizer(rank, args, wait_steps=1 + args.before_steps)  # the first step sets things up
-    history: list[tuple[str, float, float]] = []  # (phase, time s, energy J) of this rank's steps
-    after = 0
+    # The first step sets the schedule up; then the baseline at the maximum clocks.
+    pfo = job.make_optimizer(rank, args, wait_steps=1 + args.before_steps)
     with instrument_megatron(pfo) as hooks:
-        try:
-            for _ in range(args.max_steps):
-                phase = pfo.phase
-                pipeline.step()
-                m = pfo.metrics()
-                history.append((phase, float(m["iteration_time_s"]), float(m["iteration_energy_j"])))
-                after += phase == "applying"
-                if after >= args.after_steps or pfo.phase in ("inactive", "fallback"):
-                    break
-            report = pfo.report()
-            locked = pfo.frequency_mhz
-            if args.hold and pfo.phase == "applying":
-                print(f"holding rank {rank} pid {os.getpid()}", flush=True)
-                while True:
-                    pipeline.step()
-        finally:
-            pfo.on_train_end()
-    expected = megatron_schedule_order(NUM_STAGES, args.microbatches, pipeline.vp or 1)[rank]
+        result = job.train(rank, pfo, pipeline.step, args)
+    expected = megatron_schedule_order(job.NUM_STAGES, args.microbatches, pipeline.vp or 1)[rank]
     pipeline.close()
     return {
         "schedule": schedule,
         "megatron_schedule": hooks.schedule,
-        "history": history,
-        "report": report,
-        "locked_mhz": locked,
+        "history": result.history,
+        "report": result.report,
+        "locked_mhz": result.locked_mhz,
         "ran": [str(i) for i in hooks.last_step],
         "expected": [str(i) for i in expected],
     }
@@ -276,61 +243,24 @@ def run(rank: int, world_size: int, args: argparse.Namespace) -> None:
     results = []
     with cpu_megatron():
         for schedule in args.schedules.split(","):
-            result = train(rank, schedule, args)
+            result = train_schedule(rank, schedule, args)
             gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, result)
             if rank == 0:
                 print_summary(gathered, args)
             results.append(result)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results, default=str))
+    job.write_results(rank, results, args)
     dist.destroy_process_group()
 
 
 def print_summary(ranks: list[dict[str, Any]], args: argparse.Namespace) -> None:
     first = ranks[0]
-    report = first["report"]
-
-    def per_step(phase: str, skip: int) -> tuple[float, float, int]:
-        rows = [[h for h in r["history"] if h[0] == phase][skip:] for r in ranks]
-        n = min(len(r) for r in rows)
-        times = [max(r[i][1] for r in rows) for i in range(n)]  # the pipeline is as slow as its slowest stage
-        energies = [sum(r[i][2] for r in rows) for i in range(n)]  # every GPU's energy
-        return statistics.median(times), statistics.median(energies), n
-
-    if args.verbose:
-        for i, steps in enumerate(zip(*(r["history"] for r in ranks), strict=False)):
-            print(
-                f"step {i:3d} {steps[0][0]:<10} {max(h[1] for h in steps):8.4f} s {sum(h[2] for h in steps):9.2f} J"
-            )
     print(f"\n== Perseus on Megatron-Core {first['schedule']} (SIMULATED GPUs: 4x A40) ==")
     print(describe(args, first["schedule"]))
     print(f"schedule: {first['megatron_schedule']}")
     same = all(r["ran"] == r["expected"] for r in ranks)
     print(f"instruction order of every rank {'equals' if same else 'DIFFERS FROM'} Megatron's schedule")
-    if "predicted" not in report:
-        print(f"no plan: {report.get('reason')}")
-        return
-    for stage, freqs in report["plan_frequencies_mhz"].items():
-        print(f"  stage {stage} clocks (MHz): {freqs}")
-    t0, e0, n0 = per_step("waiting", skip=1)  # the first step sets the schedule up
-    t1, e1, n1 = per_step("applying", skip=1)  # the first planned step still ran a profiling clock in part
-    pred = report["predicted"]
-    print(f"{'':<28}{'iteration time (s)':>20}{'energy (J)':>14}")
-    print(f"{'before (all max clocks)':<28}{t0:>20.4f}{e0:>14.2f}   ({n0} steps)")
-    print(f"{'after (planned clocks)':<28}{t1:>20.4f}{e1:>14.2f}   ({n1} steps)")
-    print(f"measured: energy {100 * (1 - e1 / e0):+.1f}% saved, iteration time {100 * (t1 / t0 - 1):+.2f}%")
-    print(
-        f"planner's prediction: energy {pred['energy_saved_pct']:+.1f}% saved, iteration time "
-        f"{pred['time_change_pct']:+.2f}%"
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    job.print_before_after([r["history"] for r in ranks], first["report"], args)
 
 
 def main() -> None:
@@ -339,18 +269,7 @@ def main() -> None:
     unknown = set(args.schedules.split(",")) - set(SCHEDULES)
     if unknown:
         raise SystemExit(f"--schedules: unknown {sorted(unknown)}; pick from {sorted(SCHEDULES)}")
-    os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", f"{NUM_STAGES}*a40")
-    if "RANK" in os.environ:  # torchrun
-        os.environ.setdefault(
-            "ZEUS_CALLBACKS_SIM_STATE_DIR", tempfile.gettempdir() + "/zeus_callbacks-megatron-example"
-        )
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
-        return
-    os.environ.setdefault("ZEUS_CALLBACKS_SIM_STATE_DIR", tempfile.mkdtemp(prefix="zeus-callbacks-megatron-"))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    mp.spawn(run, args=(NUM_STAGES, args), nprocs=NUM_STAGES, join=True)
+    job.launch(run, args, "megatron-example")
 
 
 if __name__ == "__main__":

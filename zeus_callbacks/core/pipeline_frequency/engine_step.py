@@ -8,7 +8,28 @@ from typing import Any
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 
-__all__ = ["EngineStep"]
+__all__ = ["EngineStep", "check_engine_arguments", "check_schedule_shape"]
+
+
+def check_engine_arguments(call: str, optimizer: Any, mark_steps: Any) -> None:
+    """`optimizer` must be a `PipelineFrequencyOptimizer` and `mark_steps` a bool, else one clear line."""
+    if not isinstance(optimizer, PipelineFrequencyOptimizer):
+        raise TypeError(
+            f"`{call}(optimizer={optimizer!r:.60})`: a {type(optimizer).__name__} is not a "
+            "PipelineFrequencyOptimizer; pass `PipelineFrequencyOptimizer(monitor=..., pp_rank=...)` (the power-"
+            "limit optimizer needs no engine hooks: call its on_step_begin/on_step_end)."
+        )
+    if not isinstance(mark_steps, bool):
+        raise TypeError(f"`{call}(mark_steps={mark_steps!r})`: pass True or False.")
+
+
+def check_schedule_shape(call: str, **sizes: Any) -> None:
+    """Each of `sizes` (None: its default) must be a whole number >= 1, else one clear line."""
+    from zeus_callbacks.core.arguments import whole_number
+
+    for name, value in sizes.items():
+        if value is not None:
+            whole_number(call, name, value, 1)
 
 
 class EngineStep:

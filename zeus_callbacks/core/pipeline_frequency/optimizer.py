@@ -158,8 +158,9 @@ class PipelineFrequencyOptimizer:
        Then planning: the measurements are gathered on the group's first rank, which finds the schedule
        that ran (1F1B or GPipe; an interleaved one, with several model chunks per rank, from torch's own
        order: see `use_schedule`), builds its DAG and picks the least-energy clock of every instruction
-       whose iteration time does not exceed the all-maximum-clock one (or `target_time_s`); every rank
-       gets its stage's clocks.
+       whose iteration time does not exceed the all-maximum-clock one (or `target_time_s`), each
+       instruction type's times read off one curve across its clocks (`planning.fit_clock_times`, so
+       that measurement noise does not pass for a free clock); every rank gets its stage's clocks.
     3. `applying`: each instruction runs at its planned clock, set by a background thread during the
        communication before it (requests for the clock already in force are skipped).
        `hold_max_clocks()` runs the maximum clocks instead for a while, to measure the plan against them.
@@ -739,6 +740,7 @@ class PipelineFrequencyOptimizer:
                 self.slack_margin,
                 self._order,
                 timelines=self._sweep.timelines,
+                fit_times=self._replay is None,  # its own sweep: times read off one curve per type
             )
         except ValueError as e:
             return {"error": f"no plan: {e}"}

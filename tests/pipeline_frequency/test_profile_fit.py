@@ -1,0 +1,89 @@
+"""Planning on a noisy profile: each instruction type's times read off one curve across its clocks.
+
+A clock's instructions are measured over a few consecutive steps, so a change of the host's load moves them
+alike; measured on simulated GPUs under a shared host, clocks 45 MHz apart (2.6% slower each) came out 5-15%
+apart in either direction. Planned clock by clock, such a profile makes a lower clock look as fast as the
+maximum and the plan lowers the critical path. Here a profile is made from a known curve with that kind of
+per-clock error (seeded, deterministic), planned with and without `fit_clock_times`, and each plan's
+iteration time judged on the true curve.
+"""
+
+from __future__ import annotations
+
+import random
+
+from zeus_callbacks.core.pipeline_frequency.dag import build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency.frontier import evaluate, max_frequency_plan
+from zeus_callbacks.core.pipeline_frequency.planning import fit_clock_times, options_from_rows, plan_pipeline
+from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow
+from zeus_callbacks.sim.system import SimulatedSystem
+
+CLOCKS = list(range(1740, 1469, -45))  # the examples' sweep: 1740, 1695, ... 1470 MHz
+STAGES = (2, 2, 2, 3)  # layers' worth of work per stage: the last one also holds the head
+P_BLK = {s: 35.0 for s in range(4)}
+
+
+def true_rows() -> list[ProfileRow]:
+    """The A40's curve: 5 ms of each instruction that the clock does not stretch, 10 ms per layer it does."""
+    gpu = SimulatedSystem("a40", state_dir="").gpus[0]
+    rows = []
+    for stage, layers in enumerate(STAGES):
+        for kind, per_layer in (("forward", 0.010), ("backward", 0.020)):
+            for f in CLOCKS:
+                rel, power = gpu._compute_operating_point(300, (f, f))
+                t = 0.005 + layers * per_layer * rel
+                rows.append(ProfileRow(stage, kind, f, t, t * power))
+    return rows
+
+
+def measured(rows: list[ProfileRow], seed: int, error: float = 0.06) -> list[ProfileRow]:
+    """Each (stage, type, clock) measured `error` off in either direction, time and energy alike."""
+    rng = random.Random(seed)
+    out = []
+    for r in rows:
+        k = 1 + rng.uniform(-error, error)
+        out.append(ProfileRow(r.stage, r.instruction, r.frequency_mhz, r.time_s * k, r.energy_j * k))
+    return out
+
+
+def judged(rows: list[ProfileRow], fit: bool) -> tuple[float, float]:
+    """(iteration time change %, energy saved %) of the plan made from `rows`, on the true curve."""
+    order = build_schedule("1f1b", 4, 8)
+    dag = build_dag(order)
+    sequences = {s: [i.kind for i in o] for s, o in enumerate(order)}
+    out = plan_pipeline(sequences, rows, P_BLK, "1f1b", fit_times=fit)
+    planned = {
+        inst: f for s, o in enumerate(order) for inst, f in zip(o, out["plan_frequencies_mhz"][s], strict=True)
+    }
+    truth = options_from_rows(true_rows())
+    p_blk = [P_BLK[s] for s in range(4)]
+    ref = max_frequency_plan(dag, truth, p_blk)
+    plan = evaluate(dag, truth, p_blk, planned)
+    return 100 * (plan.iteration_time_s / ref.iteration_time_s - 1), 100 * (1 - plan.energy_j / ref.energy_j)
+
+
+def test_fit_recovers_a_curve_of_its_form():
+    rows = true_rows()
+    fitted = {(r.stage, r.instruction, r.frequency_mhz): r for r in fit_clock_times(rows)}
+    for r in rows:
+        f = fitted[r.stage, r.instruction, r.frequency_mhz]
+        assert abs(f.time_s - r.time_s) < 1e-9 * r.time_s
+        assert abs(f.energy_j - r.energy_j) < 1e-9 * r.energy_j  # power kept, time the same
+
+
+def test_fit_keeps_types_with_too_few_clocks_as_measured():
+    rows = [ProfileRow(0, "forward", 1740, 0.03, 6.0), ProfileRow(0, "forward", 1650, 0.029, 5.0)]
+    assert fit_clock_times(rows) == rows
+    noisy = [*rows, ProfileRow(0, "forward", 1560, 0.040, 5.5)]
+    fitted = sorted(fit_clock_times(noisy), key=lambda r: -r.frequency_mhz)
+    assert [r.time_s for r in fitted] == sorted(r.time_s for r in fitted)  # slower at every lower clock
+
+
+def test_noisy_profile_planned_on_one_curve_keeps_the_iteration_time():
+    raw = [judged(measured(true_rows(), seed), fit=False) for seed in range(8)]
+    fitted = [judged(measured(true_rows(), seed), fit=True) for seed in range(8)]
+    # Clock by clock, some profiles cost iteration time: the critical path planned below its maximum.
+    assert max(t for t, _ in raw) > 1.0
+    # On one curve per type, none does, and each still saves energy.
+    assert max(t for t, _ in fitted) <= 1.0
+    assert min(e for _, e in fitted) >= 8.0
