@@ -99,6 +99,19 @@ _CORE = {
     "PowerMonitor": "zeus_callbacks.core.monitor.power",
     "PowerDomain": "zeus_callbacks.core.monitor.power",
     "TemperatureMonitor": "zeus_callbacks.core.monitor.temperature",
+    "CarbonEmissionMonitor": "zeus_callbacks.core.monitor.carbon",
+    "CarbonEmissionMeasurement": "zeus_callbacks.core.monitor.carbon",
+    "CarbonIntensityProvider": "zeus_callbacks.core.monitor.carbon",
+    "FixedCarbonIntensity": "zeus_callbacks.core.monitor.carbon",
+    "RegionCarbonIntensity": "zeus_callbacks.core.monitor.carbon",
+    "ElectrictyMapsClient": "zeus_callbacks.core.monitor.carbon",
+    "ElectricityMapsClient": "zeus_callbacks.core.monitor.carbon",
+    "EnergyCostMonitor": "zeus_callbacks.core.monitor.price",
+    "EnergyCostMeasurement": "zeus_callbacks.core.monitor.price",
+    "ElectricityPriceProvider": "zeus_callbacks.core.monitor.price",
+    "FixedElectricityPrice": "zeus_callbacks.core.monitor.price",
+    "OpenEIClient": "zeus_callbacks.core.monitor.price",
+    "RegionElectricityPrice": "zeus_callbacks.core.monitor.price",
 }
 
 # The adapters: importable by name, left out of `__all__` because they import their framework.
@@ -182,8 +195,25 @@ if TYPE_CHECKING:  # pragma: no cover
         uneven_dataloader,
         weight_gradients,
     )
+    from zeus_callbacks.core.monitor.carbon import (  # noqa: F401
+        CarbonEmissionMeasurement,
+        CarbonEmissionMonitor,
+        CarbonIntensityProvider,
+        ElectricityMapsClient,
+        ElectrictyMapsClient,
+        FixedCarbonIntensity,
+        RegionCarbonIntensity,
+    )
     from zeus_callbacks.core.monitor.dataloader import ProfileDataLoader  # noqa: F401
     from zeus_callbacks.core.monitor.power import PowerDomain, PowerMonitor  # noqa: F401
+    from zeus_callbacks.core.monitor.price import (  # noqa: F401
+        ElectricityPriceProvider,
+        EnergyCostMeasurement,
+        EnergyCostMonitor,
+        FixedElectricityPrice,
+        OpenEIClient,
+        RegionElectricityPrice,
+    )
     from zeus_callbacks.core.monitor.replay import ReplayZeusMonitor  # noqa: F401
     from zeus_callbacks.core.monitor.temperature import TemperatureMonitor  # noqa: F401
     from zeus_callbacks.core.observability.endpoint import MetricsServer, serve_metrics  # noqa: F401

@@ -88,3 +88,15 @@ def test_distributed_examples(tmp_path: Path, script: str) -> None:
         assert sorted(r for r, _ in states) == ["0", "1"], out[-3000:]
         assert states[0][1] == states[1][1], states
     assert _limits_after(tmp_path, "2*a40") == [300, 300]
+
+
+def test_monitors_example(tmp_path: Path) -> None:
+    """Zeus's PowerMonitor, TemperatureMonitor, CarbonEmissionMonitor and EnergyCostMonitor, imports changed."""
+    out = _run([sys.executable, str(EXAMPLES / "monitors.py")], tmp_path, "a40")
+    samples, energy = re.search(r"power timeline \(SIMULATED\): (\d+) samples, energy ([\d.]+) J", out).groups()
+    assert int(samples) >= 2 and float(energy) > 0
+    grams, joules = map(float, re.search(r"carbon \(SIMULATED\): ([\d.]+) gCO2eq for ([\d.]+) J", out).groups())
+    assert grams == pytest.approx(joules / 3.6e6 * 380, rel=0.01, abs=1e-4)
+    cost, joules = map(float, re.search(r"cost \(SIMULATED\): ([\d.]+) for ([\d.]+) J", out).groups())
+    assert cost == pytest.approx(joules / 3.6e6 * 0.15, rel=0.01, abs=1e-6)
+    assert re.search(r"temperature \(SIMULATED\): \d+ C", out)
