@@ -43,22 +43,27 @@ def test_deepspeed_schedule_order_is_the_planners_1f1b():
     assert deepspeed_schedule_order(2, 1) == build_schedule("1f1b", 2, 1)
 
 
-def test_instrument_deepspeed_patches_only_the_engine_and_undoes_it():
+def test_instrument_deepspeed_patches_only_the_engine_and_undoes_it(sim_gpus):
     from deepspeed.runtime.pipe import schedule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
+    from zeus_callbacks import PipelineFrequencyOptimizer
     from zeus_callbacks.deepspeed import instrument_deepspeed
+
+    sim_gpus("a40", virtual_clock=True)
+    pfo = PipelineFrequencyOptimizer(device_id=0, target_time_s=10.0)  # nothing runs: it only gets wrapped
 
     class_map = dict(PipelineEngine._INSTRUCTION_MAP)
     engine = PipelineEngine.__new__(PipelineEngine)  # no process group is needed to patch one engine
-    hooks = instrument_deepspeed(engine, None)  # type: ignore[arg-type]  # nothing runs
+    hooks = instrument_deepspeed(engine, pfo)
     own = engine.__dict__["_INSTRUCTION_MAP"]
     assert own[schedule.ForwardPass].__wrapped__ is class_map[schedule.ForwardPass]
     assert own[schedule.SendActivation] is class_map[schedule.SendActivation]
     assert PipelineEngine._INSTRUCTION_MAP == class_map  # the class is untouched
     with pytest.raises(TypeError, match="already instrumented"):
-        instrument_deepspeed(engine, None)  # type: ignore[arg-type]
+        instrument_deepspeed(engine, pfo)
     hooks.remove()
     assert "_INSTRUCTION_MAP" not in engine.__dict__ and "train_batch" not in engine.__dict__
     with pytest.raises(TypeError, match="not a DeepSpeed PipelineEngine"):
-        instrument_deepspeed(object(), None)  # type: ignore[arg-type]
+        instrument_deepspeed(object(), pfo)  # type: ignore[arg-type]
+    pfo.close()

@@ -61,10 +61,14 @@ def test_megatron_clocks_restored_after_sigterm_to_one_rank(tmp_path):
     assert locked_clocks(state) == [None] * WORLD
 
 
-def test_instrument_megatron_wraps_the_schedules_and_restores_them():
+def test_instrument_megatron_wraps_the_schedules_and_restores_them(sim_gpus):
     from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 
+    from zeus_callbacks import PipelineFrequencyOptimizer
     from zeus_callbacks.megatron import instrument_megatron
+
+    sim_gpus("a40", virtual_clock=True)
+    pfo = PipelineFrequencyOptimizer(device_id=0, target_time_s=10.0)  # nothing runs: it only gets wrapped
 
     names = (
         "forward_step",
@@ -73,19 +77,20 @@ def test_instrument_megatron_wraps_the_schedules_and_restores_them():
         "forward_backward_pipelining_with_interleaving",
     )
     originals = {n: getattr(schedules, n) for n in names}
-    hooks = instrument_megatron(None)  # type: ignore[arg-type]  # nothing runs, so no optimizer is needed
+    hooks = instrument_megatron(pfo)
     try:
         assert all(getattr(schedules, n) is not originals[n] for n in names)
         assert getattr(schedules, names[0]).__wrapped__ is originals[names[0]]
         if inspect.signature(get_forward_backward_func).parameters:  # 0.13+; 0.12 asks parallel_state
             assert get_forward_backward_func(4, None) is getattr(schedules, names[2])  # the wrapped schedule
         with pytest.raises(RuntimeError, match="already instrumented"):
-            instrument_megatron(None)  # type: ignore[arg-type]
+            instrument_megatron(pfo)
     finally:
         hooks.remove()
     assert {n: getattr(schedules, n) for n in names} == originals
     hooks.remove()  # idempotent
-    instrument_megatron(None).remove()  # type: ignore[arg-type]  # and again after remove()
+    instrument_megatron(pfo).remove()  # and again after remove()
+    pfo.close()
 
 
 def test_megatron_schedule_order_is_the_planners_1f1b_and_interleaved_order():
