@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from zeus_callbacks.core.device.errors import InvalidInputError, ZeusCallbacksError
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.monitor.periods import Part, PeriodSplitter, split
+from zeus_callbacks.core.monitor.periods import Part, PeriodSplitter, weigh
 
 __all__ = [
     "CarbonEmissionMonitor",
@@ -94,6 +94,18 @@ class CarbonIntensityProvider(abc.ABC):
         """How many periods `get_recent_carbon_intensity` covers."""
 
 
+class _Hourly:
+    """A provider whose intensity holds for an hour, with a day of history (ElectricityMaps' granularity)."""
+
+    @property
+    def update_period(self) -> timedelta:
+        return timedelta(hours=1)
+
+    @property
+    def history_length(self) -> int:
+        return 24
+
+
 def _intensity(owner: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise InvalidInputError(
@@ -102,7 +114,7 @@ def _intensity(owner: str, value: object) -> float:
     return float(value)
 
 
-class FixedCarbonIntensity(CarbonIntensityProvider):
+class FixedCarbonIntensity(_Hourly, CarbonIntensityProvider):
     """One intensity for every hour, given by you (gCO2eq/kWh): your utility's or your cloud region's figure.
 
     Example::
@@ -123,14 +135,6 @@ class FixedCarbonIntensity(CarbonIntensityProvider):
 
     def get_recent_carbon_intensity(self) -> dict[datetime, float]:
         return {}
-
-    @property
-    def update_period(self) -> timedelta:
-        return timedelta(hours=1)
-
-    @property
-    def history_length(self) -> int:
-        return 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +188,7 @@ class RegionCarbonIntensity(FixedCarbonIntensity):
         return f"RegionCarbonIntensity({self.region!r}: {self.g_per_kwh:g} g/kWh, {self.year}, {self.source})"
 
 
-class ElectrictyMapsClient(CarbonIntensityProvider):
+class ElectrictyMapsClient(_Hourly, CarbonIntensityProvider):
     """ElectricityMaps' live carbon intensity (Zeus's class, spelling included).
 
     Calls `GET /v3/carbon-intensity/latest` and `/history` of the ElectricityMaps API
@@ -282,14 +286,6 @@ class ElectrictyMapsClient(CarbonIntensityProvider):
             if isinstance(value, (int, float)) and isinstance(entry.get("datetime"), str):
                 out[datetime.fromisoformat(entry["datetime"].replace("Z", "+00:00"))] = float(value)
         return out
-
-    @property
-    def update_period(self) -> timedelta:
-        return timedelta(hours=1)
-
-    @property
-    def history_length(self) -> int:
-        return 24
 
 
 ElectricityMapsClient = ElectrictyMapsClient
@@ -416,13 +412,14 @@ class CarbonEmissionMonitor:
         parts = self._splitter.end(key)
         m = self.zeus_monitor.end_window(key, sync_execution=sync_execution)
         rates = [r / J_PER_KWH for r in self._rates(parts)]
+        gpu, cpu, dram = weigh(m, parts, rates)
         return CarbonEmissionMeasurement(
             time=m.time,
             gpu_energy=m.gpu_energy,
-            gpu_carbon_emission=split(m.gpu_energy, parts, rates, gpu=True) or {},
+            gpu_carbon_emission=gpu,
             cpu_energy=m.cpu_energy,
-            cpu_carbon_emission=split(m.cpu_energy, parts, rates, gpu=False) or None,
+            cpu_carbon_emission=cpu,
             dram_energy=m.dram_energy,
-            dram_carbon_emission=split(m.dram_energy, parts, rates, gpu=False) or None,
+            dram_carbon_emission=dram,
             simulated=m.simulated,
         )

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.monitor.monitor import Measurement, ZeusMonitor
 
-__all__ = ["Part", "PeriodSplitter", "period_start", "utc_now"]
+__all__ = ["Part", "PeriodSplitter", "period_start", "utc_now", "split", "weigh"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,18 @@ def split(total: dict[int, float] | None, parts: list[Part], rate: list[float], 
     for i, value in total.items():
         out[i] = sum(value * (p.gpu_share.get(i, p.time_share) if gpu else p.time_share) * r for p, r in zip(parts, rate, strict=True))
     return out
+
+
+def weigh(
+    m: Measurement, parts: list[Part], rates: list[float]
+) -> tuple[dict[int, float], dict[int, float] | None, dict[int, float] | None]:
+    """A window's GPU, CPU and DRAM energies weighted by the rate (per J) of each period it touched: GPUs by
+    their energy share of each period, the CPU and DRAM by the time share. (GPU: {} when none; others: None.)"""
+    return (
+        split(m.gpu_energy, parts, rates, gpu=True) or {},
+        split(m.cpu_energy, parts, rates, gpu=False) or None,
+        split(m.dram_energy, parts, rates, gpu=False) or None,
+    )
 
 
 def measurement_parts(m: Measurement) -> tuple[dict[int, float], dict[int, float] | None, dict[int, float] | None]:

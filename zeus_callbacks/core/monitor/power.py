@@ -39,6 +39,7 @@ from zeus_callbacks.core.monitor.timeline import (
     check_max_samples,
     check_period,
     integrate,
+    weak_poll,
 )
 
 __all__ = [
@@ -205,18 +206,6 @@ def infer_counter_update_period(gpu_indices: Sequence[int]) -> float:
     return min(MAX_UPDATE_PERIOD_S, max(MIN_UPDATE_PERIOD_S, min(refreshes.values()) / 2))
 
 
-def _weak_poll(monitor: Any) -> Any:
-    """`monitor.poll` without a reference that keeps `monitor` alive (its finalizer stops the thread)."""
-    ref = weakref.ref(monitor)
-
-    def poll() -> None:
-        target = ref()
-        if target is not None:
-            target.poll()
-
-    return poll
-
-
 def _domains(value: object) -> list[PowerDomain] | None:
     if value is None:
         return None
@@ -333,7 +322,7 @@ class PowerMonitor:
         self.poll()
         self._poller: Poller | None = None
         if background:
-            self._poller = Poller("zeus-callbacks-power-monitor", self.update_period, _weak_poll(self))
+            self._poller = Poller("zeus-callbacks-power-monitor", self.update_period, weak_poll(self))
             self._finalizer = weakref.finalize(self, self._poller.stop)
 
     # -- sampling ---------------------------------------------------------------------------------

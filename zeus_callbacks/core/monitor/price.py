@@ -24,7 +24,7 @@ from typing import Any, Literal
 from zeus_callbacks.core.device.errors import InvalidInputError, ZeusCallbacksError
 from zeus_callbacks.core.monitor.carbon import DATA, J_PER_KWH, get_json
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.monitor.periods import PeriodSplitter, split
+from zeus_callbacks.core.monitor.periods import PeriodSplitter, weigh
 
 __all__ = [
     "EnergyCostMonitor",
@@ -329,13 +329,14 @@ class EnergyCostMonitor:
         m = self.zeus_monitor.end_window(key, sync_execution=sync_execution)
         assert self._tariff is not None  # read by begin_window
         rates = [rate_at(self._tariff, p.start.astimezone()) / J_PER_KWH for p in parts]
+        gpu, cpu, dram = weigh(m, parts, rates)
         return EnergyCostMeasurement(
             time=m.time,
             gpu_energy=m.gpu_energy,
-            gpu_energy_cost=split(m.gpu_energy, parts, rates, gpu=True) or {},
+            gpu_energy_cost=gpu,
             cpu_energy=m.cpu_energy,
-            cpu_energy_cost=split(m.cpu_energy, parts, rates, gpu=False) or None,
+            cpu_energy_cost=cpu,
             dram_energy=m.dram_energy,
-            dram_energy_cost=split(m.dram_energy, parts, rates, gpu=False) or None,
+            dram_energy_cost=dram,
             simulated=m.simulated,
         )

@@ -7,7 +7,6 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
 from zeus_callbacks.core.device.errors import GPUError, GPUNotSupportedError
 from zeus_callbacks.core.device.gpus import get_gpus
@@ -18,6 +17,7 @@ from zeus_callbacks.core.monitor.timeline import (
     check_gpu_indices,
     check_max_samples,
     check_period,
+    weak_poll,
 )
 
 __all__ = ["TemperatureMonitor", "TemperatureSample"]
@@ -32,17 +32,6 @@ class TemperatureSample:
     timestamp: float
     gpu_index: int
     temperature_c: int
-
-
-def _weak_poll(monitor: Any) -> Any:
-    ref = weakref.ref(monitor)
-
-    def poll() -> None:
-        target = ref()
-        if target is not None:
-            target.poll()
-
-    return poll
 
 
 class TemperatureMonitor:
@@ -96,7 +85,7 @@ class TemperatureMonitor:
         self.poll()
         self._poller: Poller | None = None
         if background:
-            self._poller = Poller("zeus-callbacks-temperature-monitor", self.update_period, _weak_poll(self))
+            self._poller = Poller("zeus-callbacks-temperature-monitor", self.update_period, weak_poll(self))
             self._finalizer = weakref.finalize(self, self._poller.stop)
 
     def poll(self) -> None:

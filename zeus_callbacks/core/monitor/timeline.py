@@ -9,12 +9,14 @@ import operator
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from zeus_callbacks.core.device.errors import SIMULATION_HINT, InvalidInputError
 
-__all__ = ["Series", "Poller", "check_gpu_indices", "check_period", "check_max_samples"]
+__all__ = ["Series", "Poller", "weak_poll", "check_gpu_indices", "check_period", "check_max_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,18 @@ def integrate(points: Sequence[tuple[float, float]], start: float, end: float) -
         slope = (v1 - v0) / (t1 - t0)
         total += (v0 + slope * (lo - t0) + v0 + slope * (hi - t0)) / 2 * (hi - lo)
     return total
+
+
+def weak_poll(monitor: Any) -> Callable[[], None]:
+    """`monitor.poll` without a reference that keeps `monitor` alive (its finalizer stops the thread)."""
+    ref = weakref.ref(monitor)
+
+    def poll() -> None:
+        target = ref()
+        if target is not None:
+            target.poll()
+
+    return poll
 
 
 class Poller:
