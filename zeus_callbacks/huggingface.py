@@ -40,6 +40,7 @@ from zeus_callbacks.core.monitor.epoch_log import EpochLog
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.monitor.reporting import (
     EnergyReporter,
+    Rates,
     pipeline_frequency_metrics,
     power_limit_metrics,
     run_summary,
@@ -252,6 +253,10 @@ class HFZeusMonitor(_LogsFirst):
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s) (under torch.distributed, this rank's).
+        carbon_intensity: gCO2eq/kWh or a region (`"DE"`): the logs also get `energy/interval_co2eq_g` and
+            `energy/total_co2eq_g`. Default `$ZEUS_CALLBACKS_CARBON_INTENSITY`, else none.
+        price_per_kwh: Price per kWh or a U.S. state (`"US-CA"`): `energy/interval_cost`,
+            `energy/total_cost`. Default `$ZEUS_CALLBACKS_ELECTRICITY_PRICE`, else none.
 
     Raises:
         TypeError: `monitor` is not a `ZeusMonitor`.
@@ -266,14 +271,19 @@ class HFZeusMonitor(_LogsFirst):
         total_j = trainer.state.log_history[-1]["energy/total_j"]
     """
 
-    def __init__(self, monitor: ZeusMonitor) -> None:
+    def __init__(
+        self,
+        monitor: ZeusMonitor,
+        carbon_intensity: float | str | None = None,
+        price_per_kwh: float | str | None = None,
+    ) -> None:
         if not isinstance(monitor, ZeusMonitor):
             raise TypeError(
                 f"`HFZeusMonitor(monitor={monitor!r})`: expected a zeus_callbacks.ZeusMonitor "
                 "(`from zeus_callbacks import ZeusMonitor`)."
             )
         self.monitor = monitor
-        self._reporter = EnergyReporter(monitor)
+        self._reporter = EnergyReporter(monitor, rates=Rates.resolve(carbon_intensity, price_per_kwh))
         _ENERGY_MONITORS.add(self)
 
     def reports_energy_of(self, monitor: ZeusMonitor) -> bool:

@@ -404,3 +404,34 @@ def test_monitor_none_without_an_instance_to_adopt(node):
     HFGlobalPowerLimitOptimizer._built.clear()
     with pytest.raises(TypeError, match=r"HFGlobalPowerLimitOptimizer\(monitor=None\)"):
         HFGlobalPowerLimitOptimizer(None)  # type: ignore[arg-type]
+
+
+def test_energy_monitor_logs_co2eq_and_cost_beside_energy(node, tmp_path):
+    monitor = ZeusMonitor([0])
+    recorder = Recorder()
+    energy = HFZeusMonitor(monitor, carbon_intensity="DE", price_per_kwh=0.2)
+    make_trainer(tmp_path, [energy, recorder], max_steps=20, logging_steps=10).train()
+
+    from zeus_callbacks.core.monitor.carbon import RegionCarbonIntensity
+
+    g_per_kwh = RegionCarbonIntensity("DE").g_per_kwh
+    intervals = [e for e in recorder.logs if "energy/interval_j" in e]
+    assert len(intervals) == 2
+    for e in intervals:
+        assert e["energy/interval_co2eq_g"] == pytest.approx(e["energy/interval_j"] / 3.6e6 * g_per_kwh)
+        assert e["energy/interval_cost"] == pytest.approx(e["energy/interval_j"] / 3.6e6 * 0.2)
+    summary = recorder.logs[-1]
+    assert summary["energy/total_co2eq_g"] == pytest.approx(summary["energy/total_j"] / 3.6e6 * g_per_kwh)
+    assert summary["energy/total_cost"] == pytest.approx(summary["energy/total_j"] / 3.6e6 * 0.2)
+
+
+def test_energy_monitor_takes_rates_from_the_environment_and_refuses_bad_ones(node, monkeypatch):
+    monkeypatch.setenv("ZEUS_CALLBACKS_CARBON_INTENSITY", "380")
+    monkeypatch.setenv("ZEUS_CALLBACKS_ELECTRICITY_PRICE", "US-CA")
+    rates = HFZeusMonitor(ZeusMonitor([0]))._reporter.rates
+    assert rates.carbon_g_per_kwh == 380.0 and 0 < rates.price_per_kwh < 1
+    with pytest.raises(ValueError, match="carbon_intensity=-1"):
+        HFZeusMonitor(ZeusMonitor([0]), carbon_intensity=-1)
+    monkeypatch.setenv("ZEUS_CALLBACKS_CARBON_INTENSITY", "Atlantis")
+    with pytest.raises(ValueError, match="Known:"):
+        HFZeusMonitor(ZeusMonitor([0]))

@@ -210,6 +210,19 @@ def test_energy_monitor_logs_intervals_and_totals(
     assert gpu0.open_windows == []
 
 
+def test_energy_monitor_logs_co2eq_and_cost(gpu0: ZeusMonitor, tmp_path: Path, burn_cpu) -> None:
+    flavour = Flavour("lightning.pytorch", "zeus_callbacks.lightning")
+    energy = flavour.zeus.LightningZeusMonitor(gpu0, "epoch", carbon_intensity=400, price_per_kwh=0.1)
+    flavour.trainer(tmp_path, [energy], max_steps=32, logger=True).fit(flavour.module(burn_cpu), _data())
+
+    rows = _csv_rows(tmp_path)
+    intervals, grams = _column(rows, "energy/interval_j"), _column(rows, "energy/interval_co2eq_g")
+    assert len(grams) == len(intervals) == 2
+    assert grams == pytest.approx([e / 3.6e6 * 400 for e in intervals])
+    (total,), (cost,) = _column(rows, "energy/total_j"), _column(rows, "energy/total_cost")
+    assert cost == pytest.approx(total / 3.6e6 * 0.1)
+
+
 def test_energy_monitor_step_interval_follows_log_every_n_steps(
     gpu0: ZeusMonitor, tmp_path: Path, burn_cpu
 ) -> None:

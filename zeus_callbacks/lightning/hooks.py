@@ -25,6 +25,7 @@ from zeus_callbacks.core.monitor.epoch_log import EpochLog
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.monitor.reporting import (
     EnergyReporter,
+    Rates,
     pipeline_frequency_metrics,
     power_limit_metrics,
     run_summary,
@@ -81,6 +82,8 @@ class ZeusMonitorHooks(CallbackHooks):
             `ZeusMonitor(gpu_indices=[local_rank()])`.
         logging_interval: `"step"` to log every `log_every_n_steps` optimizer steps, `"epoch"` to log
             once per training epoch.
+        carbon_intensity, price_per_kwh: As `HFZeusMonitor`'s: CO2eq and cost figures beside the energy
+            (same names), from a number or a region; default the environment's, else none.
 
     Raises:
         ValueError: If `logging_interval` is neither `"step"` nor `"epoch"`.
@@ -97,7 +100,13 @@ class ZeusMonitorHooks(CallbackHooks):
         total_j = energy.total_energy_j()
     """
 
-    def __init__(self, monitor: ZeusMonitor, logging_interval: str = "step") -> None:
+    def __init__(
+        self,
+        monitor: ZeusMonitor,
+        logging_interval: str = "step",
+        carbon_intensity: float | str | None = None,
+        price_per_kwh: float | str | None = None,
+    ) -> None:
         super().__init__()
         if logging_interval not in ("step", "epoch"):
             raise ValueError(
@@ -106,7 +115,7 @@ class ZeusMonitorHooks(CallbackHooks):
             )
         self.monitor = monitor
         self.logging_interval = logging_interval
-        self._reporter = EnergyReporter(monitor)
+        self._reporter = EnergyReporter(monitor, rates=Rates.resolve(carbon_intensity, price_per_kwh))
         self._steps = OptimizerSteps()
 
     def total_energy_j(self) -> float:

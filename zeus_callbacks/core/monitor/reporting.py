@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from zeus_callbacks.core import distributed as dist
@@ -16,6 +19,9 @@ __all__ = [
     "POWER_LIMIT_PREFIX",
     "PIPELINE_FREQUENCY_PREFIX",
     "EnergyReporter",
+    "Rates",
+    "CARBON_INTENSITY_ENV",
+    "ELECTRICITY_PRICE_ENV",
     "run_summary",
     "power_limit_metrics",
     "pipeline_frequency_metrics",
@@ -28,7 +34,78 @@ POWER_LIMIT_PREFIX = "power_limit_optimizer/"
 PIPELINE_FREQUENCY_PREFIX = "pipeline_frequency_optimizer/"
 """Prefix of the pipeline-frequency optimizer's metrics."""
 
+CARBON_INTENSITY_ENV = "ZEUS_CALLBACKS_CARBON_INTENSITY"
+"""gCO2eq/kWh, or a region code of the shipped table (`DE`, `US`): the reporters' default intensity."""
+ELECTRICITY_PRICE_ENV = "ZEUS_CALLBACKS_ELECTRICITY_PRICE"
+"""Price per kWh, or a U.S. state (`US-CA`): the reporters' default price."""
+J_PER_KWH = 3.6e6
+
 _ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a kWh emits (gCO2eq) and costs, for the reporters' `co2eq_g` and `cost` figures; None: not given.
+
+    `describe` says where each figure comes from (a region's table row, or "given")."""
+
+    carbon_g_per_kwh: float | None = None
+    price_per_kwh: float | None = None
+    describe: str = ""
+
+    @classmethod
+    def resolve(cls, carbon_intensity: float | str | None = None, price_per_kwh: float | str | None = None) -> Rates:
+        """From arguments, else `$ZEUS_CALLBACKS_CARBON_INTENSITY` / `$ZEUS_CALLBACKS_ELECTRICITY_PRICE`: a
+        number, or a region (carbon: `RegionCarbonIntensity`'s codes; price: `RegionElectricityPrice`'s).
+
+        Raises:
+            InvalidInputError: a value is neither a number >= 0 nor a known region (the message says which).
+        """
+        carbon = _rate(carbon_intensity, CARBON_INTENSITY_ENV, "carbon_intensity")
+        price = _rate(price_per_kwh, ELECTRICITY_PRICE_ENV, "price_per_kwh")
+        said = []
+        if isinstance(carbon, str):
+            from zeus_callbacks.core.monitor.carbon import RegionCarbonIntensity
+
+            region = RegionCarbonIntensity(carbon)
+            said.append(repr(region))
+            carbon = region.g_per_kwh
+        if isinstance(price, str):
+            from zeus_callbacks.core.monitor.price import RegionElectricityPrice
+
+            state = RegionElectricityPrice(price)
+            said.append(repr(state))
+            price = state.price_per_kwh
+        return cls(carbon, price, "; ".join(said))
+
+    def figures(self, prefix: str, energy_j: float) -> dict[str, float]:
+        """`{prefix}co2eq_g` and `{prefix}cost` of `energy_j`, those whose rate is given."""
+        out = {}
+        if self.carbon_g_per_kwh is not None:
+            out[f"{prefix}co2eq_g"] = energy_j / J_PER_KWH * self.carbon_g_per_kwh
+        if self.price_per_kwh is not None:
+            out[f"{prefix}cost"] = energy_j / J_PER_KWH * self.price_per_kwh
+        return out
+
+
+def _rate(value: float | str | None, env: str, name: str) -> float | str | None:
+    from zeus_callbacks.core.device.errors import InvalidInputError
+
+    where = f"`{name}={value!r}`"
+    if value is None:
+        raw = os.environ.get(env, "").strip()
+        if not raw:
+            return None
+        where, value = f"{env}={raw!r}", raw
+        try:
+            value = float(raw)
+        except ValueError:
+            return raw
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise InvalidInputError(f"{where}: expected a number >= 0 per kWh, or a region code (e.g. 'DE', 'US-CA').")
+    return float(value)
 
 
 def _prefixed(prefix: str, metrics: Mapping[str, float | str], numbers_only: bool) -> dict[str, float | str]:
@@ -63,15 +140,20 @@ class EnergyReporter:
     (summed over ranks), so every rank must call `interval` and `stop` at the same points, as trainers'
     logging hooks do; `gpu<i>_interval_j` is this rank's GPU i.
 
+    With a carbon intensity or a price (`Rates`), each interval and the totals also carry `..._co2eq_g` and
+    `..._cost` (`energy/interval_co2eq_g`, `energy/total_cost`, ...).
+
     Args:
         monitor: The monitor of this process's GPUs.
         prefix: Prefix of the names; `ENERGY_PREFIX` by default. `for_power_limit_optimizer` gives the
             figures the power-limit optimizer's adapters log.
+        rates: What a kWh emits and costs; default `Rates.resolve()` (the environment's, or none).
     """
 
-    def __init__(self, monitor: ZeusMonitor, prefix: str = ENERGY_PREFIX) -> None:
+    def __init__(self, monitor: ZeusMonitor, prefix: str = ENERGY_PREFIX, rates: Rates | None = None) -> None:
         self.monitor = monitor
         self.prefix = prefix
+        self.rates = rates if rates is not None else Rates.resolve()
         self.total_energy_j = 0.0
         self.total_time_s = 0.0
         self._running = False
@@ -80,9 +162,9 @@ class EnergyReporter:
         self._total_window = f"__zeus_callbacks_run_total_{n}"
 
     @classmethod
-    def for_power_limit_optimizer(cls, monitor: ZeusMonitor) -> EnergyReporter:
+    def for_power_limit_optimizer(cls, monitor: ZeusMonitor, rates: Rates | None = None) -> EnergyReporter:
         """The reporter whose names sit with the optimizer's (`power_limit_optimizer/energy_interval_j`)."""
-        return cls(monitor, prefix=f"{POWER_LIMIT_PREFIX}energy_")
+        return cls(monitor, prefix=f"{POWER_LIMIT_PREFIX}energy_", rates=rates)
 
     @property
     def running(self) -> bool:
@@ -117,6 +199,7 @@ class EnergyReporter:
             f"{p}interval_time_s": m.time,
             f"{p}interval_avg_power_w": energy / m.time if m.time > 0 else 0.0,
             f"{p}simulated": float(m.simulated),
+            **self.rates.figures(f"{p}interval_", energy),
         }
         for i, e in m.gpu_energy.items():
             out[f"{p}gpu{i}_interval_j"] = e
@@ -156,6 +239,7 @@ class EnergyReporter:
             f"{p}total_time_s": m.time,
             f"{p}total_avg_power_w": energy / m.time if m.time > 0 else 0.0,
             f"{p}simulated": float(m.simulated),
+            **self.rates.figures(f"{p}total_", energy),
         }
 
 
@@ -175,6 +259,10 @@ def run_summary(report: Mapping[str, Any], totals: Mapping[str, float]) -> dict[
         f"{p}profiling_energy_j": float(report.get("profiling_energy_j", 0.0)),
         f"{p}simulated": float(bool(report.get("simulated"))),
     }
+    for name, suffix in (("run_co2eq_g", "total_co2eq_g"), ("run_cost", "total_cost")):
+        value = next((v for k, v in totals.items() if k.endswith(suffix)), None)
+        if value is not None:
+            out[f"{p}{name}"] = float(value)
     for key in ("optimal_power_limit_w", "energy_saved_pct", "time_lost_pct"):
         if report.get(key) is not None:
             out[f"{p}{key}"] = float(report[key])
