@@ -125,6 +125,7 @@ _ADAPTERS = {
             "HeterogeneousTrainer",
             "HFEpochLog",
             "HFSimulatedGPUWork",
+            "ZeusTrainerMixin",
         ],
         "zeus_callbacks.huggingface",
     ),

@@ -7,24 +7,22 @@ core calls out.
 - `HeterogeneousTrainer` and `HFHeterogeneousCallback`: training on a heterogeneous plan.
 - `HFEpochLog`: each epoch's time, energy and power in Zeus's profiler files (`EpochLog`).
 - `HFSimulatedGPUWork`: toy steps paced by simulated GPU work (examples and tests on simulated GPUs).
+- `ZeusTrainerMixin` / `restoring_gpus`: the opt-in for GPUs back the moment `train()` raises, cut-short
+  checkpoints skipped, and metrics before the `report_to` trackers. Nothing is patched process-wide.
 """
 
 from __future__ import annotations
 
-import functools
-import json
+import contextlib
 import logging
-import re
-import sys
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_callback import CallbackHandler
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from typing_extensions import override
 
 from zeus_callbacks.core.arguments import require_monitor
@@ -49,6 +47,15 @@ from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
+from zeus_callbacks.huggingface_checkpoints import (
+    TRAINER_STATE_NAME,
+    checkpoint_state,
+    complete_checkpoint,
+    earlier_checkpoints,
+    optimizer_state_in,
+    resumed_checkpoint,
+    warn_if_newest_checkpoint_is_cut_short,
+)
 
 try:
     from transformers.trainer_callback import ExportableState
@@ -66,33 +73,37 @@ __all__ = [
     "HeterogeneousTrainer",
     "HFEpochLog",
     "HFSimulatedGPUWork",
+    "ZeusTrainerMixin",
+    "restoring_gpus",
 ]
 
 logger = logging.getLogger(__name__)
 
-TRAINER_STATE_NAME = "trainer_state.json"  # transformers' name of the trainer state in a checkpoint
-_CHECKPOINT_STEP = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)")
+class _LogsFirst(TrainerCallback):
+    """A callback that adds metrics to the logs. transformers hands the logs to the `report_to` trackers
+    before the user's callbacks, so the trackers get these metrics only when the callback runs before them:
+    `ZeusTrainerMixin` moves it there. On a plain `Trainer` the metrics reach `state.log_history` and the
+    callbacks after this one, and one line says so when `report_to` names a tracker."""
 
+    _in_zeus_trainer = False  # set by ZeusTrainerMixin.train
+    _said_trackers: ClassVar[bool] = False
 
-def _run_before_trackers(callback: TrainerCallback) -> None:
-    """Move `callback` to the front of the trainer's callbacks; call it from a hook only.
-
-    transformers puts the `report_to` trackers before the user's callbacks, and `on_log` hands them the
-    logs in that order, so metrics added to the logs reach only the callbacks after ours. No hook receives
-    the `CallbackHandler`; the hook's caller (maybe through a wrapper or two) is its `call_event`, whose
-    loop skips nothing when a callback moves itself forward. Without that handler, metrics still reach
-    `state.log_history` and the callbacks after this one.
-    """
-    frame, handler = sys._getframe(2), None
-    for _ in range(4):
-        if frame is None or isinstance(handler := frame.f_locals.get("self"), CallbackHandler):
-            break
-        frame = frame.f_back
-    if not isinstance(handler, CallbackHandler) or handler.callbacks[0] is callback:
-        return
-    if any(cb is callback for cb in handler.callbacks):
-        handler.callbacks.remove(callback)
-        handler.callbacks.insert(0, callback)
+    @override
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_train_begin` → say once where the metrics go when the trackers run first."""
+        report_to = args.report_to if isinstance(args.report_to, list) else [args.report_to]
+        trackers = [t for t in report_to if t and t != "none"]
+        if trackers and not self._in_zeus_trainer and not _LogsFirst._said_trackers:
+            _LogsFirst._said_trackers = True
+            logger.info(
+                "%s's metrics reach state.log_history and the callbacks after it, not the report_to "
+                "trackers %s, which run first: train with a Trainer that mixes in "
+                "zeus_callbacks.huggingface.ZeusTrainerMixin to send them there too.",
+                type(self).__name__,
+                trackers,
+            )
 
 
 def _log(state: TrainerState, logs: dict[str, Any] | None, metrics: dict[str, Any]) -> None:
@@ -103,22 +114,17 @@ def _log(state: TrainerState, logs: dict[str, Any] | None, metrics: dict[str, An
         state.log_history[-1].update(metrics)
 
 
-class _LogsFirst(TrainerCallback):
-    """A callback that adds metrics to the logs: it runs before the `report_to` trackers, so they get them."""
+class _RestoresOnException(TrainerCallback):
+    """A callback whose GPU changes `ZeusTrainerMixin` / `restoring_gpus` undo the moment `train()` raises.
 
-    @override
-    def on_init_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_init_end` → move this callback before the trackers."""
-        _run_before_trackers(self)
+    transformers has no exception hook (Lightning has `on_exception`). Without the opt-in the GPUs get their
+    settings back when the process ends (exit, signal, or the restore watchdog after a hard death); with it,
+    before the exception leaves `train()`, for a caller that catches it (a notebook cell).
+    """
 
-    @override
-    def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_train_begin` → move this callback before the trackers (added after `on_init_end`)."""
-        _run_before_trackers(self)
+    def _train_failed(self) -> None:
+        """Undo this callback's GPU changes; `train()` raised. No collective: the other ranks may not."""
+        raise NotImplementedError
 
 
 def _undo_gpu_changes(trainer: Trainer) -> None:
@@ -131,114 +137,55 @@ def _undo_gpu_changes(trainer: Trainer) -> None:
                 logger.warning("%s could not undo its GPU changes.", type(callback).__name__, exc_info=True)
 
 
-def _trainer_state_problem(checkpoint: Path) -> str | None:
-    """Why `checkpoint`'s trainer_state.json cannot be resumed from (missing, cut short, not a state), or None."""
-    path = checkpoint / TRAINER_STATE_NAME
+@contextlib.contextmanager
+def restoring_gpus(trainer: Trainer) -> Iterator[Trainer]:
+    """`with restoring_gpus(trainer): trainer.train()`: if `train()` raises, the GPU changes of the
+    trainer's zeus_callbacks callbacks are undone before the exception leaves the block, unchanged.
+    Resumption is left as transformers does it."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return "is missing"
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        return f"is unreadable or cut short ({type(e).__name__}: {e})"
-    if not isinstance(data, dict) or not isinstance(data.get("global_step"), int):
-        return "holds no trainer state"
-    return None
+        yield trainer
+    except BaseException:
+        _undo_gpu_changes(trainer)
+        raise
 
 
-def _earlier_checkpoints(checkpoint: Path) -> list[Path]:
-    """The `checkpoint-N` folders beside `checkpoint` with a smaller N, newest first."""
-    match = _CHECKPOINT_STEP.fullmatch(checkpoint.name)
-    if match is None or not checkpoint.parent.is_dir():
-        return []
-    found = [
-        (int(m.group(1)), p)
-        for p in checkpoint.parent.iterdir()
-        if (m := _CHECKPOINT_STEP.fullmatch(p.name)) and p.is_dir() and int(m.group(1)) < int(match.group(1))
-    ]
-    return [p for _, p in sorted(found, reverse=True)]
+class ZeusTrainerMixin:
+    """Opt-in, for a `Trainer` subclass: `class MyTrainer(ZeusTrainerMixin, Trainer)` (or `SFTTrainer`).
 
-
-def _complete_checkpoint(trainer: Trainer, resume: Any) -> Any:
-    """The checkpoint `trainer.train(resume_from_checkpoint=resume)` can resume from.
-
-    transformers writes a checkpoint in place (weights, optimizer, RNG state, then trainer_state.json, whose
-    writing is not atomic) and `get_last_checkpoint` takes the newest folder whatever it holds, so a process
-    killed while saving leaves a checkpoint that `train()` cannot load (a missing or cut-short
-    trainer_state.json: a traceback). Such a checkpoint is skipped, with one warning naming the file, for
-    the newest complete one before it, or none (training starts over, said so).
-    """
-    if resume is None or resume is False:
-        return resume
-    target = get_last_checkpoint(trainer.args.output_dir) if resume is True else resume
-    if target is None:
-        return resume  # transformers' own error: no checkpoint at all
-    target = Path(target)
-    problem = _trainer_state_problem(target)
-    if problem is None:
-        return str(target)
-    earlier = next((p for p in _earlier_checkpoints(target) if _trainer_state_problem(p) is None), None)
-    logger.warning(
-        "%s %s: that checkpoint was cut short while being saved. %s",
-        target / TRAINER_STATE_NAME,
-        problem,
-        f"Resuming from {earlier}, the last complete checkpoint."
-        if earlier is not None
-        else f"No complete checkpoint before it in {target.parent}: training starts from the beginning.",
-    )
-    return str(earlier) if earlier is not None else None
-
-
-def _restoring_on_exception(train: Any) -> Any:
-    """`Trainer.train`, made to call `_undo_gpu_changes` before an exception leaves it; with an
-    `HFGlobalPowerLimitOptimizer` attached, it also resumes from the last complete checkpoint
-    (`_complete_checkpoint`) and tells the optimizers which one."""
-
-    @functools.wraps(train)
-    def restoring_train(self: Trainer, *args: Any, **kwargs: Any) -> Any:
-        stateful = [
-            cb
-            for cb in getattr(getattr(self, "callback_handler", None), "callbacks", ())
-            if isinstance(cb, HFGlobalPowerLimitOptimizer)
-        ]
-        if stateful:
-            if args:
-                args = (_complete_checkpoint(self, args[0]), *args[1:])
-                resume = args[0]
-            else:
-                resume = kwargs["resume_from_checkpoint"] = _complete_checkpoint(
-                    self, kwargs.get("resume_from_checkpoint")
-                )
-            for cb in stateful:
-                cb._checkpoint = Path(resume) if isinstance(resume, (str, Path)) else None
-        try:
-            return train(self, *args, **kwargs)
-        except BaseException:
-            _undo_gpu_changes(self)
-            raise
-
-    restoring_train._zeus_callbacks_restores = True  # type: ignore[attr-defined]
-    return restoring_train
-
-
-class _RestoresOnException(TrainerCallback):
-    """A callback whose GPU changes are undone the moment `trainer.train()` raises.
-
-    transformers has no exception hook (Lightning has `on_exception`), so when `train()` raises and the
-    process lives on (a notebook cell, a caller that catches) no hook runs. Building the first such
-    callback therefore wraps `Trainer.train` once: an exception leaving any trainer's `train()` calls
-    `_train_failed` on the callbacks of this kind attached to that trainer, then propagates unchanged.
-    Other trainers see no difference; a subclass whose `train` does not call `Trainer.train` is not
-    covered (its GPUs are restored at exit, as before).
+    - `train()` raising undoes the zeus_callbacks callbacks' GPU changes before the exception leaves it
+      (`restoring_gpus`);
+    - `train(resume_from_checkpoint=...)` given a checkpoint that a kill cut short while it was being saved
+      resumes from the last complete one before it (one warning naming the file), or starts over when there
+      is none; the power-limit optimizer then also falls back to an earlier checkpoint's state when the
+      resumed one's is corrupted. `skip_cut_short_checkpoints = False` on the subclass keeps transformers'
+      resumption;
+    - the callbacks that add metrics run before the `report_to` trackers, so the trackers get them.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> _RestoresOnException:
-        if not getattr(Trainer.train, "_zeus_callbacks_restores", False):
-            Trainer.train = _restoring_on_exception(Trainer.train)  # type: ignore[method-assign]
-        return super().__new__(cls)
+    skip_cut_short_checkpoints: ClassVar[bool] = True
 
-    def _train_failed(self) -> None:
-        """Undo this callback's GPU changes; `train()` raised. No collective: the other ranks may not."""
-        raise NotImplementedError
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for callback in kwargs.get("callbacks") or ():
+            if isinstance(callback, _LogsFirst):
+                callback._in_zeus_trainer = True
+        super().__init__(*args, **kwargs)
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`, with the behaviours of the class docstring."""
+        trainer: Any = self
+        callbacks = trainer.callback_handler.callbacks
+        for callback in [cb for cb in callbacks if isinstance(cb, _LogsFirst)][::-1]:
+            callbacks.remove(callback)
+            callbacks.insert(0, callback)
+            callback._in_zeus_trainer = True
+        if self.skip_cut_short_checkpoints:
+            resume_from_checkpoint = complete_checkpoint(trainer.args.output_dir, resume_from_checkpoint)
+            resumed = Path(resume_from_checkpoint) if isinstance(resume_from_checkpoint, (str, Path)) else None
+            for callback in callbacks:
+                if isinstance(callback, HFGlobalPowerLimitOptimizer):
+                    callback._checkpoint = resumed
+        with restoring_gpus(trainer):
+            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
 
 _ENERGY_MONITORS: weakref.WeakSet[HFZeusMonitor] = weakref.WeakSet()
@@ -321,31 +268,10 @@ class HFZeusMonitor(_LogsFirst):
         _log(state, None, self._reporter.stop())
 
 
-def _optimizer_state_in(stateful_callbacks: Any, name: str) -> Any:
-    """The optimizer state that a trainer state's `stateful_callbacks` hold for the callback class `name`
-    (its first instance): None when they hold none, `{}` for an entry not shaped as `state()` makes it."""
-    if not isinstance(stateful_callbacks, dict) or name not in stateful_callbacks:
-        return None
-    data = stateful_callbacks[name]
-    if isinstance(data, list):
-        data = data[0] if data else {}
-    attributes = data.get("attributes") if isinstance(data, dict) else None
-    return attributes.get("optimizer_state", {}) if isinstance(attributes, dict) else {}
-
-
 def _saved_state(state: TrainerState, name: str) -> Any:
     """The optimizer state a resumed run's trainer state holds for the callback class `name`, or None on a
     fresh run."""
-    return _optimizer_state_in(state.stateful_callbacks, name) if state.global_step else None
-
-
-def _checkpoint_state(checkpoint: Path, name: str) -> Any:
-    """The optimizer state `checkpoint`'s trainer_state.json holds for `name`, or None (none, or unreadable)."""
-    try:
-        data = json.loads((checkpoint / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return _optimizer_state_in(data.get("stateful_callbacks") if isinstance(data, dict) else None, name)
+    return optimizer_state_in(state.stateful_callbacks, name) if state.global_step else None
 
 
 class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableState):
@@ -354,16 +280,18 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
     Drives `zeus_callbacks.GlobalPowerLimitOptimizer` (see it for the method and the arguments) from the
     trainer's steps: `on_step_begin`/`on_step_end`/`on_epoch_end` → the optimizer's hooks of the same
     names, `on_train_end` → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs get their settings back).
-    If `trainer.train()` raises, the GPUs get their settings back before the exception leaves it
-    (`GlobalPowerLimitOptimizer.on_train_end`), as with Lightning's `on_exception`. Every log event gets
+    If `trainer.train()` raises, the GPUs get their settings back when the process ends, or before the
+    exception leaves `train()` with `ZeusTrainerMixin` / `restoring_gpus` (as with Lightning's
+    `on_exception`). Every log event gets
     `GlobalPowerLimitOptimizer.metrics()` and the energy of the logging interval, prefixed
     `power_limit_optimizer/`. Checkpoints carry the optimizer's state (`state()`); `trainer.train(
     resume_from_checkpoint=...)` resumes it, with or without `restore_callback_states_from_checkpoint`: a
     chosen limit is applied without profiling again, a partial profile carries on at the next limit, and
-    the profiling counters and `report()` carry on. A checkpoint cut short by a hard kill while it was
-    being saved is skipped for the last complete one, and a corrupted optimizer state in it is refused for
-    the last complete state (an earlier checkpoint's, else `profile_path`'s): each with one warning naming
-    the file.
+    the profiling counters and `report()` carry on; training resumes from exactly the checkpoint named.
+    A corrupted optimizer state in it is refused, with one warning naming the file, for the `profile_path`
+    profile's (first an earlier checkpoint's state). A newest checkpoint cut short by a
+    kill while it was being saved is said in one line with the last complete one to resume from
+    (`ZeusTrainerMixin` resumes from it itself).
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s) (under torch.distributed, this rank's).
@@ -406,7 +334,8 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         search: str = "adaptive",
     ) -> None:
         self._training = False
-        self._checkpoint: Path | None = None  # the checkpoint `train()` resumes from (set by its wrapper)
+        self._checkpoint: Path | None = None  # the checkpoint `train()` resumes from (ZeusTrainerMixin)
+        self._said_cut_short: str | None = None
         if monitor is None:
             # On resume, transformers rebuilds stateful callbacks as `type(cb)(**state()["args"])`
             # (`Trainer._load_callback_state`) and swaps them in; the rebuilt one shares the core of the
@@ -470,8 +399,8 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
             self._checkpoint / TRAINER_STATE_NAME if self._checkpoint else "the checkpoint's trainer state"
         )
         then = ""
-        for earlier in _earlier_checkpoints(self._checkpoint) if self._checkpoint else []:
-            older = _checkpoint_state(earlier, name)
+        for earlier in earlier_checkpoints(self._checkpoint) if self._checkpoint else []:
+            older = checkpoint_state(earlier, name)
             if older is None:
                 continue
             try:
@@ -482,7 +411,21 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
             break
         self.optimizer.refused_state_warning(source, name, refused, then)
 
+    def _say_cut_short_checkpoint(self, args: TrainingArguments) -> None:
+        """Once per output folder: its newest checkpoint is cut short (how to resume from the last complete)."""
+        if self._said_cut_short != args.output_dir:
+            self._said_cut_short = args.output_dir
+            warn_if_newest_checkpoint_is_cut_short(args.output_dir)
+
     # -- trainer hooks -----------------------------------------------------------------------------
+    @override
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_init_end` → one line when the newest checkpoint is cut short (before a resume from it fails)."""
+        if not self._in_zeus_trainer:
+            self._say_cut_short_checkpoint(args)
+
     @override
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -492,6 +435,10 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         whatever `restore_callback_states_from_checkpoint` says (`_resume`: a corrupted one is refused)."""
         super().on_train_begin(args, state, control, **kwargs)
         self._training = True
+        if not self._in_zeus_trainer and not state.global_step:
+            self._say_cut_short_checkpoint(args)
+        if self._checkpoint is None and state.global_step:
+            self._checkpoint = resumed_checkpoint(args.output_dir, state.global_step)
         saved = _saved_state(state, type(self).__name__)
         if saved is not None:
             self._resume(saved)
@@ -548,13 +495,13 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         """`on_train_end` → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs get their settings back)."""
         self._reporter.stop()
         self.optimizer.on_train_end()
-        self._training = False
+        self._training, self._checkpoint = False, None
 
     @override
     def _train_failed(self) -> None:
         """`trainer.train()` raised → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs' settings back)."""
         self.optimizer.on_train_end()
-        self._training = False
+        self._training, self._checkpoint = False, None
 
 
 class HFPipelineFrequencyOptimizer(_RestoresOnException, _LogsFirst):
@@ -566,8 +513,8 @@ class HFPipelineFrequencyOptimizer(_RestoresOnException, _LogsFirst):
     stages and its order) and reports its `forward_one_chunk`/`backward_one_chunk`
     calls as instructions (`StageAttachment.attach`); `on_step_begin`/`on_step_end` → the optimizer's hooks
     of the same names (one training step = one pipeline iteration); `on_train_end` →
-    `StageAttachment.detach` (clocks reset), also when `trainer.train()` raises, before the exception leaves
-    it. Every log event gets `PipelineFrequencyOptimizer.metrics()`, prefixed
+    `StageAttachment.detach` (clocks reset); when `trainer.train()` raises, at exit, or before the exception
+    leaves it with `ZeusTrainerMixin` / `restoring_gpus`. Every log event gets `PipelineFrequencyOptimizer.metrics()`, prefixed
     `pipeline_frequency_optimizer/`.
 
     Args:
@@ -682,7 +629,7 @@ class HFHeterogeneousCallback(_RestoresOnException):
         restore_power_limits()
 
 
-class HeterogeneousTrainer(Trainer):
+class HeterogeneousTrainer(ZeusTrainerMixin, Trainer):
     """A `Trainer` on a heterogeneous plan: uneven local batches, full-batch gradients, per-rank power.
 
     `get_train_dataloader` gives this rank `rank_plan.local_batch` samples of every global batch
@@ -690,7 +637,8 @@ class HeterogeneousTrainer(Trainer):
     by `rank_plan.loss_scale`, except when the Trainer already normalises it by the number of items over
     all ranks (`average_tokens_across_devices` with a model that takes `num_items_in_batch`), which is
     exact for uneven batches as it is; `HFHeterogeneousCallback` applies the power limit. The logged
-    loss, averaged over ranks by the Trainer, is then the mean over the global batch.
+    loss, averaged over ranks by the Trainer, is then the mean over the global batch. A `ZeusTrainerMixin`
+    that keeps transformers' resumption: `train()` raising puts the GPUs back before it leaves.
 
     Args:
         *args: As `Trainer`'s.
@@ -703,6 +651,8 @@ class HeterogeneousTrainer(Trainer):
         rp = rank_plan(plan(profiles, counts, global_batch=1024))
         HeterogeneousTrainer(model, training_args, train_dataset=ds, rank_plan=rp).train()
     """
+
+    skip_cut_short_checkpoints = False
 
     def __init__(self, *args: Any, rank_plan: RankPlan, gpu_index: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -31,7 +31,12 @@ from zeus_callbacks.huggingface import (  # noqa: E402
     HFGlobalPowerLimitOptimizer,
     HFSimulatedGPUWork,
     HFZeusMonitor,
+    ZeusTrainerMixin,
 )
+
+
+class ZeusTrainer(ZeusTrainerMixin, Trainer):
+    """The opt-in: GPUs back when `train()` raises, cut-short checkpoints skipped, metrics before trackers."""
 
 MAX_W = 300  # the simulated A40's maximum power limit
 # Small profiles: the grid is 300, 200, 100 W; each limit gets 1 warm-up step and 2 to 4 measured steps.
@@ -89,7 +94,9 @@ def tiny_model() -> GPT2LMHeadModel:
 STEP_GPU_WORK_S = 0.012
 
 
-def make_trainer(tmp_path: Path, callbacks: list, max_steps: int, model=None, **kw) -> Trainer:
+def make_trainer(
+    tmp_path: Path, callbacks: list, max_steps: int, model=None, trainer_cls: type = Trainer, **kw
+) -> Trainer:
     """A `Trainer` of `tiny_model` on `ToyData`; every step also queues `STEP_GPU_WORK_S` of simulated GPU work
     (`HFSimulatedGPUWork`): the step's pace is the simulated GPU's, not the host's; a step then spans a refresh
     of the 10 ms energy counter on any host."""
@@ -104,7 +111,7 @@ def make_trainer(tmp_path: Path, callbacks: list, max_steps: int, model=None, **
         disable_tqdm=True,
         **kw,
     )
-    return Trainer(model=model or tiny_model(), args=args, train_dataset=ToyData(), callbacks=callbacks)
+    return trainer_cls(model=model or tiny_model(), args=args, train_dataset=ToyData(), callbacks=callbacks)
 
 
 def test_simulated_gpu_work_paces_each_step_by_the_limit_in_force(node, tmp_path):
@@ -151,7 +158,10 @@ def test_metrics_reach_trackers_before_and_after_and_log_history(node, tmp_path)
     # maximum limit, and the saving against it is then not reported (nothing to compare with).
     plo = HFGlobalPowerLimitOptimizer(monitor, **{**PLO_KW, "profile_steps": 8})
     callbacks = [before, HFZeusMonitor(monitor), plo, after]
-    trainer = make_trainer(tmp_path, callbacks, max_steps=60, logging_steps=15)  # profiling ends well before
+    # ZeusTrainerMixin runs the metric callbacks before the trackers (on a plain Trainer: the next test).
+    trainer = make_trainer(
+        tmp_path, callbacks, max_steps=60, logging_steps=15, trainer_cls=ZeusTrainer
+    )  # profiling ends well before
     trainer.train()
 
     train_logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -435,3 +445,25 @@ def test_energy_monitor_takes_rates_from_the_environment_and_refuses_bad_ones(no
     monkeypatch.setenv("ZEUS_CALLBACKS_CARBON_INTENSITY", "Atlantis")
     with pytest.raises(ValueError, match="Known:"):
         HFZeusMonitor(ZeusMonitor([0]))
+
+
+def test_plain_trainer_is_not_patched_and_its_trackers_ahead_get_no_metrics(node, tmp_path, caplog):
+    """Nothing process-wide: `Trainer.train` is transformers' own; the callbacks stay where the user put them,
+    so a tracker ahead of them misses their metrics, which still reach log_history (and one line says so)."""
+    train = Trainer.train
+    before, after = Recorder(), Recorder()
+    plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    trainer = make_trainer(tmp_path, [before, HFZeusMonitor(plo.optimizer.monitor), plo, after], max_steps=10)
+    trainer.args.report_to = ["tensorboard"]  # what the line names; no tracker callback is added this late
+    import zeus_callbacks.huggingface as hf_adapter
+
+    hf_adapter._LogsFirst._said_trackers = False
+    with caplog.at_level("INFO", logger="zeus_callbacks"):
+        trainer.train()
+    assert Trainer.train is train and type(trainer).train is train
+    assert trainer.callback_handler.callbacks.index(before) < trainer.callback_handler.callbacks.index(plo)
+    assert all("energy/interval_j" not in e for e in before.logs)
+    assert any("energy/interval_j" in e for e in after.logs)
+    assert any("energy/interval_j" in e for e in trainer.state.log_history)
+    said = [r.getMessage() for r in caplog.records if "ZeusTrainerMixin" in r.getMessage()]
+    assert len(said) == 1 and "tensorboard" in said[0], caplog.text

@@ -23,7 +23,8 @@ from helpers import ROOT, TOY_STEPS_COUNTER
 pytest.importorskip("transformers")
 
 import test_huggingface as hf  # noqa: E402
-from test_huggingface import PLO_KW, Recorder, make_trainer  # noqa: E402
+from test_huggingface import PLO_KW, Recorder, ZeusTrainer, make_trainer  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from zeus_callbacks import sim  # noqa: E402
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor  # noqa: E402
@@ -40,7 +41,7 @@ import torch
 from transformers import TrainerCallback, TrainerState
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer
-from test_huggingface import PLO_KW, make_trainer
+from test_huggingface import PLO_KW, ZeusTrainer, make_trainer
 
 torch.set_num_threads(1)  # the simulator counts CPU time as GPU work
 tmp = Path({tmp!r})
@@ -67,7 +68,8 @@ plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
 make_trainer(tmp, [plo], max_steps=40, save_strategy="steps", save_steps=8).train()
 """
 
-# The resumed run, as a user restarts it: `resume_from_checkpoint=True`. It prints the optimizer's state at
+# The resumed run, as a user restarts it: `resume_from_checkpoint=True`, with the opt-in that skips a
+# cut-short checkpoint (ZeusTrainerMixin). It prints the optimizer's state at
 # its first step (after the checkpoint's state was loaded) and at the end.
 _RESUMED = """
 class Probe(TrainerCallback):
@@ -80,7 +82,9 @@ class Probe(TrainerCallback):
                           "limits": sorted(opt.stats), "power_limit_w": opt.power_limit_w}}
 
 plo, probe = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW), Probe()
-trainer = make_trainer(tmp, [plo, probe], max_steps=40, save_strategy="steps", save_steps=8)
+trainer = make_trainer(
+    tmp, [plo, probe], max_steps=40, save_strategy="steps", save_steps=8, trainer_cls=ZeusTrainer
+)
 trainer.train(resume_from_checkpoint=True)
 result = {{"first": probe.first, "global_step": trainer.state.global_step, "phase": plo.optimizer.phase}}
 os.write(1, ("RESULT " + json.dumps(result) + "\\n").encode())
@@ -191,7 +195,10 @@ def test_corrupted_callback_state_is_refused_for_the_earlier_one(
     plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
     recorder = Recorder(node)
     trainer = make_trainer(
-        tmp_path, [plo, recorder], max_steps=24, restore_callback_states_from_checkpoint=restore_flag
+        tmp_path,
+        [plo, recorder],
+        max_steps=24,
+        restore_callback_states_from_checkpoint=restore_flag,
     )
     with caplog.at_level("WARNING", logger="zeus_callbacks"):
         trainer.train(resume_from_checkpoint=str(newest))
@@ -237,7 +244,7 @@ def test_checkpoint_without_trainer_state_and_none_before_starts_over_saying_so(
         (checkpoint / "trainer_state.json").unlink()
 
     plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
-    trainer = make_trainer(tmp_path, [plo], max_steps=10)
+    trainer = make_trainer(tmp_path, [plo], max_steps=10, trainer_cls=ZeusTrainer)
     with caplog.at_level("WARNING", logger="zeus_callbacks"):
         trainer.train(resume_from_checkpoint=True)
     messages = [
@@ -248,6 +255,34 @@ def test_checkpoint_without_trainer_state_and_none_before_starts_over_saying_so(
     assert len(messages) == 1 and "training starts from the beginning" in messages[0], caplog.text
     assert str(newest) in messages[0]
     assert trainer.state.global_step == 10
+
+
+def test_plain_trainer_resumes_from_exactly_the_checkpoint_named(node, tmp_path, caplog):
+    """Without the opt-in nothing about resumption changes: a complete checkpoint named is the one resumed,
+    and a cut-short newest one is left to transformers (which refuses it), with one line, said when the
+    trainer is built, naming the last complete one to resume from."""
+    older, newest = _two_checkpoints(tmp_path)
+    plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    trainer = make_trainer(tmp_path, [plo], max_steps=12)
+    steps = []
+    trainer.add_callback(
+        type(
+            "First",
+            (TrainerCallback,),
+            {"on_step_begin": lambda s, a, st, c, **k: steps.append(st.global_step)},
+        )()
+    )
+    trainer.train(resume_from_checkpoint=str(older))
+    assert steps[0] == 8 and trainer.state.global_step == 12  # checkpoint-8, although checkpoint-16 is newer
+
+    (newest / "trainer_state.json").unlink()  # killed before it was written
+    plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    with caplog.at_level("WARNING", logger="zeus_callbacks"):
+        trainer = make_trainer(tmp_path, [plo], max_steps=4)  # said when the trainer is built
+        with pytest.raises(OSError):  # transformers' own error: the named checkpoint is what it loads
+            trainer.train(resume_from_checkpoint=str(newest))
+    said = [r.getMessage() for r in caplog.records if str(newest / "trainer_state.json") in r.getMessage()]
+    assert len(said) == 1 and f"resume_from_checkpoint={str(older)!r}" in said[0], caplog.text
 
 
 # Our own file: the `profile_path` profile is written to `<path>.tmp` and renamed over the profile. The first

@@ -1,4 +1,5 @@
-"""An exception that leaves `trainer.train()` but not the process puts the GPU back at once (real Trainer)."""
+"""An exception that leaves `trainer.train()` but not the process puts the GPU back at once, with the opt-in
+(`ZeusTrainerMixin`, `restoring_gpus`; real Trainer); a plain Trainer is not patched."""
 
 from __future__ import annotations
 
@@ -16,7 +17,17 @@ from zeus_callbacks import sim  # noqa: E402
 from zeus_callbacks.core.device.state_guard import guard  # noqa: E402
 from zeus_callbacks.core.heterogeneous.training import RankPlan  # noqa: E402
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor  # noqa: E402
-from zeus_callbacks.huggingface import HeterogeneousTrainer, HFGlobalPowerLimitOptimizer  # noqa: E402
+from zeus_callbacks.huggingface import (  # noqa: E402
+    HeterogeneousTrainer,
+    HFGlobalPowerLimitOptimizer,
+    ZeusTrainerMixin,
+    restoring_gpus,
+)
+
+
+class ZeusTrainer(ZeusTrainerMixin, Trainer):
+    """The opt-in that restores the GPUs the moment `train()` raises."""
+
 
 MAX_W = 300  # the simulated A40's maximum power limit
 PLO_KW = {"wait_steps": 1, "warmup_steps": 1, "profile_steps": 2, "pl_step": 100}
@@ -86,7 +97,7 @@ def assert_restored_now(system: sim.SimulatedSystem) -> None:
 def test_callbacks_given_at_construction(node, tmp_path):
     fail = FailBelow(node)
     plo = HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW)
-    trainer = Trainer(
+    trainer = ZeusTrainer(
         model=Model(node), args=trainer_args(tmp_path), train_dataset=DATA, callbacks=[plo, fail]
     )
     with pytest.raises(RuntimeError, match="callback failed"):
@@ -98,7 +109,7 @@ def test_callbacks_given_at_construction(node, tmp_path):
 def test_callback_added_later_first_call_fails_in_training_step(node, tmp_path):
     model = Model(node)
     model.fail_below_w = MAX_W
-    trainer = Trainer(model=model, args=trainer_args(tmp_path), train_dataset=DATA)
+    trainer = ZeusTrainer(model=model, args=trainer_args(tmp_path), train_dataset=DATA)
     trainer.add_callback(HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW))
     with pytest.raises(RuntimeError, match="forward failed at 200 W"):
         trainer.train()
@@ -106,7 +117,7 @@ def test_callback_added_later_first_call_fails_in_training_step(node, tmp_path):
 
 
 def test_callback_added_later_second_call_fails_anywhere(node, tmp_path):
-    trainer = Trainer(model=Model(node), args=trainer_args(tmp_path, max_steps=4), train_dataset=DATA)
+    trainer = ZeusTrainer(model=Model(node), args=trainer_args(tmp_path, max_steps=4), train_dataset=DATA)
     plo = HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW)
     trainer.add_callback(plo)
     trainer.train()  # too short to leave the maximum limit
@@ -145,9 +156,41 @@ def test_keyboard_interrupt_in_a_notebook_cell(node, tmp_path):
                 raise KeyboardInterrupt
 
     plo = HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW)
-    trainer = Trainer(
+    trainer = ZeusTrainer(
         model=Model(node), args=trainer_args(tmp_path), train_dataset=DATA, callbacks=[plo, Interrupt()]
     )
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
+    assert_restored_now(node)
+
+
+def test_with_guard_on_a_plain_trainer(node, tmp_path):
+    fail = FailBelow(node)
+    trainer = Trainer(
+        model=Model(node),
+        args=trainer_args(tmp_path),
+        train_dataset=DATA,
+        callbacks=[HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW), fail],
+    )
+    with pytest.raises(RuntimeError, match="callback failed"), restoring_gpus(trainer):
+        trainer.train()
+    assert_restored_now(node)
+
+
+def test_a_plain_trainer_without_the_opt_in_is_left_as_transformers_makes_it(node, tmp_path):
+    """No process-wide patch: the GPU stays as the failed run left it until exit (or the opt-in)."""
+    train = Trainer.train
+    fail = FailBelow(node)
+    trainer = Trainer(
+        model=Model(node),
+        args=trainer_args(tmp_path),
+        train_dataset=DATA,
+        callbacks=[HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW), fail],
+    )
+    with pytest.raises(RuntimeError, match="callback failed"):
+        trainer.train()
+    assert Trainer.train is train
+    assert node.gpus[0].power_limit_mw == fail.failed_at_w * 1000 < MAX_W * 1000
+    assert guard().entries  # journaled: exit (or a later restore) puts it back
+    guard().restore()
     assert_restored_now(node)
