@@ -81,6 +81,7 @@ class Prometheus(Server):
 
     def __init__(self, directory: Path, targets: list[str], interval: str = "250ms") -> None:
         directory.mkdir(parents=True, exist_ok=True)
+        self.scraped = list(targets)
         config = directory / "prometheus.yml"
         config.write_text(
             "global:\n"
@@ -115,12 +116,14 @@ class Prometheus(Server):
         return float(result[0]["value"][1])
 
     def wait_for_scrape(self, after: float, timeout_s: float = 60) -> None:
-        """Wait until a scrape of every target began after the wall-clock time `after` (and succeeded)."""
+        """Wait until a scrape of every target began after the wall-clock time `after` (and succeeded).
+
+        Every target: Prometheus may report the first target's `up` before it has discovered the others."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             # `timestamp()` of a plain selector is the sample's (the scrape's) time; of an expression, now.
             samples = self.query('timestamp(up{job="zeus"})')
-            if samples and all(float(s["value"][1]) > after for s in samples):
+            if len(samples) == len(self.scraped) and all(float(s["value"][1]) > after for s in samples):
                 if all(float(s["value"][1]) == 1 for s in self.query('up{job="zeus"}')):
                     return
             time.sleep(0.05)
