@@ -204,6 +204,8 @@ class HFZeusMonitor(_LogsFirst):
             `energy/total_co2eq_g`. Default `$ZEUS_CALLBACKS_CARBON_INTENSITY`, else none.
         price_per_kwh: Price per kWh or a U.S. state (`"US-CA"`): `energy/interval_cost`,
             `energy/total_cost`. Default `$ZEUS_CALLBACKS_ELECTRICITY_PRICE`, else none.
+        report_path: Write the run's HTML report there at train end (`zeus-callbacks report`'s): power over
+            time, energy per step, the run's energy, CO2eq and cost.
 
     Raises:
         TypeError: `monitor` is not a `ZeusMonitor`.
@@ -223,6 +225,7 @@ class HFZeusMonitor(_LogsFirst):
         monitor: ZeusMonitor,
         carbon_intensity: float | str | None = None,
         price_per_kwh: float | str | None = None,
+        report_path: str | Path | None = None,
     ) -> None:
         if not isinstance(monitor, ZeusMonitor):
             raise TypeError(
@@ -230,7 +233,8 @@ class HFZeusMonitor(_LogsFirst):
                 "(`from zeus_callbacks import ZeusMonitor`)."
             )
         self.monitor = monitor
-        self._reporter = EnergyReporter(monitor, rates=Rates.resolve(carbon_intensity, price_per_kwh))
+        rates = Rates.resolve(carbon_intensity, price_per_kwh)
+        self._reporter = EnergyReporter(monitor, rates=rates, report_path=report_path)
         _ENERGY_MONITORS.add(self)
 
     def reports_energy_of(self, monitor: ZeusMonitor) -> bool:
@@ -244,6 +248,20 @@ class HFZeusMonitor(_LogsFirst):
         """`on_train_begin` → `EnergyReporter.start` (the run and the first interval begin)."""
         super().on_train_begin(args, state, control, **kwargs)
         self._reporter.start()
+
+    @override
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_step_begin` → `EnergyReporter.step_begin` (the report's energy per step)."""
+        self._reporter.step_begin()
+
+    @override
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_step_end` → `EnergyReporter.step_end`."""
+        self._reporter.step_end()
 
     @override
     def on_log(
@@ -303,6 +321,8 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         pl_step: Stride between profiled power limits (W).
         profile_path: JSON profile: loaded if it exists, written (by rank 0) as profiling goes.
         search: "adaptive" (default) or "sweep" (every limit, as Zeus).
+        report_path: Write the run's HTML report there at train end, the power-limit profile and the
+            choice included (`zeus-callbacks report`'s).
 
     Raises:
         ValueError: a bad argument; the message names it.
@@ -332,6 +352,7 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         pl_step: int = 25,
         profile_path: str | Path | None = None,
         search: str = "adaptive",
+        report_path: str | Path | None = None,
     ) -> None:
         self._training = False
         self._checkpoint: Path | None = None  # the checkpoint `train()` resumes from (ZeusTrainerMixin)
@@ -364,7 +385,7 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
             profile_path=profile_path,
             search=search,
         )
-        self._reporter = EnergyReporter.for_power_limit_optimizer(monitor)
+        self._reporter = EnergyReporter.for_power_limit_optimizer(monitor, report_path=report_path)
         self._built[:] = [ref for ref in self._built if ref() is not None] + [weakref.ref(self)]
 
     # -- checkpoints (transformers' ExportableState) -----------------------------------------------
@@ -448,14 +469,17 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_step_begin` → `GlobalPowerLimitOptimizer.on_step_begin`."""
+        """`on_step_begin` → `GlobalPowerLimitOptimizer.on_step_begin` (and the report's step)."""
         self.optimizer.on_step_begin()
+        self._reporter.step_begin()
 
     @override
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_step_end` (after the optimizer step) → `GlobalPowerLimitOptimizer.on_step_end`."""
+        """`on_step_end` (after the optimizer step) → `GlobalPowerLimitOptimizer.on_step_end` (and the
+        report's step)."""
+        self._reporter.step_end()
         self.optimizer.on_step_end()
 
     @override
@@ -481,7 +505,8 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         `power_limit_optimizer/`."""
         metrics = power_limit_metrics(self.optimizer.metrics())
         if logs is not None and "train_runtime" in logs:
-            _log(state, logs, {**metrics, **run_summary(self.optimizer.report(), self._reporter.stop())})
+            totals = self._reporter.stop((self.optimizer,))
+            _log(state, logs, {**metrics, **run_summary(self.optimizer.report(), totals)})
             return
         interval = self._reporter.interval()
         if any(m.reports_energy_of(self.optimizer.monitor) for m in _ENERGY_MONITORS):
@@ -493,13 +518,15 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """`on_train_end` → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs get their settings back)."""
-        self._reporter.stop()
+        self._reporter.stop((self.optimizer,))
         self.optimizer.on_train_end()
         self._training, self._checkpoint = False, None
 
     @override
     def _train_failed(self) -> None:
-        """`trainer.train()` raised → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs' settings back)."""
+        """`trainer.train()` raised → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs' settings back) and
+        `EnergyReporter.cancel` (its windows closed, the report marked failed)."""
+        self._reporter.cancel()
         self.optimizer.on_train_end()
         self._training, self._checkpoint = False, None
 

@@ -467,3 +467,17 @@ def test_plain_trainer_is_not_patched_and_its_trackers_ahead_get_no_metrics(node
     assert any("energy/interval_j" in e for e in trainer.state.log_history)
     said = [r.getMessage() for r in caplog.records if "ZeusTrainerMixin" in r.getMessage()]
     assert len(said) == 1 and "tensorboard" in said[0], caplog.text
+
+
+def test_report_path_writes_the_run_report_with_the_profile(node, tmp_path):
+    from zeus_callbacks.core.report import load_run, run_dir_for
+
+    report = tmp_path / "run.html"
+    plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW, report_path=report)
+    make_trainer(tmp_path, [plo], max_steps=30).train()
+    assert plo.optimizer.phase == "done"
+    (record,) = load_run(run_dir_for(report))
+    assert len(record.steps) >= 20 and record.finished and record.simulated
+    assert record.power_limit is not None and record.power_limit.optimal_power_limit_w == plo.optimizer.optimal_power_limit_w
+    html = report.read_text()
+    assert "SIMULATED" in html and "<svg" in html

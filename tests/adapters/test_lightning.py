@@ -223,6 +223,18 @@ def test_energy_monitor_logs_co2eq_and_cost(gpu0: ZeusMonitor, tmp_path: Path, b
     assert cost == pytest.approx(total / 3.6e6 * 0.1)
 
 
+def test_energy_monitor_report_path_writes_the_run_report(gpu0: ZeusMonitor, tmp_path: Path, burn_cpu) -> None:
+    from zeus_callbacks.core.report import load_run, run_dir_for
+
+    flavour = Flavour("lightning.pytorch", "zeus_callbacks.lightning")
+    report = tmp_path / "run.html"
+    energy = flavour.zeus.LightningZeusMonitor(gpu0, report_path=report)
+    flavour.trainer(tmp_path, [energy], max_steps=12).fit(flavour.module(burn_cpu), _data())
+    (record,) = load_run(run_dir_for(report))
+    assert len(record.steps) == 12 and record.finished
+    assert "SIMULATED" in report.read_text()
+
+
 def test_energy_monitor_step_interval_follows_log_every_n_steps(
     gpu0: ZeusMonitor, tmp_path: Path, burn_cpu
 ) -> None:

@@ -84,6 +84,7 @@ class ZeusMonitorHooks(CallbackHooks):
             once per training epoch.
         carbon_intensity, price_per_kwh: As `HFZeusMonitor`'s: CO2eq and cost figures beside the energy
             (same names), from a number or a region; default the environment's, else none.
+        report_path: Write the run's HTML report there at train end (`zeus-callbacks report`'s).
 
     Raises:
         ValueError: If `logging_interval` is neither `"step"` nor `"epoch"`.
@@ -106,6 +107,7 @@ class ZeusMonitorHooks(CallbackHooks):
         logging_interval: str = "step",
         carbon_intensity: float | str | None = None,
         price_per_kwh: float | str | None = None,
+        report_path: str | Path | None = None,
     ) -> None:
         super().__init__()
         if logging_interval not in ("step", "epoch"):
@@ -115,7 +117,8 @@ class ZeusMonitorHooks(CallbackHooks):
             )
         self.monitor = monitor
         self.logging_interval = logging_interval
-        self._reporter = EnergyReporter(monitor, rates=Rates.resolve(carbon_intensity, price_per_kwh))
+        rates = Rates.resolve(carbon_intensity, price_per_kwh)
+        self._reporter = EnergyReporter(monitor, rates=rates, report_path=report_path)
         self._steps = OptimizerSteps()
 
     def total_energy_j(self) -> float:
@@ -134,12 +137,15 @@ class ZeusMonitorHooks(CallbackHooks):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         """Notes where an optimizer step begins (for step intervals under gradient accumulation)."""
-        self._steps.begin(trainer.global_step)
+        if self._steps.begin(trainer.global_step):
+            self._reporter.step_begin()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         """Drives `EnergyReporter.interval` after an optimizer step that is a logging step."""
         stepped = self._steps.end(trainer.global_step)
+        if stepped:
+            self._reporter.step_end()
         if stepped and self.logging_interval == "step" and _is_logging_step(trainer):
             _log_metrics(trainer, self._reporter.interval())
 

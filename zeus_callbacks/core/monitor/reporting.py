@@ -148,12 +148,23 @@ class EnergyReporter:
         prefix: Prefix of the names; `ENERGY_PREFIX` by default. `for_power_limit_optimizer` gives the
             figures the power-limit optimizer's adapters log.
         rates: What a kWh emits and costs; default `Rates.resolve()` (the environment's, or none).
+        report_path: Write the run's HTML report there at `stop` (`zeus-callbacks report`'s; its record in
+            `<stem>.run/`), with the power timeline, energy per step (`step_begin` / `step_end`) and, given
+            to `stop`, the optimizers' profiles.
     """
 
-    def __init__(self, monitor: ZeusMonitor, prefix: str = ENERGY_PREFIX, rates: Rates | None = None) -> None:
+    def __init__(
+        self,
+        monitor: ZeusMonitor,
+        prefix: str = ENERGY_PREFIX,
+        rates: Rates | None = None,
+        report_path: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.monitor = monitor
         self.prefix = prefix
         self.rates = rates if rates is not None else Rates.resolve()
+        self.report_path = report_path
+        self._recorder: Any = None
         self.total_energy_j = 0.0
         self.total_time_s = 0.0
         self._running = False
@@ -162,9 +173,11 @@ class EnergyReporter:
         self._total_window = f"__zeus_callbacks_run_total_{n}"
 
     @classmethod
-    def for_power_limit_optimizer(cls, monitor: ZeusMonitor, rates: Rates | None = None) -> EnergyReporter:
+    def for_power_limit_optimizer(
+        cls, monitor: ZeusMonitor, rates: Rates | None = None, report_path: str | os.PathLike[str] | None = None
+    ) -> EnergyReporter:
         """The reporter whose names sit with the optimizer's (`power_limit_optimizer/energy_interval_j`)."""
-        return cls(monitor, prefix=f"{POWER_LIMIT_PREFIX}energy_", rates=rates)
+        return cls(monitor, prefix=f"{POWER_LIMIT_PREFIX}energy_", rates=rates, report_path=report_path)
 
     @property
     def running(self) -> bool:
@@ -178,6 +191,31 @@ class EnergyReporter:
         self.monitor.begin_window(self._total_window)
         self.monitor.begin_window(self._interval_window, sync_execution=False)
         self._running = True
+        if self.report_path is not None and self._recorder is None:
+            from zeus_callbacks.core.report import start_report
+
+            self._recorder = start_report(
+                self.report_path,
+                self.monitor,
+                carbon_intensity_gco2_per_kwh=self.rates.carbon_g_per_kwh,
+                price_per_kwh=self.rates.price_per_kwh,
+                carbon_intensity_source=self.rates.describe or None,
+            )
+
+    def step_begin(self) -> None:
+        """A training step begins (the report's energy per step)."""
+        if self._recorder is not None:
+            self._recorder.on_step_begin()
+
+    def step_end(self) -> None:
+        """A training step ended."""
+        if self._recorder is not None:
+            self._recorder.on_step_end()
+
+    def _finish_report(self, optimizers: tuple[Any, ...] = (), failed: str | None = None) -> None:
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.finish(optimizers=optimizers, failed=failed)
 
     def interval(self) -> dict[str, float]:
         """Close the current interval, open the next, and return its figures (at each log event)."""
@@ -218,11 +256,14 @@ class EnergyReporter:
         for window in (self._interval_window, self._total_window):
             if window in self.monitor.open_windows:
                 self.monitor.end_window(window, sync_execution=False, cancel=True)
+        self._finish_report(failed="training failed")
 
-    def stop(self) -> dict[str, float]:
-        """Close both windows and return the run's totals (at train end)."""
+    def stop(self, optimizers: tuple[Any, ...] = ()) -> dict[str, float]:
+        """Close both windows and return the run's totals (at train end); write the report, with
+        `optimizers`' profiles (their cores: `GlobalPowerLimitOptimizer`, `PipelineFrequencyOptimizer`)."""
         if not self._running:
             return {}
+        self._finish_report(optimizers)
         self.monitor.end_window(self._interval_window, sync_execution=False, cancel=True)
         self._running = False
         try:
