@@ -104,6 +104,7 @@ def test_callbacks_given_at_construction(node, tmp_path):
         trainer.train()
     assert fail.failed_at_w == 200
     assert_restored_now(node)
+    assert plo.optimizer.monitor.open_windows == []  # the energy reporter's windows are closed too
 
 
 def test_callback_added_later_first_call_fails_in_training_step(node, tmp_path):
