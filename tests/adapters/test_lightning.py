@@ -178,7 +178,11 @@ def test_optimizer_chooses_applies_and_restores(
     run_j = _column(rows, "power_limit_optimizer/run_energy_j")
     assert len(run_j) == 1 and run_j[0] > _column(rows, "power_limit_optimizer/profiling_energy_j")[-1]
     assert _column(rows, "power_limit_optimizer/simulated")[-1] == 1.0
-    assert len(_column(rows, "power_limit_optimizer/energy_saved_pct")) == 1
+    # The saving against the maximum limit is logged once when the optimizer could measure it: host load can
+    # set aside every sample of the maximum limit on a toy step (issue 21: a loaded full-suite run did), and
+    # then there is nothing to compare with. What holds on any machine: the log says what the report says.
+    saved = plo.optimizer.report().get("energy_saved_pct")
+    assert _column(rows, "power_limit_optimizer/energy_saved_pct") == ([] if saved is None else [pytest.approx(saved)])
 
 
 def test_gradient_accumulation_profiles_optimizer_steps(gpu0: ZeusMonitor, tmp_path: Path, burn_cpu) -> None:
