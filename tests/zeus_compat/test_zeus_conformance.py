@@ -145,9 +145,11 @@ def test_callback_set_drives_every_hook():
 def test_hf_optimizer_has_the_core_signature():
     from zeus_callbacks import HFGlobalPowerLimitOptimizer
 
-    assert inspect.signature(GlobalPowerLimitOptimizer.__init__) == inspect.signature(
-        HFGlobalPowerLimitOptimizer.__init__
-    )
+    core = list(inspect.signature(GlobalPowerLimitOptimizer.__init__).parameters.values())
+    hf = list(inspect.signature(HFGlobalPowerLimitOptimizer.__init__).parameters.values())
+    # The core's (Zeus's) arguments, in order; then the adapter's own option (the run report), defaulted.
+    assert hf[: len(core)] == core
+    assert [(p.name, p.default) for p in hf[len(core) :]] == [("report_path", None)]
 
 
 # -- selectors ---------------------------------------------------------------------------------------
