@@ -54,7 +54,7 @@ class TemperatureMonitor:
 
         monitor = TemperatureMonitor(gpu_indices=[0], update_period=0.5)
         train()
-        print(monitor.get_temperature_timeline()[0])
+        timeline = monitor.get_temperature_timeline()[0]  # [(time, degrees C), ...]
         monitor.stop()
     """
 
