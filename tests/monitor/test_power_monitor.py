@@ -5,15 +5,21 @@ busy polling, clean stops and clear errors."""
 from __future__ import annotations
 
 import gc
+import logging
+import os
+import signal
+import sys
 import threading
 import time
 
 import pytest
 
 from zeus_callbacks import PowerDomain, PowerMonitor
+from zeus_callbacks import sim as zeus_sim
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.monitor import power as power_module
+from zeus_callbacks.core.monitor import power_readings, sampling_process
 from zeus_callbacks.core.monitor.timeline import Series, integrate
 from zeus_callbacks.sim import fake_nvml
 
@@ -151,7 +157,7 @@ def test_the_inferred_period_sleeps_and_is_never_zero(sim_gpus) -> None:
     monitor = PowerMonitor()
     assert monitor.update_period == pytest.approx(0.05, rel=0.2)
     sim_gpus("v100")
-    power_module._refresh_s.clear()
+    power_readings._refresh_s.clear()
     fast = PowerMonitor()
     assert power_module.MIN_UPDATE_PERIOD_S <= fast.update_period <= 0.011
     monitor.stop()
@@ -180,7 +186,7 @@ def test_the_background_thread_reads_nvml_at_most_once_per_period(sim_gpus, monk
         calls.append(time.monotonic())
         return real(handle, fields)
 
-    monitor = PowerMonitor(update_period=0.05)
+    monitor = PowerMonitor(update_period=0.05, sampling="thread")
     monkeypatch.setattr(fake_nvml, "nvmlDeviceGetFieldValues", counted)
     start = time.monotonic()
     time.sleep(1.0)
@@ -196,11 +202,11 @@ def test_the_background_thread_reads_nvml_at_most_once_per_period(sim_gpus, monk
 
 def test_stop_is_idempotent_and_a_dropped_monitor_stops_its_thread(sim_gpus) -> None:
     sim_gpus("a40")
-    monitor = PowerMonitor(update_period=0.02)
+    monitor = PowerMonitor(update_period=0.02, sampling="thread")
     monitor.stop()
     monitor.stop()
     before = {t for t in threading.enumerate() if t.name == "zeus-callbacks-power-monitor"}
-    dropped = PowerMonitor(update_period=0.02)
+    dropped = PowerMonitor(update_period=0.02, sampling="thread")
     (thread,) = {t for t in threading.enumerate() if t.name == "zeus-callbacks-power-monitor"} - before
     del dropped
     gc.collect()
@@ -247,3 +253,114 @@ def test_get_energy_refuses_times_out_of_order(sim_gpus) -> None:
     with pytest.raises(InvalidInputError, match="end_time is before start_time"):
         monitor.get_energy(10.0, 5.0)
     assert monitor.get_energy(0.0, 1.0) == {0: 0.0}  # no reading in that window: nothing counted
+
+
+# -- the sampling process (the default where another process reaches the GPUs) --------------------------
+def _gone(pid: int, within_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # our own child: reap it, else it lingers as a zombie that kill(0) still finds
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def test_another_process_samples_the_power_of_the_work_this_process_runs(sim_gpus) -> None:
+    """The child reads the node this process works on: GPU 0, given twice GPU 1's work, drew more energy
+    than GPU 1, which drew more than idling, and no thread of this process samples."""
+    sim_gpus("2*a40")
+    gpus = get_gpus()
+    monitor = PowerMonitor(update_period=0.05)
+    assert monitor.sampling == "process"
+    assert not any(t.name == "zeus-callbacks-power-monitor" for t in threading.enumerate())
+    start = time.time()
+    for _ in range(10):
+        zeus_sim.enqueue_work(0, 0.1)
+        zeus_sim.enqueue_work(1, 0.05)
+        for g in gpus:
+            g.backend.synchronize(g.index, g.handle)
+    end = time.time()
+    energy = monitor.get_energy(start, end)
+    monitor.stop()
+    idle_j = gpus[0].backend.gpu(gpus[0].handle).spec.idle_power_w * (end - start)
+    assert energy is not None and energy[0] > energy[1] > idle_j
+
+
+def test_the_sampling_process_ends_with_the_monitor_when_dropped_and_when_its_parent_dies(
+    sim_gpus, run_python
+) -> None:
+    sim_gpus("a40")
+    monitor = PowerMonitor(update_period=0.05)
+    pid = monitor._process.pid
+    monitor.stop()
+    monitor.stop()
+    assert _gone(pid)
+    assert monitor.get_power() is not None  # what was read stays
+    dropped = PowerMonitor(update_period=0.05)
+    pid = dropped._process.pid
+    del dropped
+    gc.collect()
+    assert _gone(pid)
+    # A parent killed hard (SIGKILL: no finalizer runs) closes the child's stdin, and the child exits.
+    code = (
+        "import os, signal, sys\n"
+        "from zeus_callbacks import PowerMonitor\n"
+        "m = PowerMonitor(update_period=0.05)\n"
+        "print(m._process.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    result = run_python(code)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert _gone(int(result.stdout.split()[0]))
+
+
+def test_a_gpu_the_sampling_process_loses_ends_its_timeline(sim_gpus) -> None:
+    """The child counts its own NVML calls: GPU 1 is lost after 40 of them, GPU 0 goes on."""
+    sim_gpus("2*a40", faults="lost_after=40@1")
+    monitor = PowerMonitor(update_period=0.02)
+    deadline = time.monotonic() + 60
+    while 1 not in monitor.failed_gpus and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "GPU 1" in monitor.failed_gpus[1]
+    assert 0 not in monitor.failed_gpus
+    monitor.stop()
+
+
+def test_a_sampling_process_that_cannot_start_or_dies_leaves_a_thread_or_the_readings_so_far(
+    sim_gpus, monkeypatch, caplog
+) -> None:
+    sim_gpus("a40")
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING):
+        patch.setattr(sampling_process, "COMMAND", [sys.executable, "-c", "import sys; sys.exit(3)"])
+        fallback = PowerMonitor(update_period=0.05)
+    assert fallback.sampling == "thread"
+    assert "ended (exit status 3); sampling in a thread of this process instead" in caplog.text
+    fallback.stop()
+    monitor = PowerMonitor(update_period=0.05)
+    before = monitor.get_power_timeline("device_instant")[0]
+    os.kill(monitor._process.pid, signal.SIGKILL)
+    assert _gone(monitor._process.pid)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        after = monitor.get_power_timeline("device_instant")[0]
+        monitor.get_power()
+    assert after[: len(before)] == before
+    assert caplog.text.count("the timelines end at its last readings") == 1
+    monitor.stop()
+
+
+def test_a_node_no_other_process_can_reach_is_sampled_in_a_thread(sim_gpus) -> None:
+    for kept_in_memory in ({"virtual_clock": True}, {"state_dir": "", "export_env": False}):
+        sim_gpus("a40", **kept_in_memory)
+        monitor = PowerMonitor(update_period=0.05)
+        assert monitor.sampling == "thread"
+        monitor.stop()
+    with pytest.raises(InvalidInputError, match="expected 'process'"):
+        PowerMonitor(update_period=0.05, sampling="spawn")

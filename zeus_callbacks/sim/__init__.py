@@ -73,6 +73,7 @@ __all__ = [
     "simulate",
     "active",
     "simulated_gpu",
+    "exported",
     "enqueue_work",
     "enqueue_if_simulated",
     "work_seconds",
@@ -173,6 +174,17 @@ def active() -> SimulatedSystem | None:
     if system is not None:
         nvml_library.ensure(system)  # the node answers beneath pynvml
     return system
+
+
+def exported(system: SimulatedSystem) -> bool:
+    """Whether a process started now, with this environment, would simulate `system`'s node (same spec,
+    state directory and faults)."""
+    env = os.environ
+    return (
+        env.get(SIMULATE_ENV) == system.spec
+        and (env.get(_STATE_ENV) or None) == (system.state_dir or None)
+        and env.get(_FAULTS_ENV, "") == system.faults
+    )
 
 
 def simulated_gpu(handle: Any) -> SimulatedGPU:

@@ -186,6 +186,12 @@ class NVMLBackend:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(nvml={self.nvml.__name__!r})"
 
+    @property
+    def reachable_from_other_processes(self) -> bool:
+        """Whether a process this one starts (with its environment) reads the same GPUs: always, for a
+        driver; a simulation only where its state is shared and exported."""
+        return True
+
     def synchronize(self, index: int, handle: Any) -> None:
         """Wait for the work queued on GPU `index` (framework numbering; `handle` is its NVML handle)."""
         import torch
