@@ -156,7 +156,8 @@ def test_the_inferred_period_sleeps_and_is_never_zero(sim_gpus) -> None:
     sim_gpus("a40")
     monitor = PowerMonitor()
     assert monitor.update_period == pytest.approx(0.05, rel=0.2)
-    sim_gpus("v100")
+    system = sim_gpus("v100")
+    system.gpus[0].synchronize()  # a GPU in use: its readings move (an idle simulated one reads constant)
     power_readings._refresh_s.clear()
     fast = PowerMonitor()
     assert power_module.MIN_UPDATE_PERIOD_S <= fast.update_period <= 0.011

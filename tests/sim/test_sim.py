@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -295,6 +298,43 @@ def test_state_outlives_the_process(sim_gpus, run_python, burn_cpu):
     # A new system object for the same spec (another process's view) sees the same state.
     again = SimulatedSystem("2*a40", state_dir=system.state_dir)
     assert again.gpus[1].power_limit_mw == 175_000
+
+
+def test_another_process_sees_the_work_in_progress_of_the_last_process_that_synchronised(sim_gpus, run_python):
+    """A sampler in another process (PowerMonitor's) reads the power of work not synchronised yet: the
+    worker's CPU time since its last synchronisation, read from /proc. Before the worker's first
+    synchronisation, and once it has exited, the GPU reads idle (the reader, which never issued work,
+    adds none of its own)."""
+    system = sim_gpus("a40")
+    gpu = system.gpus[0]
+    idle_mw = gpu.spec.idle_power_w * 1000
+    reader = (
+        "from zeus_callbacks import sim\n"
+        "import pynvml as nvml\n"
+        "sim.active(); nvml.nvmlInit()\n"
+        "print(nvml.nvmlDeviceGetPowerUsage(nvml.nvmlDeviceGetHandleByIndex(0)))\n"
+    )
+    worker = (
+        "import sys, time\n"
+        "from zeus_callbacks import sim\n"
+        "import pynvml as nvml\n"
+        "sim.active(); nvml.nvmlInit()\n"
+        "gpu = sim.simulated_gpu(nvml.nvmlDeviceGetHandleByIndex(0))\n"
+        "gpu.synchronize()\n"
+        "print('synced', flush=True)\n"
+        "while True: pass\n"  # host work issued to the GPU, never synchronised
+    )
+    # nvmlDeviceGetPowerUsage on an A40 is the 1-second average: idle, to its float rounding
+    assert abs(int(run_python(reader).stdout) - idle_mw) <= 2
+    proc = subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "synced\n"
+        time.sleep(0.3)  # a tick of /proc's CPU time at least
+        assert int(run_python(reader).stdout) > idle_mw
+    finally:
+        proc.kill()
+        proc.wait()
+    assert abs(int(run_python(reader).stdout) - idle_mw) <= 2  # a worker that is gone works no more
 
 
 def test_state_is_per_spec_and_per_directory(sim_gpus, tmp_path):

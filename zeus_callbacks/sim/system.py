@@ -59,6 +59,9 @@ _FIELDS = (
     "mem_locked",
     "last_power_w",
     "last_power_at",
+    "worker_pid",  # the process that last synchronised the GPU, its CPU time then (s), and when
+    "worker_cpu_s",
+    "worker_sync_at",
     *(f"ring{i}_{part}" for i in range(_RING_SLOTS) for part in ("tick", "mj")),
 )
 _IDX = {name: i for i, name in enumerate(_FIELDS)}
@@ -81,6 +84,28 @@ _DEFERRED_SIGNALS = {
     signal.SIGUSR2,
     signal.SIGALRM,
 }
+
+
+def _busy_power_w(idle_w: float, busy_w: float, cpu_s: float, span_s: float) -> float:
+    """Power of a GPU fed by a host that spent `cpu_s` of CPU over `span_s` since its last synchronisation:
+    busy power in that proportion. Right after a synchronisation the ratio of two tiny spans is noise: it
+    is averaged over >= 10 ms."""
+    busy = min(max(0.0, cpu_s), max(0.0, span_s))
+    return idle_w + (busy_w - idle_w) * busy / max(span_s, 0.01)
+
+
+def _process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (/proc/PID/stat, fields 14 and 15 of proc(5)); None when
+    it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class _HostWait:
@@ -287,6 +312,7 @@ class SimulatedGPU:
         self._op = (1.0, trace.power(trace.max_power_limit_w))
         self._last_sync = self.now()
         self._last_cpu = time.process_time()
+        self._issued_work = False  # a process that never synchronised nor queued work is a reader only
         self._busy_until = 0.0
         self._mutex = threading.Lock()
 
@@ -462,9 +488,11 @@ class SimulatedGPU:
     def power_mw(self) -> float:
         """Instantaneous power draw (mW).
 
-        The higher of this process's work queued on the GPU (busy power in proportion to the host CPU
-        time since the last synchronisation; full busy power while a synchronisation catches up) and
-        another process's recent work on it (the average power of its last interval); else idle power.
+        The highest of this process's work queued on the GPU (busy power in proportion to the host CPU
+        time since the last synchronisation; full busy power while a synchronisation catches up), another
+        process's recent work on it (the average power of its last interval), and the work in progress of
+        the process that synchronised it last (the same proportion, from that process's CPU time in
+        /proc), as a sampler in another process sees it; else idle power.
         """
         st = self._state
         now = self.now()
@@ -481,10 +509,17 @@ class SimulatedGPU:
         _, busy_power = self.operating_point()
         if now < self._busy_until or self._queued_s > 0:  # catching up, or kernels queued and running
             return busy_power * 1000
-        span = now - self._last_sync
-        busy = min(max(0.0, time.process_time() - self._last_cpu), span)
-        # Right after a synchronisation the ratio of two tiny spans is noise: average over >= 10 ms.
-        local = idle + (busy_power - idle) * busy / max(span, 0.01)
+        local = (
+            _busy_power_w(idle, busy_power, time.process_time() - self._last_cpu, now - self._last_sync)
+            if self._issued_work
+            else idle
+        )
+        worker = int(st.get("worker_pid"))
+        if worker and worker != os.getpid():
+            cpu = _process_cpu_s(worker)
+            if cpu is not None:
+                since = now - st.get("worker_sync_at")
+                shared = max(shared, _busy_power_w(idle, busy_power, cpu - st.get("worker_cpu_s"), since))
         return max(local, shared) * 1000
 
     def _add(self, start: float, end: float, energy_j: float) -> None:
@@ -566,6 +601,7 @@ class SimulatedGPU:
         if self.virtual:
             return
         with self._mutex:
+            self._issued_work = True
             start = self._last_sync
             now = time.time()
             cpu = time.process_time()
@@ -586,6 +622,10 @@ class SimulatedGPU:
             self._add(start, end, busy_span * power + idle_span * self.spec.idle_power_w)
             self._last_sync = end
             self._last_cpu = time.process_time()
+            st = self._state
+            st.set("worker_pid", os.getpid())
+            st.set("worker_cpu_s", _process_cpu_s(os.getpid()) or 0.0)  # as another process reads it
+            st.set("worker_sync_at", end)
 
     def _wait(self, seconds: float) -> None:
         """Wait for the GPU; like CUDA's synchronisation, in native code that defers Python signal handlers."""
@@ -604,6 +644,7 @@ class SimulatedGPU:
         if work_s < 0:
             raise ValueError(f"Simulated work must be >= 0 s, got {work_s!r}.")
         with self._mutex:
+            self._issued_work = True
             self._queued_s += work_s
 
     def busy_time(self, work_s: float) -> tuple[float, float]:
