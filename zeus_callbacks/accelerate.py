@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING, Any
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.heterogeneous.training import RankPlan, uneven_dataloader, unshard_dataloader
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.monitor.reporting import EnergyReporter, power_limit_metrics, run_summary
-from zeus_callbacks.core.monitor.steps import OptimizerSteps
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
+from zeus_callbacks.core.power_limit.session import PowerLimitOptions, PowerLimitSession
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
@@ -75,14 +74,17 @@ class PowerLimitOptimizerHelper:
     """Find the best GPU power limit in an Accelerate loop with three calls: a `with` around training,
     `step()` around each batch, `epoch_end()` after each epoch.
 
-    Which loop event drives which core call: entering `step()` at the first micro-batch of an optimizer
-    step → `on_step_begin`; leaving it at the micro-batch where `accelerator.sync_gradients` (the one
-    whose backward pass feeds the optimizer step under `accelerator.accumulate`) → `on_step_end`;
-    `epoch_end()` → `on_epoch_end`; leaving the `with` block, normally or by an exception →
-    `on_train_end`, which restores the GPU's settings. Without an accelerator every `step()` is a step.
+    A thin adapter of a `PowerLimitSession` (the adapter contract, in `zeus_callbacks.core.power_limit.session`).
+    Which loop event drives which call: entering the `with` block → `start`; entering `step()` →
+    `step_begin`; leaving it → `step_end` at the micro-batch where `accelerator.sync_gradients` (the one
+    whose backward pass feeds the optimizer step under `accelerator.accumulate`); `epoch_end()` →
+    `epoch_end`; leaving the `with` block normally → `summary` (logged), then `end`, which restores the
+    GPU's settings; by an exception → `fail`. Without an accelerator every `step()` is a step. The session
+    is registered for the accelerator's checkpoints (`save_state` / `load_state`): a resumed run applies the
+    chosen limit without profiling again, and a corrupted state is refused with one warning.
 
     The helper logs to the accelerator's trackers itself (`accelerator.log`, numbers only, the names of
-    `zeus_callbacks.core.monitor.reporting` as for HF and Lightning): the optimizer's figures every
+    `zeus_callbacks.core.monitor.reporting` as for HF and Lightning): `interval_metrics` every
     `log_every_n_steps` optimizer steps, and on leaving the `with` block the run's totals (`run_summary`:
     energy, time, average power, profiling cost, the choice and its saving against the maximum limit).
 
@@ -91,7 +93,8 @@ class PowerLimitOptimizerHelper:
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
         log_every_n_steps: Optimizer steps between two logs of the optimizer's figures (0: only the
             summary).
-        **kwargs: `GlobalPowerLimitOptimizer`'s other arguments.
+        **kwargs: The optimizer's other options (`PowerLimitOptions`: `wait_steps`, ..., `search`,
+            `report_path`).
 
     Raises:
         ValueError: A bad argument; the message names it.
@@ -124,47 +127,45 @@ class PowerLimitOptimizerHelper:
                 f"`PowerLimitOptimizerHelper(log_every_n_steps={log_every_n_steps!r})`: must be >= 0."
             )
         self._accelerator = accelerator
-        self._optimizer = prepare_power_limit_optimizer(accelerator, optimum_selector, **kwargs)
-        self._steps = OptimizerSteps()
+        monitor = ZeusMonitor(gpu_indices=[local_gpu_index(accelerator)])
+        options = PowerLimitOptions(optimum_selector, **kwargs)
+        self._session = PowerLimitSession(type(self).__name__, monitor, options)
+        if accelerator is not None:
+            accelerator.register_for_checkpointing(self._session)
         self._log_every = log_every_n_steps
         self._done_steps = 0
-        self._reporter = EnergyReporter.for_power_limit_optimizer(self._optimizer.monitor)
 
     @property
     def optimizer(self) -> GlobalPowerLimitOptimizer:
         """The core optimizer: `phase`, `optimal_power_limit_w`, `metrics()`, `report()`."""
-        return self._optimizer
+        return self._session.optimizer
 
     @contextmanager
     def step(self) -> Iterator[None]:
         """Wrap one batch (micro-batch under gradient accumulation) of training."""
-        if self._steps.begin():
-            self._optimizer.on_step_begin()
+        self._session.step_begin()
         yield
         synced = self._accelerator is None or self._accelerator.sync_gradients
-        if synced and self._steps.end():
-            self._optimizer.on_step_end()
+        if synced and self._session.step_end():
             self._done_steps += 1
             if self._log_every and self._done_steps % self._log_every == 0:
-                self._log(power_limit_metrics(self._optimizer.metrics()))
+                self._log(self._session.interval_metrics())
 
     def epoch_end(self) -> None:
         """Mark the end of an epoch."""
-        self._optimizer.on_epoch_end()
+        self._session.epoch_end()
 
     def __enter__(self) -> PowerLimitOptimizerHelper:
-        self._reporter.start()
+        self._session.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         if exc_info[0] is not None:  # this rank failed: no collective, no summary
-            self._reporter.cancel()
-            self._optimizer.on_train_end()
+            self._session.fail()
             return
-        totals = self._reporter.stop()
-        report = self._optimizer.report()
-        self._optimizer.on_train_end()
-        self._log({**power_limit_metrics(self._optimizer.metrics()), **run_summary(report, totals)})
+        summary = self._session.summary()
+        self._session.end()
+        self._log(summary)
 
     def _log(self, values: dict[str, float]) -> None:
         if self._accelerator is not None:

@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from typing_extensions import override
 
-from zeus_callbacks.core.arguments import require_monitor
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.heterogeneous.training import (
     RankPlan,
@@ -40,13 +39,12 @@ from zeus_callbacks.core.monitor.reporting import (
     EnergyReporter,
     Rates,
     pipeline_frequency_metrics,
-    power_limit_metrics,
-    run_summary,
 )
 from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
+from zeus_callbacks.core.power_limit.session import PowerLimitOptions, PowerLimitSession
 from zeus_callbacks.huggingface_checkpoints import (
     TRAINER_STATE_NAME,
     checkpoint_state,
@@ -188,9 +186,6 @@ class ZeusTrainerMixin:
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
 
-_ENERGY_MONITORS: weakref.WeakSet[HFZeusMonitor] = weakref.WeakSet()
-
-
 class HFZeusMonitor(_LogsFirst):
     """Report the GPUs' energy to the trainer's loggers (`report_to`) and `state.log_history`.
 
@@ -235,11 +230,6 @@ class HFZeusMonitor(_LogsFirst):
         self.monitor = monitor
         rates = Rates.resolve(carbon_intensity, price_per_kwh)
         self._reporter = EnergyReporter(monitor, rates=rates, report_path=report_path)
-        _ENERGY_MONITORS.add(self)
-
-    def reports_energy_of(self, monitor: ZeusMonitor) -> bool:
-        """Whether this callback is reporting `monitor`'s energy in a training run now."""
-        return self.monitor is monitor and self._reporter.running
 
     @override
     def on_train_begin(
@@ -295,9 +285,11 @@ def _saved_state(state: TrainerState, name: str) -> Any:
 class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableState):
     """Find the best GPU power limit during training and keep it (Zeus's `HFGlobalPowerLimitOptimizer`).
 
-    Drives `zeus_callbacks.GlobalPowerLimitOptimizer` (see it for the method and the arguments) from the
-    trainer's steps: `on_step_begin`/`on_step_end`/`on_epoch_end` → the optimizer's hooks of the same
-    names, `on_train_end` → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs get their settings back).
+    Drives a `PowerLimitSession` (the adapter contract, in `zeus_callbacks.core.power_limit.session`) of
+    `zeus_callbacks.GlobalPowerLimitOptimizer` (see it for the method) from the trainer's steps:
+    `on_train_begin` → `start`, `on_step_begin`/`on_step_end`/`on_epoch_end` → `step_begin`/`step_end`/
+    `epoch_end`, `on_log` → `interval_metrics` (`summary` on the end-of-training log), `on_train_end` →
+    `end` (the GPUs get their settings back).
     If `trainer.train()` raises, the GPUs get their settings back when the process ends, or before the
     exception leaves `train()` with `ZeusTrainerMixin` / `restoring_gpus` (as with Lightning's
     `on_exception`). Every log event gets
@@ -313,16 +305,8 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s) (under torch.distributed, this rank's).
-        optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
-        wait_steps: Steps to let pass before profiling starts.
-        warmup_steps: Steps run at a power limit before it is measured (the adaptive search: at the
-            first limit only; later ones, in force at once, settle for a step or two).
-        profile_steps: Steps measured at each power limit.
-        pl_step: Stride between profiled power limits (W).
-        profile_path: JSON profile: loaded if it exists, written (by rank 0) as profiling goes.
-        search: "adaptive" (default) or "sweep" (every limit, as Zeus).
-        report_path: Write the run's HTML report there at train end, the power-limit profile and the
-            choice included (`zeus-callbacks report`'s).
+        optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search,
+            report_path: the optimizer's options (`PowerLimitOptions`, where each is documented).
 
     Raises:
         ValueError: a bad argument; the message names it.
@@ -359,7 +343,7 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         self._said_cut_short: str | None = None
         if monitor is None:
             # On resume, transformers rebuilds stateful callbacks as `type(cb)(**state()["args"])`
-            # (`Trainer._load_callback_state`) and swaps them in; the rebuilt one shares the core of the
+            # (`Trainer._load_callback_state`) and swaps them in; the rebuilt one shares the session of the
             # user's newest instance not in a training run, so the user's reference, monitor and
             # selector stay the ones in use.
             owner = next((cb for ref in reversed(self._built) if (cb := ref()) and not cb._training), None)
@@ -368,25 +352,18 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
                     "`HFGlobalPowerLimitOptimizer(monitor=None)`: pass the zeus_callbacks.ZeusMonitor "
                     "measuring this process's GPU(s)."
                 )
-            self.optimizer, self._reporter, self._checkpoint = (
-                owner.optimizer,
-                owner._reporter,
-                owner._checkpoint,
-            )
+            self._session, self._checkpoint = owner._session, owner._checkpoint
             return
-        require_monitor(type(self).__name__, monitor)
-        self.optimizer = GlobalPowerLimitOptimizer(
-            monitor=monitor,
-            optimum_selector=optimum_selector,
-            wait_steps=wait_steps,
-            warmup_steps=warmup_steps,
-            profile_steps=profile_steps,
-            pl_step=pl_step,
-            profile_path=profile_path,
-            search=search,
+        options = PowerLimitOptions(
+            optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search, report_path
         )
-        self._reporter = EnergyReporter.for_power_limit_optimizer(monitor, report_path=report_path)
+        self._session = PowerLimitSession(type(self).__name__, monitor, options)
         self._built[:] = [ref for ref in self._built if ref() is not None] + [weakref.ref(self)]
+
+    @property
+    def optimizer(self) -> GlobalPowerLimitOptimizer:
+        """The core optimizer: `phase`, `optimal_power_limit_w`, `metrics()`, `report()`."""
+        return self._session.optimizer
 
     # -- checkpoints (transformers' ExportableState) -----------------------------------------------
     @override
@@ -407,30 +384,17 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
             pass  # `on_train_begin` reads the same state from the trainer state, refuses it and says why
 
     def _resume(self, saved: Any) -> None:
-        """Load the checkpoint's optimizer state; one that is cut short or corrupted is refused with one
-        warning naming the file, and the last complete state is used instead: an earlier checkpoint's, else
-        the `profile_path` profile, else none (profiling starts afresh)."""
-        try:
-            self.optimizer.load_state_dict(saved)
-            return
-        except InvalidInputError as e:
-            refused = e
+        """Load the checkpoint's optimizer state (`PowerLimitSession.load_state`); one that is cut short or
+        corrupted is refused with one warning naming the file, for an earlier checkpoint's state."""
         name = type(self).__name__
         source = (
             self._checkpoint / TRAINER_STATE_NAME if self._checkpoint else "the checkpoint's trainer state"
         )
-        then = ""
-        for earlier in earlier_checkpoints(self._checkpoint) if self._checkpoint else []:
-            older = checkpoint_state(earlier, name)
-            if older is None:
-                continue
-            try:
-                self.optimizer.load_state_dict(older)
-            except InvalidInputError:
-                continue
-            then = f"profiling resumes from {earlier / TRAINER_STATE_NAME}, the last complete state"
-            break
-        self.optimizer.refused_state_warning(source, name, refused, then)
+        earlier = (
+            (c / TRAINER_STATE_NAME, checkpoint_state(c, name))
+            for c in (earlier_checkpoints(self._checkpoint) if self._checkpoint else [])
+        )
+        self._session.load_state(saved, source, earlier)
 
     def _say_cut_short_checkpoint(self, args: TrainingArguments) -> None:
         """Once per output folder: its newest checkpoint is cut short (how to resume from the last complete)."""
@@ -463,31 +427,28 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         saved = _saved_state(state, type(self).__name__)
         if saved is not None:
             self._resume(saved)
-        self._reporter.start()
+        self._session.start()
 
     @override
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_step_begin` → `GlobalPowerLimitOptimizer.on_step_begin` (and the report's step)."""
-        self.optimizer.on_step_begin()
-        self._reporter.step_begin()
+        """`on_step_begin` → `PowerLimitSession.step_begin` (one call per optimizer step)."""
+        self._session.step_begin()
 
     @override
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_step_end` (after the optimizer step) → `GlobalPowerLimitOptimizer.on_step_end` (and the
-        report's step)."""
-        self._reporter.step_end()
-        self.optimizer.on_step_end()
+        """`on_step_end` (after the optimizer step) → `PowerLimitSession.step_end`."""
+        self._session.step_end()
 
     @override
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_epoch_end` → `GlobalPowerLimitOptimizer.on_epoch_end`."""
-        self.optimizer.on_epoch_end()
+        """`on_epoch_end` → `PowerLimitSession.epoch_end`."""
+        self._session.epoch_end()
 
     @override
     def on_log(
@@ -498,36 +459,26 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """`on_log` → `GlobalPowerLimitOptimizer.metrics` and the interval's energy (unless an
-        `HFZeusMonitor` of the same monitor reports it: each figure once); on the end-of-training summary
-        (the log with `train_runtime`) the run's totals instead (`run_summary`: energy, time, average
-        power, profiling cost, the choice and its saving). Added to `logs` and `state.log_history` under
+        """`on_log` → `PowerLimitSession.interval_metrics`, or on the end-of-training summary (the log with
+        `train_runtime`) `PowerLimitSession.summary`; added to `logs` and `state.log_history` under
         `power_limit_optimizer/`."""
-        metrics = power_limit_metrics(self.optimizer.metrics())
-        if logs is not None and "train_runtime" in logs:
-            totals = self._reporter.stop((self.optimizer,))
-            _log(state, logs, {**metrics, **run_summary(self.optimizer.report(), totals)})
-            return
-        interval = self._reporter.interval()
-        if any(m.reports_energy_of(self.optimizer.monitor) for m in _ENERGY_MONITORS):
-            interval = {}
-        _log(state, logs, {**metrics, **interval})
+        final = logs is not None and "train_runtime" in logs
+        session = self._session
+        _log(state, logs, session.summary(numbers_only=False) if final else session.interval_metrics(False))
 
     @override
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_train_end` → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs get their settings back)."""
-        self._reporter.stop((self.optimizer,))
-        self.optimizer.on_train_end()
+        """`on_train_end` → `PowerLimitSession.end` (the GPUs get their settings back)."""
+        self._session.end()
         self._training, self._checkpoint = False, None
 
     @override
     def _train_failed(self) -> None:
-        """`trainer.train()` raised → `GlobalPowerLimitOptimizer.on_train_end` (the GPUs' settings back) and
-        `EnergyReporter.cancel` (its windows closed, the report marked failed)."""
-        self._reporter.cancel()
-        self.optimizer.on_train_end()
+        """`trainer.train()` raised → `PowerLimitSession.fail` (the GPUs' settings back, the energy windows
+        closed, the report marked failed)."""
+        self._session.fail()
         self._training, self._checkpoint = False, None
 
 

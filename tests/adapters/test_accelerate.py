@@ -134,7 +134,8 @@ def test_save_state_load_state_resumes_without_profiling(
 ) -> None:
     accelerator = accelerator_factory()
     with PowerLimitOptimizerHelper(accelerator, **FAST) as plo:
-        assert plo.optimizer in accelerator._custom_objects
+        (registered,) = accelerator._custom_objects  # the helper's session: the optimizer's state
+        assert registered.state_dict() == plo.optimizer.state_dict()
         _train(accelerator, plo, burn_cpu, batches=150)
         accelerator.save_state(tmp_path / "state")
     optimal = plo.optimizer.optimal_power_limit_w
@@ -147,6 +148,29 @@ def test_save_state_load_state_resumes_without_profiling(
     assert resumed.optimizer.optimal_power_limit_w == optimal
     assert resumed.optimizer.profiling_steps == plo.optimizer.profiling_steps  # the counters carry on
     assert [w for *_, w in seen] == [optimal] * 10  # applied from the first step
+    assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
+
+
+def test_a_corrupted_state_is_refused_with_one_warning_and_profiling_starts_afresh(
+    accelerator_factory, burn_cpu, tmp_path: Path, caplog
+) -> None:
+    """As under HF and Lightning: the state is refused, said once naming it, and training goes on."""
+    accelerator = accelerator_factory()
+    with PowerLimitOptimizerHelper(accelerator, **FAST) as plo:
+        _train(accelerator, plo, burn_cpu, batches=150)
+        accelerator.save_state(tmp_path / "state")
+    (saved,) = (tmp_path / "state").glob("custom_checkpoint_0.pkl")
+    state = torch.load(saved, weights_only=False)
+    state["stats"] = "not a profile"
+    torch.save(state, saved)
+    accelerator = accelerator_factory()
+    with PowerLimitOptimizerHelper(accelerator, **FAST) as resumed:
+        with caplog.at_level("WARNING"):
+            accelerator.load_state(tmp_path / "state")
+        _train(accelerator, resumed, burn_cpu, batches=10)
+    refusals = [r for r in caplog.records if "is incomplete or corrupted" in r.getMessage()]
+    assert len(refusals) == 1 and "PowerLimitOptimizerHelper" in refusals[0].getMessage()
+    assert resumed.optimizer.profiling_steps > 0  # profiled afresh
     assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
 
 

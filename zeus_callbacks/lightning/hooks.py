@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from zeus_callbacks.core.arguments import require_monitor
-from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.heterogeneous.training import (
     RankPlan,
     apply_power_limit,
@@ -27,14 +25,13 @@ from zeus_callbacks.core.monitor.reporting import (
     EnergyReporter,
     Rates,
     pipeline_frequency_metrics,
-    power_limit_metrics,
-    run_summary,
 )
 from zeus_callbacks.core.monitor.steps import OptimizerSteps
 from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
+from zeus_callbacks.core.power_limit.session import PowerLimitOptions, PowerLimitSession
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -171,21 +168,25 @@ class ZeusMonitorHooks(CallbackHooks):
 class GlobalPowerLimitOptimizerHooks(CallbackHooks):
     """Find the best GPU power limit during training and keep it (Zeus's `GlobalPowerLimitOptimizer`).
 
-    A thin adapter of `zeus_callbacks.GlobalPowerLimitOptimizer`, which holds all state and does the
-    measuring, deciding and restoring. Which Lightning hook drives which core call:
+    A thin adapter of a `PowerLimitSession` (the adapter contract, in
+    `zeus_callbacks.core.power_limit.session`) of `zeus_callbacks.GlobalPowerLimitOptimizer`, which holds
+    all state and does the measuring, deciding and restoring. Which Lightning hook drives which call:
 
-    - `on_train_batch_start` → `on_step_begin`, at the first micro-batch of an optimizer step;
-    - `on_train_batch_end` → `on_step_end`, at the micro-batch during which the optimizer stepped, so
-      with `accumulate_grad_batches=k` one profiled step is k micro-batches and their optimizer step,
-      and validation or checkpointing between steps is not charged to a power limit (`OptimizerSteps`);
-    - `on_train_epoch_end` → `on_epoch_end`;
-    - `on_train_end` and `on_exception` → `on_train_end`: the GPUs' settings are restored;
-    - `state_dict`/`load_state_dict` → the core's, so the profile is saved in Lightning checkpoints and
-      a run resumed from one applies the chosen limit without profiling again.
+    - `on_train_start` → `start`;
+    - `on_train_batch_start` / `on_train_batch_end` → `step_begin` / `step_end` with the optimizer steps
+      so far: with `accumulate_grad_batches=k` one profiled step is k micro-batches and their optimizer
+      step, and validation or checkpointing between steps is not charged to a power limit;
+    - `on_train_epoch_end` → `epoch_end`;
+    - `on_train_end` → `summary` (logged), then `end`: the GPUs' settings are restored; `on_exception` →
+      `fail`;
+    - `state_dict`/`load_state_dict` → the session's, so the profile is saved in Lightning checkpoints and
+      a run resumed from one applies the chosen limit without profiling again (a corrupted state is
+      refused with one warning naming the checkpoint).
 
     Its figures (`power_limit_optimizer/power_limit_w`, `.../optimal_power_limit_w`,
-    `.../profiling_steps`, `.../profiling_energy_j`) go to the trainer's loggers every
-    `log_every_n_steps` optimizer steps and at train end. Under DDP (`strategy="ddp"`, launched by
+    `.../profiling_steps`, `.../profiling_energy_j`, and the interval's energy unless a
+    `LightningZeusMonitor` of the same monitor logs it) go to the trainer's loggers every
+    `log_every_n_steps` optimizer steps, and the run's totals at train end. Under DDP (`strategy="ddp"`, launched by
     Lightning or torchrun) every rank measures its own GPU and all ranks apply the same limit at the same
     step. `strategy="ddp_spawn"` is refused with a message saying what to use instead: it pickles the
     callbacks into the processes it spawns, and a monitor holds NVML handles and the GPU-state guard
@@ -194,14 +195,9 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU, e.g.
             `ZeusMonitor(gpu_indices=[local_rank()])`.
-        optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
-        wait_steps: Optimizer steps to let pass before profiling starts.
-        warmup_steps: Optimizer steps run at a power limit before it is measured (the adaptive search:
-            at the first limit only; later ones, in force at once, settle for a step or two).
-        profile_steps: Optimizer steps measured at each power limit.
-        pl_step: Stride between profiled power limits (W).
-        profile_path: JSON file of the profile, loaded if it exists and written by rank 0.
-        search: `"adaptive"` (default) or `"sweep"` (every limit, as Zeus).
+        optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search,
+            report_path: the optimizer's options (`PowerLimitOptions`, where each is documented; steps are
+            optimizer steps).
 
     Raises:
         ValueError: A bad argument; the message names it.
@@ -228,31 +224,30 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
         pl_step: int = 25,
         profile_path: str | Path | None = None,
         search: str = "adaptive",
+        report_path: str | Path | None = None,
     ) -> None:
         super().__init__()
-        require_monitor(type(self).__name__, monitor)
-        self._optimizer = GlobalPowerLimitOptimizer(
-            monitor=monitor,
-            optimum_selector=optimum_selector,
-            wait_steps=wait_steps,
-            warmup_steps=warmup_steps,
-            profile_steps=profile_steps,
-            pl_step=pl_step,
-            profile_path=profile_path,
-            search=search,
+        options = PowerLimitOptions(
+            optimum_selector,
+            wait_steps,
+            warmup_steps,
+            profile_steps,
+            pl_step,
+            profile_path,
+            search,
+            report_path,
         )
-        self._steps = OptimizerSteps()
-        self._reporter = EnergyReporter.for_power_limit_optimizer(monitor)
+        self._session = PowerLimitSession(type(self).__name__, monitor, options)
 
     @property
     def optimizer(self) -> GlobalPowerLimitOptimizer:
         """The core optimizer: `phase`, `optimal_power_limit_w`, `metrics()`, `report()`."""
-        return self._optimizer
+        return self._session.optimizer
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Starts measuring the run's energy (for the end-of-training summary)."""
-        self._reporter.start()
+        """Drives `start`: the run's energy is measured from here."""
+        self._session.start()
 
     def __getstate__(self) -> dict[str, Any]:
         # Only `strategy="ddp_spawn"` (and other spawning launchers) pickle a trainer's callbacks.
@@ -266,44 +261,38 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        """Drives `on_step_begin` at the first micro-batch of an optimizer step."""
-        if self._steps.begin(trainer.global_step):
-            self._optimizer.on_step_begin()
+        """Drives `step_begin` with the optimizer steps so far."""
+        self._session.step_begin(trainer.global_step)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        """Drives `on_step_end` once the optimizer stepped; logs the optimizer's figures on logging steps."""
-        if self._steps.end(trainer.global_step):
-            self._optimizer.on_step_end()
-            if _is_logging_step(trainer):
-                self._log(trainer)
+        """Drives `step_end`; logs `interval_metrics` on logging steps."""
+        if self._session.step_end(trainer.global_step) and _is_logging_step(trainer):
+            _log_metrics(trainer, self._session.interval_metrics())
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Drives `on_epoch_end`."""
-        self._optimizer.on_epoch_end()
+        """Drives `epoch_end`."""
+        self._session.epoch_end()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Logs the final figures with the run's totals (`run_summary`: energy, time, average power,
-        profiling cost, the choice and its saving), then drives `on_train_end`, which restores the GPUs'
-        settings."""
-        summary = run_summary(self._optimizer.report(), self._reporter.stop())
-        _log_metrics(trainer, {**power_limit_metrics(self._optimizer.metrics()), **summary})
-        self._optimizer.on_train_end()
+        """Logs `summary` (energy, time, average power, profiling cost, the choice and its saving), then
+        drives `end`, which restores the GPUs' settings."""
+        _log_metrics(trainer, self._session.summary())
+        self._session.end()
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Drives `on_train_end`: the GPUs' settings are restored when training fails too."""
-        self._reporter.cancel()
-        self._optimizer.on_train_end()
+        """Drives `fail`: the GPUs' settings are restored when training fails too."""
+        self._session.fail()
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The core's `state_dict()`: plain numbers and strings."""
-        return self._optimizer.state_dict()
+        """The session's `state_dict()`: plain numbers and strings."""
+        return self._session.state_dict()
 
     @override
     def on_load_checkpoint(
@@ -314,17 +303,12 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The core's `load_state_dict()`: a finished profile is applied without profiling again; a
-        corrupted state is refused with one warning naming the checkpoint, and profiling carries on from the
-        `profile_path` profile, else starts afresh."""
-        try:
-            self._optimizer.load_state_dict(state_dict)
-        except InvalidInputError as e:
-            source = getattr(self, "_ckpt_path", None) or "the checkpoint being resumed"
-            self._optimizer.refused_state_warning(source, type(self).__name__, e)
-
-    def _log(self, trainer: pl.Trainer) -> None:
-        _log_metrics(trainer, power_limit_metrics(self._optimizer.metrics(), numbers_only=True))
+        """`load_state`: a finished profile is applied without profiling again; a corrupted state is refused
+        with one warning naming the checkpoint, and profiling carries on from the `profile_path` profile,
+        else starts afresh."""
+        self._session.load_state(
+            state_dict, getattr(self, "_ckpt_path", None) or "the checkpoint being resumed"
+        )
 
 
 class PipelineFrequencyOptimizerHooks(CallbackHooks):

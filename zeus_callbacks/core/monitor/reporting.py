@@ -6,6 +6,7 @@ import itertools
 import logging
 import math
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,8 @@ ELECTRICITY_PRICE_ENV = "ZEUS_CALLBACKS_ELECTRICITY_PRICE"
 J_PER_KWH = 3.6e6
 
 _ids = itertools.count()
+# The reporters reading each monitor's windows, so that one knows when another reports the same energy.
+_reporters: weakref.WeakKeyDictionary[ZeusMonitor, weakref.WeakSet[EnergyReporter]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ class EnergyReporter:
         self.total_energy_j = 0.0
         self.total_time_s = 0.0
         self._running = False
+        _reporters.setdefault(monitor, weakref.WeakSet()).add(self)
         n = next(_ids)
         self._interval_window = f"__zeus_callbacks_log_interval_{n}"
         self._total_window = f"__zeus_callbacks_run_total_{n}"
@@ -183,6 +187,12 @@ class EnergyReporter:
     def running(self) -> bool:
         """Whether a run is being reported (between `start` and `stop`)."""
         return self._running
+
+    def reported_elsewhere(self) -> bool:
+        """Whether another reporter of the same monitor gives the plain energy figures (`ENERGY_PREFIX`: an
+        energy monitor callback) in a run now: then this one's interval energy would say it twice."""
+        others = _reporters.get(self.monitor, ())
+        return any(r is not self and r.prefix == ENERGY_PREFIX and r.running for r in others)
 
     def start(self) -> None:
         """Open the run and the first interval (at train begin)."""

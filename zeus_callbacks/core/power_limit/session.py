@@ -1,0 +1,185 @@
+"""One training run of the power-limit optimizer, as every framework adapter drives it.
+
+The adapter contract
+--------------------
+An adapter (HF `Trainer`, Lightning, an Accelerate or plain loop, PyTorch Ignite) builds one
+`PowerLimitSession` from the user's `ZeusMonitor` and `PowerLimitOptions`, and turns its framework's events into
+these calls, and into nothing else:
+
+=============================  =================================================================
+framework event                session call
+=============================  =================================================================
+training begins                `start()`; on a resumed run first `load_state(saved, source)`
+a micro-batch begins / ends    `step_begin(optimizer_steps)` / `step_end(optimizer_steps)`: the session
+                               tells the optimizer step's boundaries (`OptimizerSteps`); a framework whose
+                               step hooks fire once per optimizer step calls both without arguments
+an epoch ends                  `epoch_end()`
+a log event                    log `interval_metrics()` with the framework's loggers
+training ends                  log `summary()` (the run's totals), then `end()`: the GPUs get their
+                               settings back
+training raised                `fail()`: no figures and no collective; the GPUs get their settings back
+a checkpoint is saved          store `state_dict()` (plain numbers and strings)
+=============================  =================================================================
+
+Under torch.distributed every rank makes the `interval_metrics` and `summary` calls at the same points: the
+energy figures in them are summed over ranks in one collective. Everything else (what a power limit costs,
+when to change it, the profile file, the report, the refusal of a corrupted state) is decided here or below,
+so that an adapter holds no logic of its own: `duplicates` finds none of it twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from zeus_callbacks.core.arguments import require_monitor
+from zeus_callbacks.core.device.errors import InvalidInputError
+from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.monitor.reporting import EnergyReporter, power_limit_metrics, run_summary
+from zeus_callbacks.core.monitor.steps import OptimizerSteps
+from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
+from zeus_callbacks.core.power_limit.selectors import OptimumSelector
+
+__all__ = ["PowerLimitOptions", "PowerLimitSession"]
+
+
+@dataclass(frozen=True)
+class PowerLimitOptions:
+    """What the power-limit optimizer is asked to do: every adapter's arguments after the monitor, in
+    Zeus's order, documented here once.
+
+    Attributes:
+        optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
+        wait_steps: Optimizer steps to let pass before profiling starts.
+        warmup_steps: Optimizer steps run at a power limit before it is measured (the adaptive search: at
+            the first limit only; later ones, in force at once, settle for a step or two).
+        profile_steps: Optimizer steps measured at each power limit.
+        pl_step: Stride between profiled power limits (W).
+        profile_path: JSON profile: loaded if it exists, written (by rank 0) as profiling goes.
+        search: "adaptive" (default) or "sweep" (every limit, as Zeus).
+        report_path: Write the run's HTML report there at the end of training, the power-limit profile and
+            the choice included (`zeus-callbacks report`'s); None: no report.
+    """
+
+    optimum_selector: OptimumSelector | None = None
+    wait_steps: int = 1
+    warmup_steps: int = 10
+    profile_steps: int = 40
+    pl_step: int = 25
+    profile_path: str | Path | None = None
+    search: str = "adaptive"
+    report_path: str | Path | None = None
+
+    def optimizer_arguments(self) -> dict[str, Any]:
+        """The keyword arguments of `GlobalPowerLimitOptimizer` (all but `report_path`)."""
+        out = asdict(self)
+        out["optimum_selector"] = self.optimum_selector  # as given, not copied
+        del out["report_path"]
+        return out
+
+
+class PowerLimitSession:
+    """The power-limit optimizer, its energy reporter and its step boundaries for one adapter (see the
+    module's docstring for the contract).
+
+    Args:
+        owner: The adapter's name, for messages (`"HFGlobalPowerLimitOptimizer"`).
+        monitor: The `ZeusMonitor` of this process's GPU(s).
+        options: The optimizer's options.
+
+    Raises:
+        InvalidInputError: (a ValueError) a bad monitor or option; the message names it.
+    """
+
+    def __init__(self, owner: str, monitor: ZeusMonitor, options: PowerLimitOptions) -> None:
+        require_monitor(owner, monitor)
+        self.owner = owner
+        self.optimizer = GlobalPowerLimitOptimizer(monitor=monitor, **options.optimizer_arguments())
+        self.reporter = EnergyReporter.for_power_limit_optimizer(monitor, report_path=options.report_path)
+        self._steps = OptimizerSteps()
+
+    # -- training -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Training begins: the run's energy is measured from here (idempotent)."""
+        self.reporter.start()
+
+    def step_begin(self, optimizer_steps: int = 0) -> None:
+        """A micro-batch begins, with the optimizer steps taken so far; the first one opens a step."""
+        if self._steps.begin(optimizer_steps):
+            self.optimizer.on_step_begin()
+            self.reporter.step_begin()
+
+    def step_end(self, optimizer_steps: int | None = None) -> bool:
+        """A micro-batch ended (None: the optimizer stepped in it); returns whether it closed a step."""
+        if not self._steps.end(optimizer_steps):
+            return False
+        self.reporter.step_end()
+        self.optimizer.on_step_end()
+        return True
+
+    def epoch_end(self) -> None:
+        """An epoch ended."""
+        self.optimizer.on_epoch_end()
+
+    def interval_metrics(self, numbers_only: bool = True) -> dict[str, Any]:
+        """The figures of a log event: the optimizer's, and the energy since the last log event unless a
+        monitor callback of the same `ZeusMonitor` reports it (each figure once). A collective under
+        torch.distributed."""
+        metrics = power_limit_metrics(self.optimizer.metrics(), numbers_only=numbers_only)
+        interval = self.reporter.interval()
+        if self.reporter.reported_elsewhere():
+            interval = {}
+        return {**metrics, **interval}
+
+    def summary(self, numbers_only: bool = True) -> dict[str, Any]:
+        """The end-of-training figures: the optimizer's, and the run's totals (`run_summary`: energy, time,
+        average power, profiling cost, the choice and its saving); the report is written. A collective
+        while the run is reported (no energy figures once a GPU failed)."""
+        totals = self.reporter.stop((self.optimizer,))
+        metrics = power_limit_metrics(self.optimizer.metrics(), numbers_only=numbers_only)
+        return {**metrics, **run_summary(self.optimizer.report(), totals)}
+
+    def end(self) -> None:
+        """Training ended: the GPUs get their settings back (idempotent)."""
+        self.reporter.stop((self.optimizer,))
+        self.optimizer.on_train_end()
+
+    def fail(self) -> None:
+        """Training raised on this rank: the energy windows are closed without figures or a collective,
+        the report is marked failed, and the GPUs get their settings back."""
+        self.reporter.cancel()
+        self.optimizer.on_train_end()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint stores: the optimizer's `state_dict()`."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`load_state` from a checkpoint the framework loads (Accelerate's `load_state`)."""
+        self.load_state(state, "the checkpoint being resumed")
+
+    def load_state(self, state: Any, source: object, earlier: Iterable[tuple[object, Any]] = ()) -> bool:
+        """Load a checkpoint's optimizer state: a chosen limit is applied without profiling again, a partial
+        profile carries on. One that is cut short or corrupted is refused with one warning naming `source`,
+        and the first of `earlier` ((source, state) pairs, newest first) that loads is used instead, else the
+        `profile_path` profile, else none (profiling starts afresh). Returns whether `state` itself loaded."""
+        try:
+            self.optimizer.load_state_dict(state)
+            return True
+        except InvalidInputError as e:
+            refused = e
+        then = ""
+        for older_source, older in earlier:
+            if older is None:
+                continue
+            try:
+                self.optimizer.load_state_dict(older)
+            except InvalidInputError:
+                continue
+            then = f"profiling resumes from {older_source}, the last complete state"
+            break
+        self.optimizer.refused_state_warning(source, self.owner, refused, then)
+        return False
