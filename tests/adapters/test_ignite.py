@@ -64,10 +64,13 @@ def _until_done(trainer, plo: IgnitePowerLimitOptimizer) -> None:
             engine.terminate()
 
 
-def test_chooses_applies_restores_and_puts_the_figures_in_the_metrics(a40, burn_cpu) -> None:
+def test_chooses_applies_restores_and_puts_the_figures_in_the_metrics(a40, burn_cpu, tmp_path: Path) -> None:
+    from zeus_callbacks.core.report import load_run, run_dir_for
+
     seen: list[int] = []
     trainer = _trainer(burn_cpu, seen)
-    plo = IgnitePowerLimitOptimizer(ZeusMonitor(gpu_indices=[0]), **FAST, log_every_n_steps=5)
+    report = tmp_path / "run.html"
+    plo = IgnitePowerLimitOptimizer(ZeusMonitor(gpu_indices=[0]), **FAST, report_path=report, log_every_n_steps=5)
     plo.attach(trainer)
     _until_done(trainer, plo)
     trainer.run(_loader(200), max_epochs=1)
@@ -80,6 +83,8 @@ def test_chooses_applies_restores_and_puts_the_figures_in_the_metrics(a40, burn_
     assert f"{P}energy_interval_j" in metrics  # the interval's energy, as under HF, Lightning, Accelerate
     assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
     assert guard().entries == [] and plo.optimizer.monitor.open_windows == []
+    (record,) = load_run(run_dir_for(report))
+    assert record.finished and record.power_limit.optimal_power_limit_w == optimal and "SIMULATED" in report.read_text()
     plo.detach()
     assert not trainer.has_event_handler(plo._completed)
 

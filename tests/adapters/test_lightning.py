@@ -158,7 +158,10 @@ def test_import_does_not_import_lightning(run_python) -> None:
 def test_optimizer_chooses_applies_and_restores(
     flavour: Flavour, gpu0: ZeusMonitor, tmp_path: Path, burn_cpu
 ) -> None:
-    plo = flavour.zeus.LightningGlobalPowerLimitOptimizer(gpu0, **FAST)
+    from zeus_callbacks.core.report import load_run, run_dir_for
+
+    report = tmp_path / "run.html"
+    plo = flavour.zeus.LightningGlobalPowerLimitOptimizer(gpu0, **FAST, report_path=report)
     model = flavour.module(burn_cpu, plo)
     flavour.trainer(tmp_path, [plo], max_steps=150, logger=True).fit(model, _data())
 
@@ -183,6 +186,10 @@ def test_optimizer_chooses_applies_and_restores(
     # then there is nothing to compare with. What holds on any machine: the log says what the report says.
     saved = plo.optimizer.report().get("energy_saved_pct")
     assert _column(rows, "power_limit_optimizer/energy_saved_pct") == ([] if saved is None else [pytest.approx(saved)])
+    # The interval's energy at logging steps (no LightningZeusMonitor of this monitor logs it), and the report.
+    assert _column(rows, "power_limit_optimizer/energy_interval_j")
+    (record,) = load_run(run_dir_for(report))
+    assert record.finished and record.power_limit.optimal_power_limit_w == optimal
 
 
 def test_gradient_accumulation_profiles_optimizer_steps(gpu0: ZeusMonitor, tmp_path: Path, burn_cpu) -> None:

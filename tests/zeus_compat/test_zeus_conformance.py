@@ -142,14 +142,30 @@ def test_callback_set_drives_every_hook():
     assert calls == ["epoch_begin", "begin forward", "evaluate 0.9"]
 
 
-def test_hf_optimizer_has_the_core_signature():
-    from zeus_callbacks import HFGlobalPowerLimitOptimizer
+@pytest.mark.parametrize(
+    ("module", "name", "own"),
+    [
+        ("zeus_callbacks", "HFGlobalPowerLimitOptimizer", [("report_path", None)]),
+        ("zeus_callbacks.lightning", "LightningGlobalPowerLimitOptimizer", [("report_path", None)]),
+        ("zeus_callbacks.ignite", "IgnitePowerLimitOptimizer", [("report_path", None), ("log_every_n_steps", 50)]),
+    ],
+)
+def test_every_power_limit_adapter_has_the_core_signature(module: str, name: str, own: list) -> None:
+    """The core's (Zeus's) arguments, in order, then the adapter's own options, defaulted; the options
+    record (`PowerLimitOptions`) has the same names after the monitor."""
+    import dataclasses
+    import importlib
 
+    from zeus_callbacks.core.power_limit.session import PowerLimitOptions
+
+    pytest.importorskip(module.replace("zeus_callbacks.", "") if module != "zeus_callbacks" else "transformers")
+    adapter = getattr(importlib.import_module(module), name)
     core = list(inspect.signature(GlobalPowerLimitOptimizer.__init__).parameters.values())
-    hf = list(inspect.signature(HFGlobalPowerLimitOptimizer.__init__).parameters.values())
-    # The core's (Zeus's) arguments, in order; then the adapter's own option (the run report), defaulted.
-    assert hf[: len(core)] == core
-    assert [(p.name, p.default) for p in hf[len(core) :]] == [("report_path", None)]
+    params = list(inspect.signature(adapter.__init__).parameters.values())
+    assert [(p.name, p.default) for p in params[: len(core)]] == [(p.name, p.default) for p in core]
+    assert [(p.name, p.default) for p in params[len(core) :]] == own
+    options = [f.name for f in dataclasses.fields(PowerLimitOptions)]
+    assert options == [p.name for p in core[2:]] + ["report_path"]
 
 
 # -- selectors ---------------------------------------------------------------------------------------
