@@ -100,7 +100,7 @@ def sim_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     fake_time = SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
     fake_time.sleep = sleep
     # The module that holds the simulated GPUs (whatever its name) sleeps through its `time` global.
-    monkeypatch.setattr(sys.modules[sim.SimulatedSystem.__module__], "time", fake_time)
+    monkeypatch.setattr(sys.modules[sim.SimulatedGPU.__module__], "time", fake_time)
     return requested
 
 

@@ -1,0 +1,86 @@
+"""Host pacing of the real-clock simulation (what a synchronisation waits for, whose CPU time counts as work)
+and the virtual clock."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+DEFERRED_SIGNALS = {
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+}
+
+
+def busy_power_w(idle_w: float, busy_w: float, cpu_s: float, span_s: float) -> float:
+    """Power of a GPU fed by a host that spent `cpu_s` of CPU over `span_s` since its last synchronisation:
+    busy power in that proportion. Right after a synchronisation the ratio of two tiny spans is noise: it
+    is averaged over >= 10 ms."""
+    busy = min(max(0.0, cpu_s), max(0.0, span_s))
+    return idle_w + (busy_w - idle_w) * busy / max(span_s, 0.01)
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (/proc/PID/stat, fields 14 and 15 of proc(5)); None when
+    it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class _HostWait:
+    """How long the host has waited in simulated synchronisations since it last did CPU work.
+
+    GPUs work in parallel: while the host waits for one GPU, the others keep working on the work queued
+    before, so synchronising several GPUs in a row takes as long as the slowest, not the sum.
+    """
+
+    _CPU_EPS_S = 0.002  # CPU time the host may spend between the synchronisations of one batch
+
+    def __init__(self) -> None:
+        self._cpu_mark = float("-inf")
+        self._waited_s: dict[int, float] = {}  # GPU index -> time waited for it since the mark
+
+    def credit(self, cpu_s: float, gpu: int) -> float:
+        """Time already waited for *other* GPUs since the host's last CPU work (0 once it did more work).
+
+        A GPU's own earlier waits never count: its next interval starts after them.
+        """
+        if cpu_s - self._cpu_mark >= self._CPU_EPS_S:
+            return 0.0
+        return sum(w for g, w in self._waited_s.items() if g != gpu)
+
+    def add(self, cpu_before_s: float, waited_s: float, cpu_after_s: float, gpu: int) -> None:
+        """Record a wait of `waited_s` for `gpu` that began at process CPU time `cpu_before_s`."""
+        if cpu_before_s - self._cpu_mark >= self._CPU_EPS_S:
+            self._waited_s.clear()
+        self._waited_s[gpu] = self._waited_s.get(gpu, 0.0) + waited_s
+        self._cpu_mark = cpu_after_s
+
+
+HOST_WAIT = _HostWait()
+
+
+class VirtualClock:
+    """A clock that only moves when simulated work runs (offline what-if runs)."""
+
+    def __init__(self, start: float = 1_000.0) -> None:
+        self._now = start
+
+    def now(self) -> float:
+        """Current virtual time (s)."""
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward."""
+        self._now += max(0.0, seconds)
