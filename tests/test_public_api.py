@@ -33,7 +33,6 @@ def test_star_import_needs_no_framework(run_python) -> None:
         "HFHeterogeneousCallback",
         "HeterogeneousTrainer",
         "HFEpochLog",
-        "HFSimulatedGPUWork",
         "LightningZeusMonitor",
         "LightningGlobalPowerLimitOptimizer",
         "LightningPipelineFrequencyOptimizer",

@@ -124,7 +124,6 @@ _ADAPTERS = {
             "HFHeterogeneousCallback",
             "HeterogeneousTrainer",
             "HFEpochLog",
-            "HFSimulatedGPUWork",
             "ZeusTrainerMixin",
         ],
         "zeus_callbacks.huggingface",
@@ -171,7 +170,17 @@ __all__ = [
     *_CORE,
 ]
 
-__getattr__, __dir__ = lazy_exports(__name__, {**_CORE, **_ADAPTERS})
+_lazy_getattr, __dir__ = lazy_exports(__name__, {**_CORE, **_ADAPTERS})
+# Testing helpers that moved to `zeus_callbacks.sim` (the simulator is not part of the product surface).
+_MOVED_TO_SIM = ("HFSimulatedGPUWork",)
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED_TO_SIM:
+        raise AttributeError(
+            f"`zeus_callbacks.{name}` moved to the simulator's testing kit: `from zeus_callbacks.sim import {name}`."
+        )
+    return _lazy_getattr(name)
 
 if TYPE_CHECKING:  # pragma: no cover
     from zeus_callbacks.core.device.gpus import get_gpus  # noqa: F401
@@ -233,7 +242,6 @@ if TYPE_CHECKING:  # pragma: no cover
         HFGlobalPowerLimitOptimizer,
         HFHeterogeneousCallback,
         HFPipelineFrequencyOptimizer,
-        HFSimulatedGPUWork,
         HFZeusMonitor,
     )
     from zeus_callbacks.lightning.pytorch import (  # noqa: F401

@@ -6,7 +6,6 @@ core calls out.
 - `HFPipelineFrequencyOptimizer`: Perseus (`PipelineFrequencyOptimizer`) for pipeline-parallel steps.
 - `HeterogeneousTrainer` and `HFHeterogeneousCallback`: training on a heterogeneous plan.
 - `HFEpochLog`: each epoch's time, energy and power in Zeus's profiler files (`EpochLog`).
-- `HFSimulatedGPUWork`: toy steps paced by simulated GPU work (examples and tests on simulated GPUs).
 - `ZeusTrainerMixin` / `restoring_gpus`: the opt-in for GPUs back the moment `train()` raises, cut-short
   checkpoints skipped, and metrics before the `report_to` trackers. Nothing is patched process-wide.
 """
@@ -70,7 +69,6 @@ __all__ = [
     "HFHeterogeneousCallback",
     "HeterogeneousTrainer",
     "HFEpochLog",
-    "HFSimulatedGPUWork",
     "ZeusTrainerMixin",
     "restoring_gpus",
 ]
@@ -715,29 +713,3 @@ class HFEpochLog(TrainerCallback):
     ) -> None:
         """`on_train_end` → `EpochLog.close()`."""
         self.log.close()
-
-
-class HFSimulatedGPUWork(TrainerCallback):
-    """On simulated GPUs, each training step also queues `work_s` seconds of GPU work (at the maximum limit
-    and clock, no host CPU: `zeus_callbacks.sim.enqueue_work`), so a toy model's step is paced by the
-    simulated GPU, slowed by the limit in force, rather than by the host's speed and load. Nothing happens
-    without an active simulation, so a script that uses it runs unchanged on real GPUs.
-
-    Args:
-        gpu: The simulated GPU's CUDA index (this process's `local_rank()` under torch.distributed).
-        work_s: Seconds of work per step, >= 0.
-    """
-
-    def __init__(self, gpu: int = 0, work_s: float = 0.012) -> None:
-        from zeus_callbacks import sim
-
-        self.gpu, self.work_s = int(gpu), sim.work_seconds("HFSimulatedGPUWork", work_s)
-
-    @override
-    def on_step_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_step_begin` → `sim.enqueue_if_simulated(gpu, work_s)`."""
-        from zeus_callbacks import sim
-
-        sim.enqueue_if_simulated(self.gpu, self.work_s)

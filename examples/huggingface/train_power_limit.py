@@ -20,7 +20,6 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from zeus_callbacks import (
     HFGlobalPowerLimitOptimizer,
-    HFSimulatedGPUWork,
     HFZeusMonitor,
     MaxSlowdownConstraint,
     ZeusMonitor,
@@ -96,7 +95,11 @@ def main() -> None:
             eos_token_id=10,
         )
     )
-    callbacks = [HFZeusMonitor(monitor), plo, HFSimulatedGPUWork(local_rank(), 0.012)]
+    callbacks = [HFZeusMonitor(monitor), plo]
+    if not args.real:  # on simulated GPUs, pace the toy model's steps by 12 ms of simulated GPU work each
+        from zeus_callbacks.sim import HFSimulatedGPUWork
+
+        callbacks.append(HFSimulatedGPUWork(local_rank(), 0.012))
     trainer = Trainer(model=model, args=training_args, train_dataset=ToyCorpus(), callbacks=callbacks)
     trainer.train()
 

@@ -29,10 +29,10 @@ from zeus_callbacks.core.monitor.monitor import ZeusMonitor  # noqa: E402
 from zeus_callbacks.core.monitor.reporting import POWER_LIMIT_PREFIX as OPTIMIZER_PREFIX  # noqa: E402
 from zeus_callbacks.huggingface import (  # noqa: E402
     HFGlobalPowerLimitOptimizer,
-    HFSimulatedGPUWork,
     HFZeusMonitor,
     ZeusTrainerMixin,
 )
+from zeus_callbacks.sim import HFSimulatedGPUWork  # noqa: E402
 
 
 class ZeusTrainer(ZeusTrainerMixin, Trainer):

@@ -163,7 +163,8 @@ def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: 
 
     from zeus_callbacks import sim
     from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-    from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer, HFSimulatedGPUWork
+    from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer
+    from zeus_callbacks.sim import HFSimulatedGPUWork
 
     transformers.logging.set_verbosity_error()
     monitor = ZeusMonitor(gpu_indices=[0])

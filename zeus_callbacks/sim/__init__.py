@@ -103,11 +103,16 @@ _REFRESH_ENV = "ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS"
 
 
 def __getattr__(name: str) -> Any:
-    """`SimulatedKernels` (an `nn.Module`) is imported on first use, so the simulator loads without torch."""
+    """`SimulatedKernels` (an `nn.Module`) and `HFSimulatedGPUWork` (a `Trainer` callback) are imported on
+    first use, so the simulator loads without torch or transformers."""
     if name == "SimulatedKernels":
         from zeus_callbacks.sim.kernels import SimulatedKernels
 
         return SimulatedKernels
+    if name == "HFSimulatedGPUWork":  # imports transformers
+        from zeus_callbacks.sim.huggingface import HFSimulatedGPUWork
+
+        return HFSimulatedGPUWork
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
