@@ -6,7 +6,6 @@ import itertools
 import json
 import math
 import time
-from importlib import resources
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from zeus_callbacks.core.heterogeneous.planner import (
     plan,
     zeus2_search,
 )
+from zeus_callbacks.core.heterogeneous.profile_file import shipped_profiles_dir
 from zeus_callbacks.core.power_limit.selectors import Energy, MaxSlowdownConstraint, Time, ZeusCost
 
 A10 = load_profile("a10")
@@ -135,7 +135,7 @@ def test_memory_limit_is_respected(tmp_path):
     capped = plan([A10, T4], [4, 4], 4096, ZeusCost(0.5), max_batch_size=[600, None])
     assert capped.types[0].local_batch <= 600
     raw = json.loads(
-        (resources.files("zeus_callbacks") / "sim" / "data" / "zeus2_aws" / "cifar_a10.json").read_text()
+        (shipped_profiles_dir() / "cifar_a10.json").read_text()
     )
     raw["metadata"] = {"gpu": "A10G", "max_batch_size": 600, "idle_power_w": 25.0, "steps_per_window": 5}
     path = tmp_path / "a10g.json"

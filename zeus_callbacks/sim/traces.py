@@ -80,6 +80,14 @@ def _data_dir() -> Path:
     return Path(str(resources.files("zeus_callbacks"))) / "sim" / "data"
 
 
+def _shipped_file(file: str) -> Path:
+    if file.startswith("zeus2_aws/"):
+        from zeus_callbacks.core.heterogeneous.profile_file import shipped_profiles_dir
+
+        return shipped_profiles_dir() / file.removeprefix("zeus2_aws/")
+    return _data_dir() / file
+
+
 def _number(path: Path, where: str, field: str, value: object, positive: bool = True) -> float:
     """`value` of `field` as a finite (positive) number, or an error naming the file, line and field."""
     try:
@@ -285,7 +293,8 @@ def provenance(spec: GPUSpec, trace: Trace) -> str | None:
     return f"modelled {spec.kind.upper()}, power curve from {trace.source}"
 
 
-# Shipped traces per simulated GPU kind: (file, default workload key).
+# Shipped traces per simulated GPU kind: (file, default workload key); `zeus2_aws/` files are the Zeus²
+# profiles shipped with the heterogeneous planner (core/heterogeneous/data), the others are under sim/data.
 _SHIPPED: dict[str, tuple[str, str]] = {
     "a40": ("nsdi23/summary_power_a40.csv", "imagenet/resnet50/256"),
     "v100": ("nsdi23/summary_power_v100.csv", "imagenet/resnet50/256"),
@@ -305,7 +314,7 @@ def shipped_trace(kind: str, workload: str | None = None) -> Trace:
     kind = spec.kind
     file, default = _SHIPPED[kind]
     key = workload or default
-    path = _data_dir() / file
+    path = _shipped_file(file)
     if "/" not in key and path.suffix == ".csv" and (_data_dir() / "zeus_profiles").is_dir():
         # A bare model name selects a Zeus monitor log, e.g. `a40:resnet50`.
         prefix = {"a40": "A40", "v100": "V100"}[kind]
@@ -317,7 +326,7 @@ def shipped_workloads(kind: str) -> list[str]:
     """Workload keys shipped for a simulated GPU kind (a modelled board's: those of the GPU it is scaled from)."""
     kind = spec_for(kind).scaled_from or spec_for(kind).kind
     file, _ = _SHIPPED[kind]
-    path = _data_dir() / file
+    path = _shipped_file(file)
     if path.suffix == ".json":
         return [f"cifar100/shufflenetv2/{b}" for b in sorted(_read_zeus2(path), key=int)]
     keys = _nsdi23_keys(path)

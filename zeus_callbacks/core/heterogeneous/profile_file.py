@@ -47,6 +47,11 @@ DEFAULT_IDLE_POWER_FRACTION = 0.3
 SHIPPED_PROFILES = {"a10": "cifar_a10.json", "t4": "cifar_t4.json"}
 
 
+def shipped_profiles_dir() -> Path:
+    """Where the shipped Zeus² profiles live (`data/zeus2_aws/` beside this module; see its `NOTICE.md`)."""
+    return Path(str(resources.files("zeus_callbacks"))) / "core" / "heterogeneous" / "data" / "zeus2_aws"
+
+
 class ExtrapolationError(ValueError):
     """A plan would need a local batch size outside the measured range."""
 
@@ -339,7 +344,7 @@ def load_profile(path_or_name: str | os.PathLike[str]) -> GPUProfile:
             raise FileNotFoundError(
                 f"`load_profile({name!r})`: no such file and not a shipped profile (shipped: {sorted(SHIPPED_PROFILES)})."
             )
-        resource = resources.files("zeus_callbacks") / "sim" / "data" / "zeus2_aws" / SHIPPED_PROFILES[key]
+        resource = shipped_profiles_dir() / SHIPPED_PROFILES[key]
         text, source, default_name = resource.read_text(), f"shipped:{SHIPPED_PROFILES[key]}", key
     try:
         data = json.loads(text)
