@@ -170,11 +170,59 @@ class _Runs:
             p.append((t, mw))
 
 
-def _child(stdin: IO[str], stdout: IO[str]) -> int:
+def _open_targets(spec: dict[str, Any]) -> tuple[Any, list[tuple[Any, int, Any]]]:
+    """The backend and (GPU, index, reader) of each GPU the parent named, opened by UUID."""
     from zeus_callbacks.core.device.backend import active_backend
-    from zeus_callbacks.core.device.errors import GPUError
     from zeus_callbacks.core.device.gpus import GPU
-    from zeus_callbacks.core.monitor.power_readings import PowerDomain, PowerReader, read_power
+    from zeus_callbacks.core.monitor.power_readings import PowerDomain, PowerReader
+
+    backend = active_backend()
+    backend.nvml.nvmlInit()
+    targets = []
+    for index, uuid, fields, usage in spec["targets"]:
+        reader = PowerReader(
+            tuple((PowerDomain(d), int(f), int(s)) for d, f, s in fields),
+            None if usage is None else PowerDomain(usage),
+        )
+        targets.append((GPU(backend, int(index), str(uuid)), int(index), reader))
+    return backend, targets
+
+
+class _ChildSampler:
+    """The child's readings since the last flush, taken by `poll` (from its sampling thread or on request)."""
+
+    def __init__(self, targets: list[tuple[Any, int, Any]], clock: Any, max_samples: int | None) -> None:
+        self._targets, self._clock, self._max = targets, clock, max_samples
+        self._lock = threading.Lock()
+        self._runs: dict[tuple[str, int], _Runs] = {}
+        self._failed: dict[int, str] = {}
+
+    def poll(self) -> None:
+        from zeus_callbacks.core.device.errors import GPUError
+        from zeus_callbacks.core.monitor.power_readings import read_power
+
+        for gpu, index, reader in self._targets:
+            if index in self._failed:
+                continue
+            t = self._clock()
+            try:
+                values = read_power(gpu, reader)
+            except GPUError as e:
+                with self._lock:
+                    self._failed[index] = str(e)
+                continue
+            with self._lock:
+                for domain, mw in values:
+                    self._runs.setdefault((domain.value, index), _Runs(self._max)).add(t, mw)
+
+    def flushed(self) -> dict[str, Any]:
+        with self._lock:
+            readings = [[d, i, t, mw] for (d, i), r in self._runs.items() for t, mw in r.points]
+            self._runs.clear()
+            return {"readings": readings, "failed": {str(k): v for k, v in self._failed.items()}}
+
+
+def _child(stdin: IO[str], stdout: IO[str]) -> int:
     from zeus_callbacks.core.monitor.timeline import Poller
 
     def answer(message: dict[str, Any]) -> None:
@@ -185,54 +233,21 @@ def _child(stdin: IO[str], stdout: IO[str]) -> int:
     if spec is None:
         return 0
     try:
-        backend = active_backend()
-        backend.nvml.nvmlInit()
-        targets = []
-        for index, uuid, fields, usage in spec["targets"]:
-            reader = PowerReader(
-                tuple((PowerDomain(d), int(f), int(s)) for d, f, s in fields),
-                None if usage is None else PowerDomain(usage),
-            )
-            targets.append((GPU(backend, int(index), str(uuid)), int(index), reader))
+        backend, targets = _open_targets(spec)
     except Exception as e:  # noqa: BLE001 - the parent shows it and samples in its own thread instead
         answer({"error": f"{type(e).__name__}: {e}"})
         return 1
-    clock = backend.clock
-    lock = threading.Lock()
-    runs: dict[tuple[str, int], _Runs] = {}
-    failed: dict[int, str] = {}
-
-    def poll() -> None:
-        for gpu, index, reader in targets:
-            if index in failed:
-                continue
-            t = clock()
-            try:
-                values = read_power(gpu, reader)
-            except GPUError as e:
-                with lock:
-                    failed[index] = str(e)
-                continue
-            with lock:
-                for domain, mw in values:
-                    runs.setdefault((domain.value, index), _Runs(spec["max_samples"])).add(t, mw)
-
-    def flushed() -> dict[str, Any]:
-        with lock:
-            readings = [[d, i, t, mw] for (d, i), r in runs.items() for t, mw in r.points]
-            runs.clear()
-            return {"readings": readings, "failed": {str(k): v for k, v in failed.items()}}
-
-    poll()
+    sampler = _ChildSampler(targets, backend.clock, spec["max_samples"])
+    sampler.poll()
     answer({"ready": os.getpid()})
-    poller = Poller("zeus-callbacks-power-sampler", float(spec["period_s"]), poll)
+    poller = Poller("zeus-callbacks-power-sampler", float(spec["period_s"]), sampler.poll)
     try:
         for line in stdin:
             command = line.strip()
             if command == "poll":
-                poll()
+                sampler.poll()
             if command in ("poll", "flush"):
-                answer(flushed())
+                answer(sampler.flushed())
             elif command == "stop":
                 break
     finally:
