@@ -10,7 +10,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from zeus_callbacks.core.device.errors import GPUError, InvalidInputError
 from zeus_callbacks.core.device.gpus import get_gpus
@@ -74,6 +74,30 @@ def _domains(value: object) -> list[PowerDomain] | None:
     return list(dict.fromkeys(out))
 
 
+def _measured_domains(
+    indices: list[int], gpus: list[Any], readers: list[PowerReader], requested: list[PowerDomain] | None
+) -> list[PowerDomain]:
+    """The domains to sample: those requested (each offered by every GPU), else every domain all offer."""
+    offered = [{d for d, _, _ in r.fields} | ({r.usage} if r.usage else set()) for r in readers]
+    if requested is not None:
+        for d in requested:
+            for g, o in zip(gpus, offered, strict=True):
+                if d not in o:
+                    raise InvalidInputError(
+                        f"`PowerMonitor(power_domains=[..., {d.value!r}])`: {g.label} does not offer "
+                        f"{d.value!r} (it offers {sorted(x.value for x in o)}). Leave it out, or pass "
+                        "power_domains=None for every domain all the GPUs offer."
+                    )
+        return requested
+    supported = [d for d in PowerDomain if all(d in o for o in offered)]
+    if not supported:
+        each = ", ".join(f"{g.label}: {sorted(x.value for x in o)}" for g, o in zip(gpus, offered, strict=True))
+        raise InvalidInputError(
+            f"`PowerMonitor(gpu_indices={indices})`: these GPUs offer no power domain in common ({each})."
+        )
+    return supported
+
+
 class PowerMonitor:
     """Sample the power of GPUs in the background and keep a timeline per GPU and power domain.
 
@@ -135,25 +159,9 @@ class PowerMonitor:
         self._clock = gpus.clock
         self._gpus = [gpus[i] for i in self.gpu_indices]
         readers = [probe(g) for g in self._gpus]
-        offered = [{d for d, _, _ in r.fields} | ({r.usage} if r.usage else set()) for r in readers]
-        supported = [d for d in PowerDomain if all(d in o for o in offered)]
-        if requested is None:
-            self.measurement_domains: list[PowerDomain] = supported
-        else:
-            for d in requested:
-                for g, o in zip(self._gpus, offered, strict=True):
-                    if d not in o:
-                        raise InvalidInputError(
-                            f"`PowerMonitor(power_domains=[..., {d.value!r}])`: {g.label} does not offer "
-                            f"{d.value!r} (it offers {sorted(x.value for x in o)}). Leave it out, or pass "
-                            "power_domains=None for every domain all the GPUs offer."
-                        )
-            self.measurement_domains = requested
-        if not self.measurement_domains:
-            raise InvalidInputError(
-                f"`PowerMonitor(gpu_indices={self.gpu_indices})`: these GPUs offer no power domain in common "
-                f"({', '.join(f'{g.label}: {sorted(x.value for x in o)}' for g, o in zip(self._gpus, offered, strict=True))})."
-            )
+        self.measurement_domains: list[PowerDomain] = _measured_domains(
+            self.gpu_indices, self._gpus, readers, requested
+        )
         if PowerDomain.DEVICE_INSTANT not in self.measurement_domains:
             logger.warning("PowerMonitor: device_instant is not sampled, so `get_power` is unavailable.")
         wanted = set(self.measurement_domains)
