@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import numbers
 from collections import deque
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.arguments import bad_argument, positive_number, whole_number
 from zeus_callbacks.core.device.errors import GPUError, InvalidInputError
 from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -52,9 +52,12 @@ _ITERATION_WINDOW_S = 2.0
 _UNLOCKED = 0  # "clock" of measurements taken at the clock the GPU chose itself (no permission to lock)
 
 
+_OWNER = "PipelineFrequencyOptimizer"
+
+
 def _bad(name: str, value: Any, want: str) -> ValueError:
     """The error of a bad constructor argument: names it with its value, says what to pass (one line)."""
-    return ValueError(f"`PipelineFrequencyOptimizer({name}={value!r})`: {want}.")
+    return bad_argument(_OWNER, name, value, want)
 
 
 def _said(key: str | tuple[str, int]) -> str:
@@ -66,10 +69,18 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _check_integer(name: str, value: Any, low: int) -> None:
-    """`value` is an integer >= `low` (an integral float such as 3.0 is accepted), else `_bad`."""
-    if not (_is_number(value) and math.isfinite(value) and value == int(value) and value >= low):
-        raise _bad(name, value, f"pass an integer >= {low}")
+def _check_options(schedule: Any, wait: Any, warmup: Any, profile: Any, stride: Any, patience: Any) -> None:
+    """The schedule's name and the step counts (`core.arguments`' checks), else a clear error."""
+    if schedule is not None and schedule not in SCHEDULES + MULTI_STAGE_SCHEDULES:
+        raise _bad("schedule", schedule, f"pass one of {SCHEDULES + MULTI_STAGE_SCHEDULES}, or None (detected)")
+    for name, value, low in (
+        ("wait_steps", wait, 0),
+        ("warmup_steps", warmup, 0),
+        ("profile_steps", profile, 1),
+        ("frequency_stride_mhz", stride, 1),
+        ("patience", patience, 1),
+    ):
+        whole_number(_OWNER, name, value, low)
 
 
 # -- phases -----------------------------------------------------------------------------------------
@@ -251,26 +262,11 @@ class PipelineFrequencyOptimizer:
         process_group: Any = None,
         slack_margin: float = 0.0,
     ) -> None:
-        if schedule is not None and schedule not in SCHEDULES + MULTI_STAGE_SCHEDULES:
-            raise _bad(
-                "schedule", schedule, f"pass one of {SCHEDULES + MULTI_STAGE_SCHEDULES}, or None (detected)"
-            )
-        for name, value, low in (
-            ("wait_steps", wait_steps, 0),
-            ("warmup_steps", warmup_steps, 0),
-            ("profile_steps", profile_steps, 1),
-            ("frequency_stride_mhz", frequency_stride_mhz, 1),
-            ("patience", patience, 1),
-        ):
-            _check_integer(name, value, low)
+        _check_options(schedule, wait_steps, warmup_steps, profile_steps, frequency_stride_mhz, patience)
         if min_frequency_mhz is not None:
-            _check_integer("min_frequency_mhz", min_frequency_mhz, 1)
-        if target_time_s is not None and not (_is_number(target_time_s) and 0 < target_time_s < math.inf):
-            raise _bad(
-                "target_time_s",
-                target_time_s,
-                "pass a positive, finite number of seconds, or None (the all-maximum-clock iteration time)",
-            )
+            whole_number(_OWNER, "min_frequency_mhz", min_frequency_mhz, 1)
+        if target_time_s is not None:
+            positive_number(_OWNER, "target_time_s", target_time_s)
         if not (_is_number(slack_margin) and 0.0 <= slack_margin < 1.0):
             raise _bad("slack_margin", slack_margin, "pass a number in [0, 1), e.g. 0 (the default)")
         if rank is not None and dist.is_distributed() and rank != dist.rank():
