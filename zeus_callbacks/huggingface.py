@@ -3,51 +3,37 @@ core calls out.
 
 - `HFZeusMonitor`: the GPUs' energy per logging interval and for the run, in the trainer's logs.
 - `HFGlobalPowerLimitOptimizer`: Zeus's power-limit optimizer (`GlobalPowerLimitOptimizer`).
-- `HFPipelineFrequencyOptimizer`: Perseus (`PipelineFrequencyOptimizer`) for pipeline-parallel steps.
-- `HeterogeneousTrainer` and `HFHeterogeneousCallback`: training on a heterogeneous plan.
 - `HFEpochLog`: each epoch's time, energy and power in Zeus's profiler files (`EpochLog`).
-- `ZeusTrainerMixin` / `restoring_gpus`: the opt-in for GPUs back the moment `train()` raises, cut-short
-  checkpoints skipped, and metrics before the `report_to` trackers. Nothing is patched process-wide.
+- re-exported from `huggingface_parallel`: `HFPipelineFrequencyOptimizer` (Perseus for pipeline-parallel
+  steps), `HeterogeneousTrainer` and `HFHeterogeneousCallback` (training on a heterogeneous plan);
+- re-exported from `huggingface_trainer`: `ZeusTrainerMixin` / `restoring_gpus`, the opt-in for GPUs back the
+  moment `train()` raises, cut-short checkpoints skipped, and metrics before the `report_to` trackers.
+  Nothing is patched process-wide.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-from torch.utils.data import DataLoader
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from typing_extensions import override
 
 from zeus_callbacks.core.device.errors import InvalidInputError
-from zeus_callbacks.core.heterogeneous.training import (
-    RankPlan,
-    UnevenDistributedSampler,
-    apply_power_limit,
-    restore_power_limits,
-    unshard_dataloader,
-)
 from zeus_callbacks.core.monitor.epoch_log import EpochLog
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.monitor.reporting import (
     EnergyReporter,
     Rates,
-    pipeline_frequency_metrics,
 )
-from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
-from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 from zeus_callbacks.core.power_limit.session import PowerLimitOptions, PowerLimitSession
 from zeus_callbacks.huggingface_checkpoints import (
     TRAINER_STATE_NAME,
     checkpoint_state,
-    complete_checkpoint,
     earlier_checkpoints,
     optimizer_state_in,
     resumed_checkpoint,
@@ -60,7 +46,19 @@ except ImportError:  # pragma: no cover - transformers < 4.41 keeps no callback 
 
     class ExportableState:  # type: ignore[no-redef]
         """Stand-in for transformers' `ExportableState` (checkpoints of this version carry no callback state)."""
-
+from zeus_callbacks.huggingface_parallel import (
+    HeterogeneousTrainer,
+    HFHeterogeneousCallback,
+    HFPipelineFrequencyOptimizer,
+)
+from zeus_callbacks.huggingface_trainer import (
+    ZeusTrainerMixin,
+    _log,
+    _LogsFirst,
+    _RestoresOnException,
+    _ResumesFromCheckpoint,
+    restoring_gpus,
+)
 
 __all__ = [
     "HFZeusMonitor",
@@ -74,114 +72,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-class _LogsFirst(TrainerCallback):
-    """A callback that adds metrics to the logs. transformers hands the logs to the `report_to` trackers
-    before the user's callbacks, so the trackers get these metrics only when the callback runs before them:
-    `ZeusTrainerMixin` moves it there. On a plain `Trainer` the metrics reach `state.log_history` and the
-    callbacks after this one, and one line says so when `report_to` names a tracker."""
-
-    _in_zeus_trainer = False  # set by ZeusTrainerMixin.train
-    _said_trackers: ClassVar[bool] = False
-
-    @override
-    def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_train_begin` → say once where the metrics go when the trackers run first."""
-        report_to = args.report_to if isinstance(args.report_to, list) else [args.report_to]
-        trackers = [t for t in report_to if t and t != "none"]
-        if trackers and not self._in_zeus_trainer and not _LogsFirst._said_trackers:
-            _LogsFirst._said_trackers = True
-            logger.info(
-                "%s's metrics reach state.log_history and the callbacks after it, not the report_to "
-                "trackers %s, which run first: train with a Trainer that mixes in "
-                "zeus_callbacks.huggingface.ZeusTrainerMixin to send them there too.",
-                type(self).__name__,
-                trackers,
-            )
-
-
-def _log(state: TrainerState, logs: dict[str, Any] | None, metrics: dict[str, Any]) -> None:
-    """Add `metrics` to the logs being sent and to the copy already kept in `state.log_history`."""
-    if logs is not None:
-        logs.update(metrics)
-    if state.log_history:
-        state.log_history[-1].update(metrics)
-
-
-class _RestoresOnException(TrainerCallback):
-    """A callback whose GPU changes `ZeusTrainerMixin` / `restoring_gpus` undo the moment `train()` raises.
-
-    transformers has no exception hook (Lightning has `on_exception`). Without the opt-in the GPUs get their
-    settings back when the process ends (exit, signal, or the restore watchdog after a hard death); with it,
-    before the exception leaves `train()`, for a caller that catches it (a notebook cell).
-    """
-
-    def _train_failed(self) -> None:
-        """Undo this callback's GPU changes; `train()` raised. No collective: the other ranks may not."""
-        raise NotImplementedError
-
-
-def _undo_gpu_changes(trainer: Trainer) -> None:
-    """Call `_train_failed` on every `_RestoresOnException` callback of `trainer`; `train()` raised."""
-    for callback in list(getattr(getattr(trainer, "callback_handler", None), "callbacks", ())):
-        if isinstance(callback, _RestoresOnException):
-            try:
-                callback._train_failed()
-            except Exception:  # the training error is the one to see
-                logger.warning("%s could not undo its GPU changes.", type(callback).__name__, exc_info=True)
-
-
-@contextlib.contextmanager
-def restoring_gpus(trainer: Trainer) -> Iterator[Trainer]:
-    """`with restoring_gpus(trainer): trainer.train()`: if `train()` raises, the GPU changes of the
-    trainer's zeus_callbacks callbacks are undone before the exception leaves the block, unchanged.
-    Resumption is left as transformers does it."""
-    try:
-        yield trainer
-    except BaseException:
-        _undo_gpu_changes(trainer)
-        raise
-
-
-class ZeusTrainerMixin:
-    """Opt-in, for a `Trainer` subclass: `class MyTrainer(ZeusTrainerMixin, Trainer)` (or `SFTTrainer`).
-
-    - `train()` raising undoes the zeus_callbacks callbacks' GPU changes before the exception leaves it
-      (`restoring_gpus`);
-    - `train(resume_from_checkpoint=...)` given a checkpoint that a kill cut short while it was being saved
-      resumes from the last complete one before it (one warning naming the file), or starts over when there
-      is none; the power-limit optimizer then also falls back to an earlier checkpoint's state when the
-      resumed one's is corrupted. `skip_cut_short_checkpoints = False` on the subclass keeps transformers'
-      resumption;
-    - the callbacks that add metrics run before the `report_to` trackers, so the trackers get them.
-    """
-
-    skip_cut_short_checkpoints: ClassVar[bool] = True
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        for callback in kwargs.get("callbacks") or ():
-            if isinstance(callback, _LogsFirst):
-                callback._in_zeus_trainer = True
-        super().__init__(*args, **kwargs)
-
-    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """`Trainer.train`, with the behaviours of the class docstring."""
-        trainer: Any = self
-        callbacks = trainer.callback_handler.callbacks
-        for callback in [cb for cb in callbacks if isinstance(cb, _LogsFirst)][::-1]:
-            callbacks.remove(callback)
-            callbacks.insert(0, callback)
-            callback._in_zeus_trainer = True
-        if self.skip_cut_short_checkpoints:
-            resume_from_checkpoint = complete_checkpoint(trainer.args.output_dir, resume_from_checkpoint)
-            resumed = Path(resume_from_checkpoint) if isinstance(resume_from_checkpoint, (str, Path)) else None
-            for callback in callbacks:
-                if isinstance(callback, HFGlobalPowerLimitOptimizer):
-                    callback._checkpoint = resumed
-        with restoring_gpus(trainer):
-            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
 
 
 class HFZeusMonitor(_LogsFirst):
@@ -280,7 +170,7 @@ def _saved_state(state: TrainerState, name: str) -> Any:
     return optimizer_state_in(state.stateful_callbacks, name) if state.global_step else None
 
 
-class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableState):
+class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, _LogsFirst, ExportableState):
     """Find the best GPU power limit during training and keep it (Zeus's `HFGlobalPowerLimitOptimizer`).
 
     Drives a `PowerLimitSession` (the adapter contract, in `zeus_callbacks.core.power_limit.session`) of
@@ -478,201 +368,6 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _LogsFirst, ExportableSt
         closed, the report marked failed)."""
         self._session.fail()
         self._training, self._checkpoint = False, None
-
-
-class HFPipelineFrequencyOptimizer(_RestoresOnException, _LogsFirst):
-    """Perseus for a `Trainer` whose training step runs a `torch.distributed.pipelining` schedule.
-
-    Drives `zeus_callbacks.PipelineFrequencyOptimizer` (see it for the method and the arguments):
-    `on_train_begin` finds this rank's pipeline stage (`stage`, else an attribute of the model that is a
-    `PipelineStage` or a schedule; with a multi-stage schedule such as `ScheduleInterleaved1F1B`, all its
-    stages and its order) and reports its `forward_one_chunk`/`backward_one_chunk`
-    calls as instructions (`StageAttachment.attach`); `on_step_begin`/`on_step_end` → the optimizer's hooks
-    of the same names (one training step = one pipeline iteration); `on_train_end` →
-    `StageAttachment.detach` (clocks reset); when `trainer.train()` raises, at exit, or before the exception
-    leaves it with `ZeusTrainerMixin` / `restoring_gpus`. Every log event gets `PipelineFrequencyOptimizer.metrics()`, prefixed
-    `pipeline_frequency_optimizer/`.
-
-    Args:
-        stage: This rank's `PipelineStage` (or its schedule), or None to find it on the model at
-            `on_train_begin`.
-        *args: Positional arguments of `PipelineFrequencyOptimizer` (Zeus's: rank, dp_rank, pp_rank, ...).
-        **kwargs: Keyword arguments of `PipelineFrequencyOptimizer` (monitor, schedule, profile_path, ...).
-
-    Raises:
-        ValueError: at `on_train_begin`, when the job has no pipeline stage to instrument.
-
-    Example::
-
-        class PipelineTrainer(Trainer):
-            def training_step(self, model, inputs, num_items_in_batch=None):
-                ...  # schedule.step(...) on this rank's stage
-
-        pfo = HFPipelineFrequencyOptimizer(stage, monitor=ZeusMonitor(gpu_indices=[local_rank]))
-        PipelineTrainer(model, training_args, train_dataset=ds, callbacks=[pfo]).train()
-        report = pfo.optimizer.report()
-    """
-
-    def __init__(self, stage: Any = None, *args: Any, **kwargs: Any) -> None:
-        self.optimizer = PipelineFrequencyOptimizer(*args, **kwargs)
-        self._stage = StageAttachment(
-            self.optimizer,
-            stage,
-            adapter="HFPipelineFrequencyOptimizer",
-            alternative="HFGlobalPowerLimitOptimizer",
-        )
-
-    @override
-    def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_train_begin` → `StageAttachment.attach` on the trainer's model."""
-        super().on_train_begin(args, state, control, **kwargs)
-        self._stage.attach(kwargs.get("model"))
-
-    @override
-    def on_step_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_step_begin` → `PipelineFrequencyOptimizer.on_step_begin`."""
-        self.optimizer.on_step_begin()
-
-    @override
-    def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_step_end` (after the optimizer step) → `PipelineFrequencyOptimizer.on_step_end`."""
-        self.optimizer.on_step_end()
-
-    @override
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        """`on_log` → `PipelineFrequencyOptimizer.metrics`, added to `logs` under `pipeline_frequency_optimizer/`."""
-        _log(state, logs, pipeline_frequency_metrics(self.optimizer.metrics()))
-
-    @override
-    def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_train_end` → `StageAttachment.detach` (clocks reset, instrumentation removed)."""
-        self._stage.detach()
-
-    @override
-    def _train_failed(self) -> None:
-        """`trainer.train()` raised → `StageAttachment.detach` (clocks reset, instrumentation removed)."""
-        self._stage.detach()
-
-
-class HFHeterogeneousCallback(_RestoresOnException):
-    """Run this rank's GPU at its planned power limit during `trainer.train()`.
-
-    `on_train_begin` → `apply_power_limit(rank_plan, gpu_index)`; `on_train_end`, or `trainer.train()`
-    raising → `restore_power_limits()` (also done at exit and on signals by the GPU-state guard).
-    `HeterogeneousTrainer` adds it itself.
-
-    Args:
-        rank_plan: This rank's share of the plan (`rank_plan(plan)`).
-        gpu_index: This rank's GPU; default `local_rank()`.
-    """
-
-    def __init__(self, rank_plan: RankPlan, gpu_index: int | None = None) -> None:
-        self.rank_plan = rank_plan
-        self.gpu_index = gpu_index
-
-    @override
-    def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_train_begin` → `apply_power_limit`."""
-        apply_power_limit(self.rank_plan, self.gpu_index)
-
-    @override
-    def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_train_end` → `restore_power_limits`."""
-        restore_power_limits()
-
-    @override
-    def _train_failed(self) -> None:
-        """`trainer.train()` raised → `restore_power_limits`."""
-        restore_power_limits()
-
-
-class HeterogeneousTrainer(ZeusTrainerMixin, Trainer):
-    """A `Trainer` on a heterogeneous plan: uneven local batches, full-batch gradients, per-rank power.
-
-    `get_train_dataloader` gives this rank `rank_plan.local_batch` samples of every global batch
-    (`per_device_train_batch_size` is ignored for training); `compute_loss` multiplies the training loss
-    by `rank_plan.loss_scale`, except when the Trainer already normalises it by the number of items over
-    all ranks (`average_tokens_across_devices` with a model that takes `num_items_in_batch`), which is
-    exact for uneven batches as it is; `HFHeterogeneousCallback` applies the power limit. The logged
-    loss, averaged over ranks by the Trainer, is then the mean over the global batch. A `ZeusTrainerMixin`
-    that keeps transformers' resumption: `train()` raising puts the GPUs back before it leaves.
-
-    Args:
-        *args: As `Trainer`'s.
-        rank_plan: This rank's share of the plan.
-        gpu_index: This rank's GPU; default `local_rank()`.
-        **kwargs: As `Trainer`'s.
-
-    Example::
-
-        rp = rank_plan(plan(profiles, counts, global_batch=1024))
-        HeterogeneousTrainer(model, training_args, train_dataset=ds, rank_plan=rp).train()
-    """
-
-    skip_cut_short_checkpoints = False
-
-    def __init__(self, *args: Any, rank_plan: RankPlan, gpu_index: int | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.rank_plan = rank_plan
-        self.add_callback(HFHeterogeneousCallback(rank_plan, gpu_index))
-
-    @override
-    def get_train_dataloader(self) -> DataLoader:
-        """This rank's slice of every global batch (`UnevenDistributedSampler`), not sharded again."""
-        if self.train_dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        sampler = UnevenDistributedSampler.from_rank_plan(
-            self.train_dataset, self.rank_plan, seed=self.args.seed, drop_last=True
-        )
-        loader = self._get_dataloader(
-            dataset=self.train_dataset,
-            description="Training",
-            batch_size=self.rank_plan.local_batch,
-            sampler_fn=lambda _: sampler,
-            is_training=True,
-        )
-        return unshard_dataloader(loader)
-
-    @override
-    def compute_loss(
-        self,
-        model: torch.nn.Module,
-        inputs: dict[str, Any],
-        return_outputs: bool = False,
-        num_items_in_batch: Any = None,
-    ) -> Any:
-        """`Trainer.compute_loss` times `rank_plan.loss_scale` in training (see the class docstring)."""
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        over_ranks = (
-            self.args.average_tokens_across_devices
-            and (self.model_accepts_loss_kwargs or self.compute_loss_func)
-            and num_items_in_batch is not None
-        )
-        if not model.training or over_ranks:
-            return result
-        if return_outputs:
-            loss, outputs = result
-            return loss * self.rank_plan.loss_scale, outputs
-        return result * self.rank_plan.loss_scale
 
 
 class HFEpochLog(TrainerCallback):

@@ -1,0 +1,145 @@
+"""The HF `Trainer` opt-in shared by the transformers adapters: `ZeusTrainerMixin` / `restoring_gpus` (GPUs
+back the moment `train()` raises, cut-short checkpoints skipped, metrics before the `report_to` trackers), and
+the callback bases it acts on."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from typing_extensions import override
+
+from zeus_callbacks.huggingface_checkpoints import (
+    complete_checkpoint,
+)
+
+try:
+    from transformers.trainer_callback import ExportableState
+except ImportError:  # pragma: no cover - transformers < 4.41 keeps no callback state in checkpoints
+
+    class ExportableState:  # type: ignore[no-redef]
+        """Stand-in for transformers' `ExportableState` (checkpoints of this version carry no callback state)."""
+
+
+__all__ = ["ZeusTrainerMixin", "restoring_gpus"]
+
+logger = logging.getLogger("zeus_callbacks.huggingface")
+
+
+class _LogsFirst(TrainerCallback):
+    """A callback that adds metrics to the logs. transformers hands the logs to the `report_to` trackers
+    before the user's callbacks, so the trackers get these metrics only when the callback runs before them:
+    `ZeusTrainerMixin` moves it there. On a plain `Trainer` the metrics reach `state.log_history` and the
+    callbacks after this one, and one line says so when `report_to` names a tracker."""
+
+    _in_zeus_trainer = False  # set by ZeusTrainerMixin.train
+    _said_trackers: ClassVar[bool] = False
+
+    @override
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_train_begin` → say once where the metrics go when the trackers run first."""
+        report_to = args.report_to if isinstance(args.report_to, list) else [args.report_to]
+        trackers = [t for t in report_to if t and t != "none"]
+        if trackers and not self._in_zeus_trainer and not _LogsFirst._said_trackers:
+            _LogsFirst._said_trackers = True
+            logger.info(
+                "%s's metrics reach state.log_history and the callbacks after it, not the report_to "
+                "trackers %s, which run first: train with a Trainer that mixes in "
+                "zeus_callbacks.huggingface.ZeusTrainerMixin to send them there too.",
+                type(self).__name__,
+                trackers,
+            )
+
+
+def _log(state: TrainerState, logs: dict[str, Any] | None, metrics: dict[str, Any]) -> None:
+    """Add `metrics` to the logs being sent and to the copy already kept in `state.log_history`."""
+    if logs is not None:
+        logs.update(metrics)
+    if state.log_history:
+        state.log_history[-1].update(metrics)
+
+
+class _RestoresOnException(TrainerCallback):
+    """A callback whose GPU changes `ZeusTrainerMixin` / `restoring_gpus` undo the moment `train()` raises.
+
+    transformers has no exception hook (Lightning has `on_exception`). Without the opt-in the GPUs get their
+    settings back when the process ends (exit, signal, or the restore watchdog after a hard death); with it,
+    before the exception leaves `train()`, for a caller that catches it (a notebook cell).
+    """
+
+    def _train_failed(self) -> None:
+        """Undo this callback's GPU changes; `train()` raised. No collective: the other ranks may not."""
+        raise NotImplementedError
+
+
+class _ResumesFromCheckpoint(TrainerCallback):
+    """A callback told which checkpoint `ZeusTrainerMixin.train` resumes from (after skipping cut-short ones)."""
+
+    _checkpoint: Path | None = None
+
+
+def _undo_gpu_changes(trainer: Trainer) -> None:
+    """Call `_train_failed` on every `_RestoresOnException` callback of `trainer`; `train()` raised."""
+    for callback in list(getattr(getattr(trainer, "callback_handler", None), "callbacks", ())):
+        if isinstance(callback, _RestoresOnException):
+            try:
+                callback._train_failed()
+            except Exception:  # the training error is the one to see
+                logger.warning("%s could not undo its GPU changes.", type(callback).__name__, exc_info=True)
+
+
+@contextlib.contextmanager
+def restoring_gpus(trainer: Trainer) -> Iterator[Trainer]:
+    """`with restoring_gpus(trainer): trainer.train()`: if `train()` raises, the GPU changes of the
+    trainer's zeus_callbacks callbacks are undone before the exception leaves the block, unchanged.
+    Resumption is left as transformers does it."""
+    try:
+        yield trainer
+    except BaseException:
+        _undo_gpu_changes(trainer)
+        raise
+
+
+class ZeusTrainerMixin:
+    """Opt-in, for a `Trainer` subclass: `class MyTrainer(ZeusTrainerMixin, Trainer)` (or `SFTTrainer`).
+
+    - `train()` raising undoes the zeus_callbacks callbacks' GPU changes before the exception leaves it
+      (`restoring_gpus`);
+    - `train(resume_from_checkpoint=...)` given a checkpoint that a kill cut short while it was being saved
+      resumes from the last complete one before it (one warning naming the file), or starts over when there
+      is none; the power-limit optimizer then also falls back to an earlier checkpoint's state when the
+      resumed one's is corrupted. `skip_cut_short_checkpoints = False` on the subclass keeps transformers'
+      resumption;
+    - the callbacks that add metrics run before the `report_to` trackers, so the trackers get them.
+    """
+
+    skip_cut_short_checkpoints: ClassVar[bool] = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for callback in kwargs.get("callbacks") or ():
+            if isinstance(callback, _LogsFirst):
+                callback._in_zeus_trainer = True
+        super().__init__(*args, **kwargs)
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`, with the behaviours of the class docstring."""
+        trainer: Any = self
+        callbacks = trainer.callback_handler.callbacks
+        for callback in [cb for cb in callbacks if isinstance(cb, _LogsFirst)][::-1]:
+            callbacks.remove(callback)
+            callbacks.insert(0, callback)
+            callback._in_zeus_trainer = True
+        if self.skip_cut_short_checkpoints:
+            resume_from_checkpoint = complete_checkpoint(trainer.args.output_dir, resume_from_checkpoint)
+            resumed = Path(resume_from_checkpoint) if isinstance(resume_from_checkpoint, (str, Path)) else None
+            for callback in callbacks:
+                if isinstance(callback, _ResumesFromCheckpoint):
+                    callback._checkpoint = resumed
+        with restoring_gpus(trainer):
+            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
