@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
-import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -13,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from zeus_callbacks.core.device.errors import SIMULATION_HINT, GPUError, GPULostError, InvalidInputError
+from zeus_callbacks.core.device.errors import GPUError, GPULostError, InvalidInputError
 from zeus_callbacks.core.device.gpus import GPU, get_gpus
 from zeus_callbacks.core.device.power import (
     MAX_REFRESH_PERIOD_S,
@@ -22,6 +20,7 @@ from zeus_callbacks.core.device.power import (
     one_second_power_mw,
 )
 from zeus_callbacks.core.monitor import checks, rapl
+from zeus_callbacks.core.monitor.timeline import check_gpu_indices
 
 __all__ = ["ZeusMonitor", "Measurement", "MeasurementState"]
 
@@ -135,41 +134,6 @@ class _PowerSampler:
         self._stop.set()
 
 
-def _gpu_indices(gpu_indices: object, visible: int) -> list[int]:
-    """`ZeusMonitor`'s `gpu_indices` as a list of distinct visible GPU indices, or a clear error."""
-    if gpu_indices is None:
-        if visible == 0:
-            raise InvalidInputError(
-                "`ZeusMonitor()`: no GPU is visible to this process "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}). Make one visible, or pass "
-                f"gpu_indices=[] to measure only the CPU. {SIMULATION_HINT}"
-            )
-        return list(range(visible))
-    call = f"`ZeusMonitor(gpu_indices={gpu_indices!r})`"
-    items = [gpu_indices] if isinstance(gpu_indices, int) else gpu_indices  # Zeus's DDP example: one int
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence | set | frozenset | range):
-        raise InvalidInputError(f"{call}: expected a list of GPU indices, e.g. [0] or [0, 1].")
-    indices = []
-    for i in items:
-        try:
-            if isinstance(i, bool):
-                raise TypeError
-            indices.append(operator.index(i))
-        except TypeError:
-            raise InvalidInputError(
-                f"{call}: {i!r} is not a GPU index; expected whole numbers, e.g. [0]."
-            ) from None
-    bad = [i for i in indices if not 0 <= i < visible]
-    if bad:
-        raise InvalidInputError(
-            f"{call}: {bad} not among the {visible} visible GPU(s). Indices count from 0 after "
-            "CUDA_VISIBLE_DEVICES."
-        )
-    if len(set(indices)) != len(indices):
-        raise InvalidInputError(f"{call}: a GPU is named twice; name each once.")
-    return indices
-
-
 class ZeusMonitor:
     """Measure the time and GPU energy of named windows, as Zeus's `ZeusMonitor` does.
 
@@ -227,7 +191,7 @@ class ZeusMonitor:
                 "least 0.001 (default 0.1)."
             )
         self.gpus = get_gpus()
-        gpu_indices = _gpu_indices(gpu_indices, len(self.gpus))
+        gpu_indices = check_gpu_indices("ZeusMonitor", gpu_indices, len(self.gpus), cpu_only=True)
         if sync_execution_with not in ("torch",):
             raise ValueError(
                 f"`ZeusMonitor(sync_execution_with={sync_execution_with!r})`: only 'torch' is supported."

@@ -140,28 +140,33 @@ class Poller:
             self._thread.join(timeout=5.0)
 
 
-def check_gpu_indices(owner: str, gpu_indices: object, visible: int) -> list[int]:
-    """`gpu_indices` as distinct visible GPU indices (None: every visible GPU), or a clear error."""
+def check_gpu_indices(owner: str, gpu_indices: object, visible: int, cpu_only: bool = False) -> list[int]:
+    """`gpu_indices` as distinct visible GPU indices (None: every visible GPU), or a clear error.
+
+    With `cpu_only` (`ZeusMonitor`'s), `[]` measures no GPU and a single index stands for a list of one, as in
+    Zeus's DDP example."""
     call = f"`{owner}(gpu_indices={gpu_indices!r})`"
     if gpu_indices is None:
         if visible == 0:
+            instead = " Make one visible, or pass gpu_indices=[] to measure only the CPU." if cpu_only else ""
             raise InvalidInputError(
-                f"{call}: no GPU is visible to this process (CUDA_VISIBLE_DEVICES="
-                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}). {SIMULATION_HINT}"
+                f"`{owner}()`: no GPU is visible to this process (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}).{instead} {SIMULATION_HINT}"
             )
         return list(range(visible))
-    if isinstance(gpu_indices, (str, bytes)) or not isinstance(gpu_indices, Sequence | set | frozenset | range):
+    items = [gpu_indices] if cpu_only and isinstance(gpu_indices, int) else gpu_indices
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence | set | frozenset | range):
         raise InvalidInputError(f"{call}: expected a list of GPU indices, e.g. [0] or [0, 1].")
-    if not gpu_indices:
+    if not items and not cpu_only:
         raise InvalidInputError(f"{call}: name at least one GPU, or pass None for every visible GPU.")
     indices = []
-    for i in gpu_indices:
+    for i in items:
         try:
             if isinstance(i, bool):
                 raise TypeError
             indices.append(operator.index(i))
         except TypeError:
-            raise InvalidInputError(f"{call}: {i!r} is not a GPU index; expected whole numbers.") from None
+            raise InvalidInputError(f"{call}: {i!r} is not a GPU index; expected whole numbers, e.g. [0].") from None
     bad = [i for i in indices if not 0 <= i < visible]
     if bad:
         raise InvalidInputError(
