@@ -327,32 +327,13 @@ class ZeusMonitor:
             cpu = dict.fromkeys(self.cpu_indices, 0.0) if self._rapl else None
             return Measurement(0.0, dict.fromkeys(self._live_indices, 0.0), cpu, None, self.simulated)
         end = self._clock()
-        try:
-            after = self._read_counters()
-        except GPUError:
-            after = self._read_answering()
-        if indices is not self._counter_indices:  # a GPU was lost since the window began
-            now = dict(zip(self._counter_indices, after, strict=True))
-            energy = {i: (now[i] - c0) / 1000.0 for i, c0 in zip(indices, before, strict=True) if i in now}
-        elif len(after) == 1:  # the common case under torch.distributed: one GPU per process
-            energy = {indices[0]: (after[0] - before[0]) / 1000.0}
-        else:
-            energy = {i: (c1 - c0) / 1000.0 for i, c0, c1 in zip(indices, before, after)}  # noqa: B905
+        energy = self._counter_energy_j(indices, before)
         if (end - start < self._short_s or not all(energy.values())) and (
             self.approx_instant_energy or len(self._short_warned) < len(energy)
         ):
             self._short_window(key, end - start, energy, instant)
         if self._sampler is not None:
-            sampled = zip(self._sampled_indices, self._sampler.energy_j(start, end), strict=True)
-            for k, (i, e) in enumerate(sampled):
-                if k not in self._sampler.lost:
-                    energy[i] = e
-                elif i not in self._lost:
-                    self._lose(i, GPUError(self._sampler.lost[k]))
-            if not energy and not self._counter_indices:
-                raise GPULostError(
-                    f"ZeusMonitor: no monitored GPU answers any more ({'; '.join(self._lost.values())})"
-                )
+            self._add_sampled_energy(energy, start, end)
         cpu_j, dram_j = self._cpu_energy(cpu_before)
         m = Measurement(end - start, energy, cpu_j, dram_j, self.simulated)
         if self._log is not None:
@@ -360,6 +341,31 @@ class ZeusMonitor:
             self._log.write(f"{start},{key},{m.time},{values}\n")
             self._log.flush()
         return m
+
+    def _counter_energy_j(self, indices: list[int], before: list[int]) -> dict[int, float]:
+        """Each GPU's energy (J) since its counters read `before`, for the GPUs still answering."""
+        try:
+            after = self._read_counters()
+        except GPUError:
+            after = self._read_answering()
+        if indices is not self._counter_indices:  # a GPU was lost since the window began
+            now = dict(zip(self._counter_indices, after, strict=True))
+            return {i: (now[i] - c0) / 1000.0 for i, c0 in zip(indices, before, strict=True) if i in now}
+        if len(after) == 1:  # the common case under torch.distributed: one GPU per process
+            return {indices[0]: (after[0] - before[0]) / 1000.0}
+        return {i: (c1 - c0) / 1000.0 for i, c0, c1 in zip(indices, before, after)}  # noqa: B905
+
+    def _add_sampled_energy(self, energy: dict[int, float], start: float, end: float) -> None:
+        """Add the energy of the GPUs without a counter, integrated from their sampled power."""
+        assert self._sampler is not None
+        sampled = zip(self._sampled_indices, self._sampler.energy_j(start, end), strict=True)
+        for k, (i, e) in enumerate(sampled):
+            if k not in self._sampler.lost:
+                energy[i] = e
+            elif i not in self._lost:
+                self._lose(i, GPUError(self._sampler.lost[k]))
+        if not energy and not self._counter_indices:
+            raise GPULostError(f"ZeusMonitor: no monitored GPU answers any more ({'; '.join(self._lost.values())})")
 
     def _instant_power_w(self) -> dict[int, float] | None:
         try:
