@@ -142,6 +142,27 @@ def test_callback_set_drives_every_hook():
     assert calls == ["epoch_begin", "begin forward", "evaluate 0.9"]
 
 
+def test_both_optimizers_are_zeus_callbacks_driven_by_a_callback_set(sim_gpus):
+    """Zeus's `GlobalPowerLimitOptimizer` and `PipelineFrequencyOptimizer` are `Callback`s; a `CallbackSet`
+    of both drives the pipeline one's instructions too."""
+    from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
+
+    sim_gpus("a40")
+    pfo = PipelineFrequencyOptimizer(rank=0, pp_rank=0, pp_degree=1, world_size=1, wait_steps=0, profile_steps=1)
+    plo = GlobalPowerLimitOptimizer(ZeusMonitor(gpu_indices=[0]))
+    assert isinstance(pfo, Callback) and isinstance(plo, Callback)
+    callbacks = CallbackSet([plo, pfo])
+    callbacks.on_train_begin()
+    callbacks.on_step_begin()
+    for name in ("forward", "backward"):
+        callbacks.on_instruction_begin(name)
+        callbacks.on_instruction_end(name)
+    callbacks.on_step_end()
+    assert pfo.phase == "profiling" and pfo.profiling_steps == 1
+    callbacks.on_train_end()
+    pfo.close()
+
+
 @pytest.mark.parametrize(
     ("module", "name", "own"),
     [

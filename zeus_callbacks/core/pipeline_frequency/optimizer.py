@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.arguments import bad_argument, positive_number, whole_number
+from zeus_callbacks.core.callback import Callback
 from zeus_callbacks.core.device.errors import GPUError, InvalidInputError
 from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -151,7 +152,7 @@ class _Inactive:
 _Phase = _Waiting | _Profiling | _Applying | _Fallback | _Inactive
 
 
-class PipelineFrequencyOptimizer:
+class PipelineFrequencyOptimizer(Callback):
     """Slow down the pipeline instructions that are off the critical path (Perseus, SOSP'24; Zeus's
     `PipelineFrequencyOptimizer`, without its server: ranks coordinate over torch.distributed).
 
