@@ -219,49 +219,64 @@ def _series(
     s: Series, px: Callable[[float], float], py: Callable[[float], float], y_base: float
 ) -> list[str]:
     """SVG elements of one series (None values break lines)."""
-    out: list[str] = []
-    dash = ' stroke-dasharray="6 4"' if s.dashed else ""
     if s.kind in ("line", "step"):
-        parts: list[list[str]] = [[]]
-        prev: tuple[float, float] | None = None
-        for x, y in zip(s.xs, s.ys, strict=True):
-            if y is None or not math.isfinite(y):
-                parts.append([])
-                prev = None
-                continue
-            if s.kind == "step" and prev is not None:
-                parts[-1].append(f"{px(x):.1f},{py(prev[1]):.1f}")
-            parts[-1].append(f"{px(x):.1f},{py(y):.1f}")
-            prev = (x, y)
-        for pts in parts:
-            if len(pts) > 1:
-                out.append(
-                    f'<polyline class="series" fill="none" stroke="{s.color}" stroke-width="1.8"{dash} '
-                    f'points="{" ".join(pts)}"><title>{escape(s.label)}</title></polyline>'
-                )
-    elif s.kind == "points":
-        for k, (x, y) in enumerate(zip(s.xs, s.ys, strict=True)):
-            if y is None:
-                continue
-            hollow = k < len(s.hollow) and s.hollow[k]
-            fill = "white" if hollow else (s.colors[k] if k < len(s.colors) else s.color)
-            tip = f"<title>{escape(s.tips[k])}</title>" if k < len(s.tips) else ""
-            out.append(
-                f'<circle class="point" cx="{px(x):.1f}" cy="{py(y):.1f}" r="4.5" fill="{fill}" '
-                f'stroke="{s.color}" stroke-width="1.6">{tip}</circle>'
-            )
-    elif s.kind == "bars":
-        base = py(max(0.0, y_base))
-        for k, (x, y) in enumerate(zip(s.xs, s.ys, strict=True)):
-            if y is None:
-                continue
-            half = (s.widths[k] if k < len(s.widths) else s.width) / 2
-            left, right = px(x - half), px(x + half)
-            top = py(y)
-            color = s.colors[k] if k < len(s.colors) else s.color
-            tip = f"<title>{escape(s.tips[k])}</title>" if k < len(s.tips) else ""
-            out.append(
-                f'<rect class="bar" x="{left:.2f}" y="{min(top, base):.1f}" width="{max(0.6, right - left):.2f}" '
-                f'height="{abs(base - top):.1f}" fill="{color}">{tip}</rect>'
-            )
+        return _polylines(s, px, py)
+    if s.kind == "points":
+        return _points(s, px, py)
+    if s.kind == "bars":
+        return _bars(s, px, py, y_base)
+    return []
+
+
+def _polylines(s: Series, px: Callable[[float], float], py: Callable[[float], float]) -> list[str]:
+    dash = ' stroke-dasharray="6 4"' if s.dashed else ""
+    parts: list[list[str]] = [[]]
+    prev: tuple[float, float] | None = None
+    for x, y in zip(s.xs, s.ys, strict=True):
+        if y is None or not math.isfinite(y):
+            parts.append([])
+            prev = None
+            continue
+        if s.kind == "step" and prev is not None:
+            parts[-1].append(f"{px(x):.1f},{py(prev[1]):.1f}")
+        parts[-1].append(f"{px(x):.1f},{py(y):.1f}")
+        prev = (x, y)
+    return [
+        f'<polyline class="series" fill="none" stroke="{s.color}" stroke-width="1.8"{dash} '
+        f'points="{" ".join(pts)}"><title>{escape(s.label)}</title></polyline>'
+        for pts in parts
+        if len(pts) > 1
+    ]
+
+
+def _points(s: Series, px: Callable[[float], float], py: Callable[[float], float]) -> list[str]:
+    out: list[str] = []
+    for k, (x, y) in enumerate(zip(s.xs, s.ys, strict=True)):
+        if y is None:
+            continue
+        hollow = k < len(s.hollow) and s.hollow[k]
+        fill = "white" if hollow else (s.colors[k] if k < len(s.colors) else s.color)
+        tip = f"<title>{escape(s.tips[k])}</title>" if k < len(s.tips) else ""
+        out.append(
+            f'<circle class="point" cx="{px(x):.1f}" cy="{py(y):.1f}" r="4.5" fill="{fill}" '
+            f'stroke="{s.color}" stroke-width="1.6">{tip}</circle>'
+        )
+    return out
+
+
+def _bars(s: Series, px: Callable[[float], float], py: Callable[[float], float], y_base: float) -> list[str]:
+    out: list[str] = []
+    base = py(max(0.0, y_base))
+    for k, (x, y) in enumerate(zip(s.xs, s.ys, strict=True)):
+        if y is None:
+            continue
+        half = (s.widths[k] if k < len(s.widths) else s.width) / 2
+        left, right = px(x - half), px(x + half)
+        top = py(y)
+        color = s.colors[k] if k < len(s.colors) else s.color
+        tip = f"<title>{escape(s.tips[k])}</title>" if k < len(s.tips) else ""
+        out.append(
+            f'<rect class="bar" x="{left:.2f}" y="{min(top, base):.1f}" width="{max(0.6, right - left):.2f}" '
+            f'height="{abs(base - top):.1f}" fill="{color}">{tip}</rect>'
+        )
     return out
