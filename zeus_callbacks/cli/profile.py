@@ -106,50 +106,23 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="zeus-callbacks-profile-") as tmp:
         for b in batch_sizes:
             out = Path(tmp) / f"batch{b}.json"
-            env = {
-                **os.environ,
-                PROFILE_ENV["batch_size"]: str(b),
-                PROFILE_ENV["out"]: str(out),
-                PROFILE_ENV["warmup_steps"]: str(args.warmup_steps),
-                PROFILE_ENV["steps_per_window"]: str(args.steps_per_window),
-                PROFILE_ENV["gpu_index"]: str(args.gpu_index),
-                PROFILE_ENV["pl_step"]: str(args.pl_step),
-            }
-            if power_limits:
-                env[PROFILE_ENV["power_limits"]] = ",".join(map(str, power_limits))
-            if sim_specs:
-                env[SIMULATE_ENV] = sim_specs[b]
+            env = _batch_env(args, b, out, power_limits, sim_specs)
             print(f"batch size {b}: {' '.join(command)}", file=sys.stderr)
             try:
                 returncode = _run_script(command, env, args.timeout)
             except KeyboardInterrupt:
                 print(f"zeus-callbacks profile: interrupted at batch size {b}", file=sys.stderr)
                 return 130
-            if returncode is None:
-                print(
-                    f"zeus-callbacks profile: batch size {b} ran past --timeout {args.timeout}s",
-                    file=sys.stderr,
-                )
+            result = None if returncode is None else read_run(out)
+            failure = _batch_failure(b, returncode, result, args.timeout)
+            if failure is not None:
+                print(f"zeus-callbacks profile: {failure}", file=sys.stderr)
                 return 1
-            result = read_run(out)
             if result is not None and result.oom:
                 oom_at = b
                 print(f"batch size {b}: out of GPU memory; stopping at larger batch sizes", file=sys.stderr)
                 break
-            if returncode != 0:
-                print(
-                    f"zeus-callbacks profile: the script exited with {returncode} at batch size {b} "
-                    "(its output is above).",
-                    file=sys.stderr,
-                )
-                return 1
-            if result is None:
-                print(
-                    f"zeus-callbacks profile: the script wrote no result at batch size {b}. It must call "
-                    "`zeus_callbacks.profile_power_limits(step_fn)`.",
-                    file=sys.stderr,
-                )
-                return 1
+            assert result is not None
             runs[b] = result
     try:
         profile = build_profile(
@@ -161,6 +134,42 @@ def run(args: argparse.Namespace) -> int:
     write_profile(args.output, profile)
     print(_summary(args.gpu_name, runs, Path(args.output)))
     return 0
+
+
+def _batch_env(
+    args: argparse.Namespace, b: int, out: Path, power_limits: list[int] | None, sim_specs: dict[int, str] | None
+) -> dict[str, str]:
+    """The environment of batch size `b`'s run: what `profile_power_limits` reads."""
+    env = {
+        **os.environ,
+        PROFILE_ENV["batch_size"]: str(b),
+        PROFILE_ENV["out"]: str(out),
+        PROFILE_ENV["warmup_steps"]: str(args.warmup_steps),
+        PROFILE_ENV["steps_per_window"]: str(args.steps_per_window),
+        PROFILE_ENV["gpu_index"]: str(args.gpu_index),
+        PROFILE_ENV["pl_step"]: str(args.pl_step),
+    }
+    if power_limits:
+        env[PROFILE_ENV["power_limits"]] = ",".join(map(str, power_limits))
+    if sim_specs:
+        env[SIMULATE_ENV] = sim_specs[b]
+    return env
+
+
+def _batch_failure(b: int, returncode: int | None, result: BatchSizeRun | None, timeout: float | None) -> str | None:
+    """Why batch size `b`'s run failed, in one line; None when it gave a result or ran out of memory."""
+    if returncode is None:
+        return f"batch size {b} ran past --timeout {timeout}s"
+    if result is not None and result.oom:
+        return None
+    if returncode != 0:
+        return f"the script exited with {returncode} at batch size {b} (its output is above)."
+    if result is None:
+        return (
+            f"the script wrote no result at batch size {b}. It must call "
+            "`zeus_callbacks.profile_power_limits(step_fn)`."
+        )
+    return None
 
 
 def _run_script(command: list[str], env: dict[str, str], timeout: float | None) -> int | None:
