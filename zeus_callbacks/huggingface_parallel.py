@@ -19,18 +19,9 @@ from zeus_callbacks.core.heterogeneous.training import (
     restore_power_limits,
     unshard_dataloader,
 )
-from zeus_callbacks.core.monitor.reporting import (
-    pipeline_frequency_metrics,
-)
+from zeus_callbacks.core.monitor.reporting import pipeline_frequency_metrics
 from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
-
-try:
-    from transformers.trainer_callback import ExportableState
-except ImportError:  # pragma: no cover - transformers < 4.41 keeps no callback state in checkpoints
-
-    class ExportableState:  # type: ignore[no-redef]
-        """Stand-in for transformers' `ExportableState` (checkpoints of this version carry no callback state)."""
 from zeus_callbacks.huggingface_trainer import ZeusTrainerMixin, _log, _LogsFirst, _RestoresOnException
 
 __all__ = ["HFPipelineFrequencyOptimizer", "HFHeterogeneousCallback", "HeterogeneousTrainer"]

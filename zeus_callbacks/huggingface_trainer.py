@@ -17,14 +17,6 @@ from zeus_callbacks.huggingface_checkpoints import (
     complete_checkpoint,
 )
 
-try:
-    from transformers.trainer_callback import ExportableState
-except ImportError:  # pragma: no cover - transformers < 4.41 keeps no callback state in checkpoints
-
-    class ExportableState:  # type: ignore[no-redef]
-        """Stand-in for transformers' `ExportableState` (checkpoints of this version carry no callback state)."""
-
-
 __all__ = ["ZeusTrainerMixin", "restoring_gpus"]
 
 logger = logging.getLogger("zeus_callbacks.huggingface")
