@@ -12,9 +12,9 @@ from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOp
 
 pytestmark = pytest.mark.slow  # two profiles of 20-40 ms instructions on the real clock
 
-# Profiled steps per clock. Both profiles carry the host's jitter (the simulated work is host CPU time), so
-# their per-kind energies differ by both errors: with 4 steps the worst kind was 2.4-4.7% apart in three
-# runs on an idle 2-core host and 9% once in a fresh-clone CI run; with 8 steps 1.5-2.7% in three runs.
+# Profiled steps per clock. The instructions' work is queued on the simulated GPU (no host CPU), so both
+# profiles run the same work whatever the host's load: with the work as host CPU time their per-kind
+# energies carried the host's jitter (6% apart once in a loaded full-suite run, 9% once in CI).
 _PROFILE_STEPS = 8
 
 
@@ -25,7 +25,7 @@ def _profile(tmp_path, ideal: str) -> tuple[dict[tuple[str, int], float], list[i
         frequency_stride_mhz=300, patience=2,
     )  # fmt: skip
     try:
-        run_steps(pfo, 400, _kinds("1f1b", 4), until="applying", work_s=0.02)
+        run_steps(pfo, 400, _kinds("1f1b", 4), until="applying", work_s=0.02, queued=True)
         assert pfo.phase == "applying"
         rows = {(r.instruction, r.frequency_mhz): r.energy_j for r in pfo.profile_rows()}
         return rows, list(pfo.plan_frequencies_mhz)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import burn_cpu
 
+from zeus_callbacks import sim
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.pipeline_frequency.clock_sweep import clock_sweep, merge_replicas, passed_valley
@@ -49,16 +50,23 @@ def run_steps(
     kinds: list[str] | list[Instruction],
     until: str | None = None,
     work_s: float = 0.002,
+    queued: bool = False,
 ) -> int:
     """A fake single-stage schedule: each forward burns `work_s` of CPU (simulated GPU work), a backward twice,
     and between instructions the stage waits for its peers without computing (a sleep, as a blocking recv).
-    Instructions (rather than kinds) are reported with their virtual stage."""
+    With `queued` the work is queued on simulated GPU 0 instead (`sim.enqueue_work`: no host CPU, so the
+    host's load does not change how much work there is). Instructions (rather than kinds) are reported with
+    their virtual stage."""
     for n in range(steps):
         pfo.on_step_begin()
         for item in kinds:
             kind, virtual = (item.kind, item.virtual_stage) if isinstance(item, Instruction) else (item, None)
             pfo.on_instruction_begin(kind, virtual_stage=virtual)
-            burn_cpu(work_s if kind == "forward" else 2 * work_s)
+            work = work_s if kind == "forward" else 2 * work_s
+            if queued:
+                sim.enqueue_work(0, work)
+            else:
+                burn_cpu(work)
             pfo.on_instruction_end(kind, virtual_stage=virtual)
             time.sleep(work_s / 2)
         pfo.on_step_end()
