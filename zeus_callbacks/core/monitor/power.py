@@ -290,8 +290,13 @@ class PowerMonitor:
         """The timeline of one domain: {GPU index: [(timestamp, watts), ...]}, oldest first, filtered to
         [start_time, end_time] where given; `gpu_index` selects one GPU."""
         domain = self._domain(power_domain)
-        indices = self.gpu_indices if gpu_index is None else [gpu_index]
         self._collect()
+        return self._timeline(domain, gpu_index, start_time, end_time)
+
+    def _timeline(
+        self, domain: PowerDomain, gpu_index: int | None, start_time: float | None, end_time: float | None
+    ) -> dict[int, list[tuple[float, float]]]:
+        indices = self.gpu_indices if gpu_index is None else [gpu_index]
         with self._lock:
             return {
                 i: [(t, mw / 1000) for t, mw in self._series[domain][i].points(start_time, end_time)]
@@ -302,11 +307,9 @@ class PowerMonitor:
     def get_all_power_timelines(
         self, gpu_index: int | None = None, start_time: float | None = None, end_time: float | None = None
     ) -> dict[str, dict[int, list[tuple[float, float]]]]:
-        """Every monitored domain's timeline, by domain name."""
-        return {
-            d.value: self.get_power_timeline(d, gpu_index, start_time, end_time)
-            for d in self.measurement_domains
-        }
+        """Every monitored domain's timeline, by domain name (the sampling process asked once)."""
+        self._collect()
+        return {d.value: self._timeline(d, gpu_index, start_time, end_time) for d in self.measurement_domains}
 
     def get_energy(self, start_time: float, end_time: float) -> dict[int, float] | None:
         """Energy (J) per GPU between two times: the trapezoidal integral of device_instant power (else
