@@ -93,50 +93,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train, profile, report; 2 on bad input."""
     try:
-        selector = objective_from_args(args)
-        if args.real and (args.gpu or args.workload):
-            raise ValueError("--real uses this machine's GPU: drop --gpu/--workload")
-        if args.steps < 1:
-            raise ValueError(f"--steps {args.steps}: must be at least 1")
-        for option, value in (("--carbon-intensity", args.carbon_intensity), ("--price", args.price)):
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{option} {value}: must be a number >= 0")
-            if value is not None and not args.report:
-                raise ValueError(f"{option} goes into the HTML report: add --report FILE.html")
-        if args.region is not None:
-            if args.carbon_intensity is not None:
-                raise ValueError("--region and --carbon-intensity both set the carbon intensity: pass one")
-            if not args.report:
-                raise ValueError("--region goes into the HTML report: add --report FILE.html")
-            args.carbon_intensity, args.carbon_source = _region_intensity(args.region)
-        if args.report and Path(args.report).is_dir():
-            raise ValueError(f"--report {args.report}: is a folder; pass a file name such as demo.html")
+        selector = _checked_selector(args)
     except ValueError as e:
         print(f"zeus-callbacks demo: {e}", file=sys.stderr)
         return 2
     progress = sys.stderr if args.json else sys.stdout
     from zeus_callbacks import sim
 
-    tmp_state = None
-    if not args.real:
-        spec = f"{args.gpu or 'a40'}" + (f":{args.workload}" if args.workload else "")
-        # A fresh node (at its maximum limit) unless the user chose where simulated GPUs live.
-        state_dir = os.environ.get("ZEUS_CALLBACKS_SIM_STATE_DIR")
-        if not state_dir:
-            tmp_state = tempfile.TemporaryDirectory(prefix="zeus-callbacks-demo-sim-")
-        try:
-            sim.simulate(
-                spec,
-                noise=args.noise,
-                seed=args.seed,
-                state_dir=state_dir or tmp_state.name,
-                export_env=False,
-            )
-        except (ValueError, FileNotFoundError) as e:
-            print(f"zeus-callbacks demo: {e}", file=sys.stderr)
-            if tmp_state is not None:
-                tmp_state.cleanup()
-            return 2
+    try:
+        tmp_state = None if args.real else _simulate(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"zeus-callbacks demo: {e}", file=sys.stderr)
+        return 2
     try:
         with tempfile.TemporaryDirectory(prefix="zeus-callbacks-demo-") as tmp:
             report = _train(args, selector, Path(tmp), progress)
@@ -145,6 +113,62 @@ def run(args: argparse.Namespace) -> int:
             sim.disable()  # restores what the run changed, if anything is left
             if tmp_state is not None:
                 tmp_state.cleanup()
+    _print_results(args, report, progress)
+    return 0 if report["optimal_power_limit_w"] is not None else 1
+
+
+def _checked_selector(args: argparse.Namespace) -> OptimumSelector:
+    """The objective the options ask for, once they are checked (ValueError: a bad option, named)."""
+    selector = objective_from_args(args)
+    if args.real and (args.gpu or args.workload):
+        raise ValueError("--real uses this machine's GPU: drop --gpu/--workload")
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: must be at least 1")
+    _check_report_options(args)
+    return selector
+
+
+def _check_report_options(args: argparse.Namespace) -> None:
+    """Check the report's options (ValueError: a bad one); `--region` sets `args.carbon_intensity`."""
+    for option, value in (("--carbon-intensity", args.carbon_intensity), ("--price", args.price)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{option} {value}: must be a number >= 0")
+        if value is not None and not args.report:
+            raise ValueError(f"{option} goes into the HTML report: add --report FILE.html")
+    if args.region is not None:
+        if args.carbon_intensity is not None:
+            raise ValueError("--region and --carbon-intensity both set the carbon intensity: pass one")
+        if not args.report:
+            raise ValueError("--region goes into the HTML report: add --report FILE.html")
+        args.carbon_intensity, args.carbon_source = _region_intensity(args.region)
+    if args.report and Path(args.report).is_dir():
+        raise ValueError(f"--report {args.report}: is a folder; pass a file name such as demo.html")
+
+
+def _simulate(args: argparse.Namespace) -> tempfile.TemporaryDirectory | None:
+    """Simulate the GPU the options name; returns the temporary folder made for its state, to clean up.
+
+    ValueError or FileNotFoundError (an unknown GPU model or workload) leaves nothing behind.
+    """
+    from zeus_callbacks import sim
+
+    spec = f"{args.gpu or 'a40'}" + (f":{args.workload}" if args.workload else "")
+    # A fresh node (at its maximum limit) unless the user chose where simulated GPUs live.
+    state_dir = os.environ.get("ZEUS_CALLBACKS_SIM_STATE_DIR")
+    tmp_state = None if state_dir else tempfile.TemporaryDirectory(prefix="zeus-callbacks-demo-sim-")
+    try:
+        sim.simulate(
+            spec, noise=args.noise, seed=args.seed, state_dir=state_dir or tmp_state.name, export_env=False
+        )
+    except (ValueError, FileNotFoundError):
+        if tmp_state is not None:
+            tmp_state.cleanup()
+        raise
+    return tmp_state
+
+
+def _print_results(args: argparse.Namespace, report: dict[str, Any], progress: TextIO) -> None:
+    """Write the plot if asked, say where the files went (on `progress`), and print the report."""
     if args.plot:
         plot(report, args.plot)
         print(f"Plot written to {args.plot}.", file=progress)
@@ -153,7 +177,6 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"Report written to {args.report} (record in {run_dir_for(args.report)}).", file=progress)
     print(json.dumps(_plain(report), indent=1) if args.json else table(report))
-    return 0 if report["optimal_power_limit_w"] is not None else 1
 
 
 def _train(args: argparse.Namespace, selector: OptimumSelector, tmp: Path, out: TextIO) -> dict[str, Any]:

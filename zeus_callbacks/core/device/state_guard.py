@@ -8,7 +8,8 @@ recorded route first. The process restores the recorded values at normal exit, o
 on SIGINT/SIGTERM (then hands the signal to the handler that was installed before); a forked child never
 restores its parent's GPU. A process killed hard (SIGKILL, OOM) leaves its journal behind: the next
 process that discovers the GPUs, or `zeus-callbacks restore`, puts those values back, one repairer at a
-time under the directory's lock.
+time under the directory's lock. A journal's entries (`journal_entries`), the repair of other processes'
+journals (`journal_repair`) and the identity of the process that wrote one (`process_identity`) live apart.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,17 +31,17 @@ from zeus_callbacks.core.device.errors import (
     GPUError,
     GPUNotSupportedError,
     GPUStateJournalError,
-    InvalidInputError,
 )
 from zeus_callbacks.core.device.journal import (
     JOURNAL_ENV,
     boot_id,
-    directory_lock,
     ensure_trusted_dir,
     read_journal,
-    trusted_dir,
     write_atomic,
 )
+from zeus_callbacks.core.device.journal_entries import KNOBS, JournalEntry, apply_entry, entry_for, to_record
+from zeus_callbacks.core.device.journal_repair import JournalRepairer
+from zeus_callbacks.core.device.process_identity import alive, start_time
 from zeus_callbacks.core.device.watchdog import Watchdog
 
 if TYPE_CHECKING:
@@ -60,37 +60,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_KNOBS = ("power_limit", "sm_clocks", "persistence")
-
-
-@dataclass(frozen=True)
-class JournalEntry:
-    """A setting of one GPU as it was before this package changed it, and the route the change took."""
-
-    uuid: str
-    name: str
-    knob: str  # power_limit | sm_clocks | persistence
-    original: Any  # mW for power_limit, bool for persistence, None for sm_clocks (unlocked)
-    route: str = "nvml"  # nvml | zeusd: how the change was made, and so how it is undone
-    zeusd: str | None = None  # zeusd's endpoint (`unix:PATH` or `tcp:HOST:PORT`) when route is zeusd
-    # A change sent to zeusd that got no answer: it may be applied later (zeusd runs every queued command),
-    # so the restore sends the original even where the GPU still reads it.
-    unconfirmed: bool = False
-
-
-def _entry(gpu: GPU, knob: str, original: Any) -> JournalEntry:
-    """An entry for a change this process makes now, through its route."""
-    r = setters.route()
-    endpoint = getattr(r, "endpoint", None)
-    return JournalEntry(
-        gpu.uuid, gpu.name, knob, original, r.name, None if endpoint is None else str(endpoint)
-    )
-
-
-def _record(entry: JournalEntry) -> dict[str, Any]:
-    """The entry as journaled: `unconfirmed` only where set (journals of confirmed changes stay as they were)."""
-    return {k: v for k, v in asdict(entry).items() if k != "unconfirmed" or v}
-
 
 def journal_dir() -> Path | None:
     """Where journals live: `ZEUS_CALLBACKS_JOURNAL_DIR`, else the NVML backend's choice (for real GPUs
@@ -98,90 +67,6 @@ def journal_dir() -> Path | None:
     if os.environ.get(JOURNAL_ENV):
         return Path(os.environ[JOURNAL_ENV])
     return active_backend().journal_dir()
-
-
-def _stat(pid: int) -> list[str]:
-    """/proc/<pid>/stat's fields after the command name (state first); [] when unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def _start_time(pid: int) -> str | None:
-    fields = _stat(pid)
-    return fields[19] if len(fields) > 19 else None
-
-
-def _alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    fields = _stat(pid)
-    if fields and fields[0] in ("Z", "X"):  # dead, not yet reaped
-        return False
-    return start is None or (fields[19] if len(fields) > 19 else None) == start
-
-
-def _routes(gpu: GPU, entry: JournalEntry) -> list[setters.Route]:
-    """The routes to undo `entry` through: the one that made the change first, then this process's own,
-    then NVML where this process may use it (a daemon gone since, or a run made as root)."""
-    out = [setters.route_for(entry.route, entry.zeusd)]
-    try:
-        out.append(setters.route())
-    except InvalidInputError as e:
-        logger.debug("Not restoring through this process's route: %s", e)
-    nvml = setters.nvml_route()
-    if nvml.may_change(gpu):
-        out.append(nvml)
-    return list({id(r): r for r in out}.values())
-
-
-def _apply(gpu: GPU, entry: JournalEntry) -> None:
-    what = f"Restoring {entry.knob}"
-    # Already back (restored by another process, or never changed): nothing to do, no permission needed.
-    # Unless the change is unconfirmed: it may still be waiting in zeusd's queue, to run after this read.
-    if entry.knob == "power_limit" and not entry.unconfirmed and gpu.power_limit_mw() == int(entry.original):
-        return
-    first: GPUError | None = None
-    for r in _routes(gpu, entry):
-        try:
-            if entry.knob == "power_limit":
-                r.set_power_limit_mw(gpu, int(entry.original), what)
-            elif entry.knob == "sm_clocks":
-                r.reset_sm_clocks(gpu, what)
-            elif entry.knob == "persistence":
-                r.set_persistence_mode(gpu, bool(entry.original), what)
-            return
-        except GPUError as e:
-            first = first or e
-    assert first is not None
-    raise first
-
-
-def _invalid(gpu: GPU, entry: JournalEntry) -> str | None:
-    """Why `entry` must not be applied to `gpu` (None: it may)."""
-    if entry.knob not in _KNOBS:
-        return f"unknown setting {entry.knob!r}"
-    try:
-        setters.route_for(entry.route, entry.zeusd)
-    except ValueError as e:
-        return str(e)
-    if entry.knob == "power_limit":
-        if type(entry.original) is not int:
-            return f"power limit {entry.original!r} is not a number of mW"
-        lo, hi = gpu.power_limit_constraints_mw()
-        if not lo <= entry.original <= hi:
-            return f"power limit {entry.original / 1000:g} W is outside [{lo / 1000:g}, {hi / 1000:g}] W"
-    elif entry.knob == "persistence" and type(entry.original) is not bool:
-        return f"persistence mode {entry.original!r} is not true or false"
-    elif entry.knob == "sm_clocks" and entry.original is not None:
-        return f"SM clocks {entry.original!r} are not `null` (unlocked)"
-    return None
 
 
 class GPUStateGuard:
@@ -195,11 +80,12 @@ class GPUStateGuard:
         self._handlers_installed = False
         self._pid = os.getpid()
         self._boot = boot_id()
-        self._path = None if directory is None else directory / f"{self._pid}-{_start_time(self._pid)}.json"
-        self._warned: set[str] = set()
+        self._path = None if directory is None else directory / f"{self._pid}-{start_time(self._pid)}.json"
+        self._warned: set[str] = set()  # GPUs whose unexplained power limit was reported
         self._written = False  # whether this process's journal file exists
         self._unrestored: set[tuple[str, str]] = set()  # entries whose restore failed (reported once)
         self._watchdog: Watchdog | None = None  # restores at once if this process dies hard
+        self._repairer = None if directory is None else JournalRepairer(directory, self._path, self._boot)
 
     @property
     def directory(self) -> Path | None:
@@ -214,8 +100,8 @@ class GPUStateGuard:
             GPUBusyError: another live process owns the GPU's settings.
             GPUStateJournalError: the journal cannot be written; the GPU must not be changed.
         """
-        if knob not in _KNOBS:
-            raise ValueError(f"Unknown GPU setting {knob!r}; expected one of {_KNOBS}.")
+        if knob not in KNOBS:
+            raise ValueError(f"Unknown GPU setting {knob!r}; expected one of {KNOBS}.")
         with self._lock:
             if (gpu.uuid, knob) in self._entries:
                 return False
@@ -226,7 +112,7 @@ class GPUStateGuard:
                 original = gpu.power_limit_mw()
             elif knob == "persistence":
                 original = gpu.persistence_mode()
-            self._entries[(gpu.uuid, knob)] = _entry(gpu, knob, original)
+            self._entries[(gpu.uuid, knob)] = entry_for(gpu, knob, original)
             self._gpus[gpu.uuid] = gpu
             try:
                 self._write()
@@ -346,9 +232,9 @@ class GPUStateGuard:
         ensure_trusted_dir(self._dir)
         data = {
             "pid": self._pid,
-            "start": _start_time(self._pid),
+            "start": start_time(self._pid),
             "boot": self._boot,
-            "entries": [_record(e) for e in self._entries.values()],
+            "entries": [to_record(e) for e in self._entries.values()],
         }
         write_atomic(self._path, data)
         self._written = True
@@ -366,7 +252,7 @@ class GPUStateGuard:
             ok = True
             for key, entry in reversed(list(self._entries.items())):
                 try:
-                    _apply(self._gpus[entry.uuid], entry)
+                    apply_entry(self._gpus[entry.uuid], entry)
                     del self._entries[key]
                     logger.info(
                         "Restored %s of %s to %r.", entry.knob, self._gpus[entry.uuid].label, entry.original
@@ -399,7 +285,7 @@ class GPUStateGuard:
     def _on_signal(self, signum: int) -> None:
         self.restore()
 
-    # -- repairing dead runs ----------------------------------------------------------------------
+    # -- repairing other processes' journals ------------------------------------------------------
     def repair_dead_runs(self, gpus: GPUs, include_live: bool = False) -> list[JournalEntry]:
         """Restore the settings journaled by processes that died without restoring them.
 
@@ -407,18 +293,7 @@ class GPUStateGuard:
         left alone unless `include_live`. Journals are read only from a trusted directory (see
         `journal.trusted_dir`), and one process at a time repairs them. Returns the entries restored.
         """
-        if self._dir is None or not trusted_dir(self._dir):
-            return []
-        by_uuid = {g.uuid: g for g in gpus}
-        restored: list[JournalEntry] = []
-        try:
-            with directory_lock(self._dir):
-                for path in sorted(self._dir.glob("*.json")):
-                    if path != self._path:
-                        restored += self._repair(path, by_uuid, include_live)
-        except OSError as e:
-            logger.warning("Could not repair the GPU-state journals in %s: %s", self._dir, e)
-        return restored
+        return [] if self._repairer is None else self._repairer.repair_dead_runs(gpus, include_live)
 
     def restore_signalled(self, pid: int, start: str | None, gpus: GPUs, signum: int) -> list[JournalEntry]:
         """Put back the settings journaled by the live process `pid`, which received `signum` (SIGTERM,
@@ -428,108 +303,9 @@ class GPUStateGuard:
         ahead of time; the journal is left as it is: the owner's restore, or the repair after its death,
         removes it (applying the same values again is harmless). Returns the entries restored.
         """
-        if self._dir is None or not trusted_dir(self._dir):
+        if self._repairer is None:
             return []
-        path = self._dir / f"{pid}-{start}.json"
-        if not path.exists():  # its own handler ran and restored already (or it changed nothing)
-            return []
-        data = self._read_other(path)
-        if data is None or data.get("pid") != pid:
-            return []
-        by_uuid = {g.uuid: g for g in gpus}
-        restored = []
-        for raw in reversed(data["entries"]):
-            entry = JournalEntry(**raw)
-            gpu = by_uuid.get(entry.uuid)
-            try:
-                if gpu is None or _invalid(gpu, entry) is not None:
-                    continue
-                _apply(gpu, entry)
-            except GPUError as e:
-                logger.warning("Could not restore %s of %s: %s", entry.knob, gpu.label if gpu else "?", e)
-                continue
-            restored.append(entry)
-            logger.warning(
-                "Process %s received %s; restored %s of %s to %r at once (its own handler cannot run while "
-                "it is blocked in native code, e.g. a collective).",
-                pid,
-                signal.Signals(signum).name,
-                entry.knob,
-                gpu.label,
-                entry.original,
-            )
-        return restored
-
-    def _read_other(self, path: Path) -> dict[str, Any] | None:
-        try:
-            return read_journal(path)
-        except (OSError, ValueError) as e:
-            if path.name not in self._warned:
-                self._warned.add(path.name)
-                reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-                logger.warning(
-                    "Ignoring %s: not a GPU-state journal this process may trust (%s).", path, reason
-                )
-            return None
-
-    def _repair(self, path: Path, by_uuid: dict[str, GPU], include_live: bool) -> list[JournalEntry]:
-        """Repair one journal file (under the directory lock: re-read here, rewritten atomically)."""
-        data = self._read_other(path)
-        if data is None:
-            return []
-        if data.get("boot") is not None and self._boot is not None and data["boot"] != self._boot:
-            logger.info("Discarding %s, written before the last reboot (which reset the GPUs).", path)
-            path.unlink(missing_ok=True)
-            return []
-        if _alive(data["pid"], data.get("start")) and not include_live:
-            return []
-        restored, left = [], []
-        for raw in reversed(data["entries"]):
-            entry = JournalEntry(**raw)
-            gpu = by_uuid.get(entry.uuid)
-            if gpu is None or (not include_live and self._owned(entry.uuid)):
-                left.append(raw)  # not visible here, or a live owner changed it since: later
-                continue
-            if self._repair_entry(gpu, entry, data["pid"]):
-                restored.append(entry)
-            elif self._valid_or_warn(gpu, entry, path):
-                left.append(raw)
-        if left:
-            data["entries"] = list(reversed(left))
-            write_atomic(path, data)
-        else:
-            path.unlink(missing_ok=True)
-        return restored
-
-    def _owned(self, uuid: str) -> bool:
-        assert self._dir is not None
-        return owner_lock.held(self._dir, uuid) or owner_lock.holder(self._dir, uuid) is not None
-
-    def _valid_or_warn(self, gpu: GPU, entry: JournalEntry, path: Path) -> bool:
-        try:
-            reason = _invalid(gpu, entry)
-        except GPUError:
-            return True
-        if reason is not None:
-            logger.warning("Dropping an entry of %s for %s: %s.", path, gpu.label, reason)
-        return reason is None
-
-    def _repair_entry(self, gpu: GPU, entry: JournalEntry, pid: int) -> bool:
-        try:
-            if _invalid(gpu, entry) is not None:
-                return False
-            _apply(gpu, entry)
-        except GPUError as e:
-            logger.warning("Could not restore %s of %s: %s", entry.knob, gpu.label, e)
-            return False
-        logger.warning(
-            "Process %s ended without restoring %s of %s; restored it to %r.",
-            pid,
-            entry.knob,
-            gpu.label,
-            entry.original,
-        )
-        return True
+        return self._repairer.restore_signalled(pid, start, gpus, signum)
 
 
 def job_gpu_overlap(gpus: Sequence[GPU]) -> str | None:
@@ -572,13 +348,13 @@ def restore_defaults(gpus: GPUs, include_live: bool = False) -> list[tuple[GPU, 
             continue
         try:
             default = gpu.default_power_limit_mw()
-            _apply(gpu, _entry(gpu, "power_limit", default))
+            apply_entry(gpu, entry_for(gpu, "power_limit", default))
             what = f"power limit {default / 1000:g} W"
         except GPUError as e:
             done.append((gpu, f"not restored: {e}"))
             continue
         try:
-            _apply(gpu, _entry(gpu, "sm_clocks", None))
+            apply_entry(gpu, entry_for(gpu, "sm_clocks", None))
             what += ", SM clocks unlocked"
         except GPUNotSupportedError:
             pass
@@ -600,7 +376,7 @@ def leftover_entries(directory: Path | None = None) -> list[tuple[int, JournalEn
         except (OSError, ValueError) as e:
             logger.warning("Ignoring %s: not a GPU-state journal this process may trust (%s).", path, e)
             continue
-        if not _alive(data["pid"], data.get("start")):
+        if not alive(data["pid"], data.get("start")):
             out.extend((data["pid"], JournalEntry(**raw)) for raw in data["entries"])
     return out
 

@@ -171,11 +171,12 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="zeus-callbacks restore watchdog: %(message)s")
     import zeus_callbacks  # noqa: F401  (registers the NVML backends)
     from zeus_callbacks.core.device.gpus import get_gpus
-    from zeus_callbacks.core.device.state_guard import _start_time, guard
+    from zeus_callbacks.core.device.process_identity import start_time
+    from zeus_callbacks.core.device.state_guard import guard
 
     options = dict(zip(argv[1::2], (int(fd) for fd in argv[2::2]), strict=False))
     argv = argv[:1]
-    start = _start_time(int(argv[0])) if argv else None  # the parent's identity, read while it lives
+    start = start_time(int(argv[0])) if argv else None  # the parent's identity, read while it lives
     try:
         gpus = get_gpus()  # discovered before it is needed, so that the restore is quick
     except Exception as e:  # noqa: BLE001 - no GPU: nothing to watch
@@ -222,10 +223,10 @@ def _wait_for_death(pid: int, start: str | None, timeout_s: float = 10.0) -> Non
     """Wait until `pid` is dead as the journal repair sees it (gone or a zombie): the kernel closes a dying
     process's files, and so the pipe, before it becomes a zombie, and a repair in between would take it
     for alive and leave its GPU changed."""
-    from zeus_callbacks.core.device.state_guard import _alive
+    from zeus_callbacks.core.device.process_identity import alive
 
     deadline = time.monotonic() + timeout_s
-    while _alive(pid, start) and time.monotonic() < deadline:
+    while alive(pid, start) and time.monotonic() < deadline:
         time.sleep(0.002)
 
 

@@ -5,14 +5,21 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
+from zeus_callbacks.core.heterogeneous.plan_records import CostCurve, HeteroPlan, TypePlan
 from zeus_callbacks.core.heterogeneous.profile_file import (
     ExtrapolationError,
     GPUProfile,
     load_profile,
+)
+from zeus_callbacks.core.heterogeneous.zeus2 import (
+    ZEUS2_METHODS,  # noqa: F401  (re-exported: the Zeus² methods, beside COST_MODELS)
+    outside_measured_range,
+    zeus2_cost_curve,
+    zeus2_search,
 )
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector, ZeusCost
 
@@ -31,7 +38,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COST_MODELS = ("sync", "zeus2")
-ZEUS2_METHODS = ("naive", "heuristic", "baseline")
 # Below this many (split, power-limit) candidates the search is exhaustive; above it, coarse-to-fine.
 _EXHAUSTIVE_BUDGET = 4_000_000
 # Candidates of the coarse grid that starts the coarse-to-fine search.
@@ -39,86 +45,6 @@ _COARSE_BUDGET = 1_000_000
 # Candidates evaluated per vectorised chunk, and splits kept between refinement levels.
 _CHUNK = 2_000_000
 _TOP_K = 16
-
-
-@dataclass(frozen=True)
-class TypePlan:
-    """What one GPU type does in a plan. Times and energies are per training step."""
-
-    gpu_name: str
-    count: int
-    local_batch: int  # samples per GPU of this type
-    power_limit_w: int
-    compute_time_s: float  # this type's own compute time; the step lasts the slowest type's
-    energy_j: float  # all GPUs of this type, idle wait at the all-reduce included
-    extrapolated: bool  # the local batch lies outside the measured range
-
-
-@dataclass(frozen=True)
-class HeteroPlan:
-    """A heterogeneous plan and the reference it is compared with: the even split at maximum power limits.
-
-    `cost` is the objective's score in the units of the cost model; for `"zeus2"` it is the original's cost
-    per profiled window (10 steps), for `"sync"` per step.
-    """
-
-    cost_model: str
-    objective: str
-    global_batch: int
-    types: tuple[TypePlan, ...]
-    step_time_s: float
-    energy_j: float
-    cost: float
-    max_power_w: float
-    reference_local_batch: float
-    reference_step_time_s: float
-    reference_energy_j: float
-    reference_cost: float
-    reference_extrapolated: bool
-
-    @property
-    def extrapolated(self) -> bool:
-        """Whether any local batch of the plan lies outside its type's measured range."""
-        return any(t.extrapolated for t in self.types)
-
-    @property
-    def energy_saving(self) -> float:
-        """Fraction of the reference's energy saved."""
-        return 1.0 - self.energy_j / self.reference_energy_j
-
-    @property
-    def slowdown(self) -> float:
-        """Step time relative to the reference (1.05 = 5% slower)."""
-        return self.step_time_s / self.reference_step_time_s
-
-    @property
-    def cost_saving(self) -> float:
-        """Fraction of the reference's cost saved."""
-        return 1.0 - self.cost / self.reference_cost
-
-    def to_dict(self) -> dict:
-        """Plain numbers and strings, for JSON."""
-        out = asdict(self)
-        out["types"] = [asdict(t) for t in self.types]
-        out.update(
-            extrapolated=self.extrapolated,
-            energy_saving=self.energy_saving,
-            slowdown=self.slowdown,
-            cost_saving=self.cost_saving,
-        )
-        return out
-
-
-@dataclass(frozen=True)
-class CostCurve:
-    """Best cost (over power limits) of every split of the global batch between two GPU types."""
-
-    local_batch_a: np.ndarray  # per GPU of the first type
-    local_batch_b: np.ndarray
-    cost: np.ndarray
-    step_time_s: np.ndarray
-    energy_j: np.ndarray
-    extrapolated: np.ndarray  # bool per split
 
 
 @dataclass(frozen=True)
@@ -360,69 +286,109 @@ def _complete(types, free: np.ndarray, global_batch: int, granularity: int, exac
     return np.column_stack([free.astype(float), b_last])[ok]
 
 
-def _search(types, global_batch, granularity, objective, max_power_w, ref_time):
-    """Best (local batches, power-limit indices), exhaustive when small, else coarse-to-fine."""
-    # The type with the fewest GPUs takes the remainder, so that exact splits are dense among the others'.
-    order = sorted(range(len(types)), key=lambda i: types[i].count)[::-1]
-    ordered = [types[i] for i in order]
-    free = ordered[:-1]
-    sizes = [(t.hi - t.lo) // granularity + 1 for t in free]
-    n_limits = math.prod(len(t.profile.power_limits_w) for t in ordered)
-    tracker = _Tracker()
+def _grid(axes: list[np.ndarray]) -> np.ndarray:
+    """Every combination of the values on `axes`, one row each: shape (prod(len(axis)), len(axes))."""
+    if not axes:
+        return np.zeros((1, 0), dtype=np.int64)
+    return np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(axes))
 
-    def evaluate(free_batches: np.ndarray, exact: bool, keep: int = 0) -> np.ndarray:
-        splits = _complete(ordered, free_batches, global_batch, granularity, exact)
-        rows = max(1, _CHUNK // n_limits)
+
+class _SplitSearch:
+    """One search for the best split: the types in search order (the last takes the remainder) and the best
+    candidate found so far."""
+
+    def __init__(
+        self,
+        types: list[_Type],
+        global_batch: int,
+        granularity: int,
+        objective: OptimumSelector,
+        max_power_w: float,
+        ref_time: float,
+    ) -> None:
+        self.types = types
+        self.free = types[:-1]
+        self.global_batch, self.granularity = global_batch, granularity
+        self.objective, self.max_power_w, self.ref_time = objective, max_power_w, ref_time
+        self.n_limits = math.prod(len(t.profile.power_limits_w) for t in types)
+        self.lo = np.array([t.lo for t in self.free])
+        self.hi = np.array([t.hi for t in self.free])
+        self.tracker = _Tracker()
+
+    def run(self) -> None:
+        """Search exhaustively when the candidates are few, else coarse-to-fine."""
+        n_splits = math.prod((t.hi - t.lo) // self.granularity + 1 for t in self.free)
+        if n_splits * self.n_limits <= _EXHAUSTIVE_BUDGET:
+            self.evaluate(_grid([np.arange(t.lo, t.hi + 1, self.granularity) for t in self.free]), exact=True)
+        else:
+            self._coarse_to_fine(n_splits)
+
+    def evaluate(self, free_batches: np.ndarray, exact: bool, keep: int = 0) -> np.ndarray:
+        """Score the splits of `free_batches` (the free types' local batches) in chunks, offering exact ones
+        to the tracker; returns the free batches of the `keep` best-scoring splits (finite scores only)."""
+        splits = _complete(self.types, free_batches, self.global_batch, self.granularity, exact)
+        rows = max(1, _CHUNK // self.n_limits)
         best_rows = []
         for start in range(0, len(splits), rows):
             chunk = splits[start : start + rows]
-            score, energy, step = _score_splits(ordered, chunk, objective, max_power_w, ref_time)
+            score, energy, step = _score_splits(
+                self.types, chunk, self.objective, self.max_power_w, self.ref_time
+            )
             if exact:
-                tracker.offer(ordered, chunk, score, energy, step)
+                self.tracker.offer(self.types, chunk, score, energy, step)
             if keep:
                 row_low = score.min(axis=1)
                 top = np.argsort(row_low, kind="stable")[:keep]
                 best_rows.append((row_low[top], chunk[top, :-1]))
         if not best_rows:
-            return np.empty((0, len(free)))
+            return np.empty((0, len(self.free)))
         lows = np.concatenate([r[0] for r in best_rows])
         cands = np.concatenate([r[1] for r in best_rows])
         top = np.argsort(lows, kind="stable")[:keep]
         return cands[top][np.isfinite(lows[top])].astype(np.int64)
 
-    def grid(axes: list[np.ndarray]) -> np.ndarray:
-        if not axes:
-            return np.zeros((1, 0), dtype=np.int64)
-        return np.stack(np.meshgrid(*axes, indexing="ij"), axis=-1).reshape(-1, len(axes))
-
-    if math.prod(sizes) * n_limits <= _EXHAUSTIVE_BUDGET:
-        evaluate(grid([np.arange(t.lo, t.hi + 1, granularity) for t in free]), exact=True)
-    else:
-        target = max(1.0, _COARSE_BUDGET / n_limits)
-        step = max(1, math.ceil((math.prod(sizes) / target) ** (1 / len(free))))
-        axes = [np.unique(np.r_[np.arange(t.lo, t.hi + 1, step * granularity), t.hi]) for t in free]
-        centers = evaluate(grid(axes), exact=False, keep=_TOP_K)
-        lo = np.array([t.lo for t in free])
-        hi = np.array([t.hi for t in free])
+    def _coarse_to_fine(self, n_splits: int) -> None:
+        """A coarse grid, refined around its best splits level by level down to single steps; then polish."""
+        target = max(1.0, _COARSE_BUDGET / self.n_limits)
+        step = max(1, math.ceil((n_splits / target) ** (1 / len(self.free))))
+        axes = [np.unique(np.r_[np.arange(t.lo, t.hi + 1, step * self.granularity), t.hi]) for t in self.free]
+        centers = self.evaluate(_grid(axes), exact=False, keep=_TOP_K)
         while step > 1:
             finer = max(1, step // 4)
-            offsets = grid([np.arange(-step, step + 1, finer) * granularity] * len(free))
-            window = np.clip((centers[:, None, :] + offsets[None]).reshape(-1, len(free)), lo, hi)
-            centers = evaluate(np.unique(window, axis=0), exact=finer == 1, keep=_TOP_K)
+            centers = self.evaluate(self._window(centers, step, finer), exact=finer == 1, keep=_TOP_K)
             step = finer
-        # Polish: exact neighbourhoods around the best splits until nothing better turns up.
+        self._polish(centers)
+
+    def _polish(self, centers: np.ndarray) -> None:
+        """Exact neighbourhoods around the best splits until nothing better turns up."""
         radius = 2
         for _ in range(64):
-            before = tracker.key
-            offsets = grid([np.arange(-radius, radius + 1) * granularity] * len(free))
-            window = np.clip((centers[:, None, :] + offsets[None]).reshape(-1, len(free)), lo, hi)
-            found = evaluate(np.unique(window, axis=0), exact=True, keep=_TOP_K)
-            if tracker.batch is None:
+            before = self.tracker.key
+            found = self.evaluate(self._window(centers, radius, 1), exact=True, keep=_TOP_K)
+            if self.tracker.batch is None:
                 radius *= 2
                 continue
-            if tracker.key == before:
+            if self.tracker.key == before:
                 break
             centers = found if len(found) else centers
+
+    def _window(self, centers: np.ndarray, radius: int, spacing: int) -> np.ndarray:
+        """The distinct splits within `radius` granules of each center, `spacing` granules apart, clipped to
+        the allowed ranges."""
+        offsets = _grid([np.arange(-radius, radius + 1, spacing) * self.granularity] * len(self.free))
+        window = np.clip((centers[:, None, :] + offsets[None]).reshape(-1, len(self.free)), self.lo, self.hi)
+        return np.unique(window, axis=0)
+
+
+def _search(types, global_batch, granularity, objective, max_power_w, ref_time):
+    """Best (local batches, power-limit indices), exhaustive when small, else coarse-to-fine."""
+    # The type with the fewest GPUs takes the remainder, so that exact splits are dense among the others'.
+    order = sorted(range(len(types)), key=lambda i: types[i].count)[::-1]
+    search = _SplitSearch(
+        [types[i] for i in order], global_batch, granularity, objective, max_power_w, ref_time
+    )
+    search.run()
+    tracker = search.tracker
     if tracker.batch is None:
         return None, None
     batch = [0] * len(types)
@@ -451,20 +417,7 @@ def cost_curve(
         raise ValueError(f"`cost_curve`: needs exactly two GPU types; got {len(profiles)}.")
     if cost_model == "zeus2":
         eta = objective.eta_knob if isinstance(objective, ZeusCost) else 0.5
-        b_a = np.arange(1, global_batch)
-        cost, step, energy = _zeus2_costs(profiles[0], profiles[1], b_a, global_batch - b_a, eta)
-        flat = cost.reshape(-1, len(b_a))
-        pick = np.argmin(flat, axis=0)
-        cols = np.arange(len(b_a))
-        outside = _outside(profiles[0], b_a) | _outside(profiles[1], global_batch - b_a)
-        return CostCurve(
-            b_a,
-            global_batch - b_a,
-            flat[pick, cols],
-            step.reshape(-1, len(b_a))[pick, cols],
-            energy.reshape(-1, len(b_a))[pick, cols],
-            outside,
-        )
+        return zeus2_cost_curve(profiles[0], profiles[1], global_batch, eta)
     types = _prepare(profiles, counts, global_batch, allow_extrapolation, batch_granularity, None)
     max_power_w = float(sum(t.count * t.profile.max_power_limit_w for t in types))
     _, ref_time, _, _ = _reference(types, global_batch)
@@ -473,7 +426,9 @@ def cost_curve(
     score, energy, step = _score_splits(types, splits, objective, max_power_w, ref_time)
     pick = np.argmin(score, axis=1)
     rows = np.arange(len(splits))
-    extrapolated = _outside(profiles[0], splits[:, 0]) | _outside(profiles[1], splits[:, 1])
+    extrapolated = outside_measured_range(profiles[0], splits[:, 0]) | outside_measured_range(
+        profiles[1], splits[:, 1]
+    )
     return CostCurve(
         splits[:, 0].astype(np.int64),
         splits[:, 1].astype(np.int64),
@@ -481,113 +436,4 @@ def cost_curve(
         step[rows, pick],
         energy[rows, pick],
         extrapolated,
-    )
-
-
-def _outside(profile: GPUProfile, batch: np.ndarray) -> np.ndarray:
-    lo, hi = profile.measured_range
-    return (batch < lo) | (batch > hi)
-
-
-def _zeus2_fit(profile: GPUProfile, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Zeus²'s quadratic fits over batch size, per power limit: window time and average power, clipped at 0."""
-    window_time = profile.time_s * profile.steps_per_window
-    power = profile.average_power_w
-    x = profile.batch_sizes.astype(float)
-    # One least-squares fit per power limit (the rows), all at once; then the polynomials at every batch size.
-    coeffs = np.polyfit(x, np.vstack([window_time, power]).T, 2)
-    values = (np.vander(np.asarray(batch, dtype=float), 3) @ coeffs).T
-    time_s, power_w = values[: len(window_time)], values[len(window_time) :]
-    return np.maximum(time_s, 0.0), np.maximum(power_w, 0.0)
-
-
-def _zeus2_costs(profile_a, profile_b, b_a, b_b, eta):
-    """Zeus² cost, step time and energy per step for every (limit a, limit b, split): shape (La, Lb, N)."""
-    time_a, power_a = _zeus2_fit(profile_a, b_a)
-    time_b, power_b = _zeus2_fit(profile_b, b_b)
-    limits_a = profile_a.power_limits_w[:, None].astype(float)
-    limits_b = profile_b.power_limits_w[:, None].astype(float)
-    cost_a = (eta * power_a + (1 - eta) * limits_a) * time_a
-    cost_b = (eta * power_b + (1 - eta) * limits_b) * time_b
-    cost = cost_a[:, None, :] + cost_b[None, :, :]
-    step = np.maximum(
-        time_a[:, None, :] / profile_a.steps_per_window, time_b[None, :, :] / profile_b.steps_per_window
-    )
-    energy = (power_a * time_a / profile_a.steps_per_window)[:, None, :] + (
-        power_b * time_b / profile_b.steps_per_window
-    )[None, :, :]
-    return cost, step, energy
-
-
-def zeus2_search(
-    profile_a: GPUProfile,
-    profile_b: GPUProfile,
-    global_batch: int = 4096,
-    method: str = "naive",
-    eta: float = 0.5,
-) -> HeteroPlan:
-    """The original Zeus² planner for one GPU of each of two types, vectorised.
-
-    Per GPU and power limit `PL`, window time `T(b)` and average power `P(b) = energy / time` are fitted as
-    quadratics in the local batch size `b` (least squares over the measured sizes, negative values clipped
-    to 0); the split `b_a + b_b = global_batch`, `1 <= b_a < global_batch`, minimises
-    `sum_i (eta * P_i(b_i) + (1 - eta) * PL_i) * T_i(b_i)`. `"naive"` tries every pair of power limits,
-    `"heuristic"` pins the stronger GPU (faster at its top limit on the largest measured batch) to its lowest
-    limit, `"baseline"` fixes the even split. The fits are extrapolated silently and step time is not the
-    slower GPU's: this is the model that `plan(cost_model="sync")` corrects.
-
-    Raises:
-        ValueError: Unknown method or a global batch below 2.
-    """
-    if method not in ZEUS2_METHODS:
-        raise ValueError(f"`zeus2_search(method={method!r})`: method must be one of {ZEUS2_METHODS}.")
-    if global_batch < 2:
-        raise ValueError(f"`zeus2_search(global_batch={global_batch!r})`: need at least 2 samples.")
-    b_a = np.array([global_batch // 2]) if method == "baseline" else np.arange(1, global_batch)
-    b_b = global_batch - b_a
-    cost, step, energy = _zeus2_costs(profile_a, profile_b, b_a, b_b, eta)
-    if method == "heuristic":
-        top = min(profile_a.batch_sizes[-1], profile_b.batch_sizes[-1])
-        time_a = profile_a.interpolate(top)[0][-1, 0]
-        time_b = profile_b.interpolate(top)[0][-1, 0]
-        pinned = np.full(cost.shape, np.inf)
-        if time_a <= time_b:
-            pinned[0] = cost[0]
-        else:
-            pinned[:, 0] = cost[:, 0]
-        cost = pinned
-    ia, ib, n = np.unravel_index(int(np.argmin(cost)), cost.shape)
-    per_type = []
-    for profile, b, i in ((profile_a, b_a[n], ia), (profile_b, b_b[n], ib)):
-        time_s, power_w = _zeus2_fit(profile, np.array([b]))
-        lo, hi = profile.measured_range
-        per_type.append(
-            TypePlan(
-                gpu_name=profile.gpu_name,
-                count=1,
-                local_batch=int(b),
-                power_limit_w=int(profile.power_limits_w[i]),
-                compute_time_s=float(time_s[i, 0]) / profile.steps_per_window,
-                energy_j=float(power_w[i, 0] * time_s[i, 0]) / profile.steps_per_window,
-                extrapolated=not lo <= b <= hi,
-            )
-        )
-    even = np.array([global_batch / 2])
-    ref_cost, ref_step, ref_energy = (
-        x[-1, -1, 0] for x in _zeus2_costs(profile_a, profile_b, even, even, eta)
-    )
-    return HeteroPlan(
-        cost_model="zeus2",
-        objective=f"Zeus2Cost(eta={eta!r}, method={method!r})",
-        global_batch=int(global_batch),
-        types=tuple(per_type),
-        step_time_s=float(step[ia, ib, n]),
-        energy_j=float(energy[ia, ib, n]),
-        cost=float(cost[ia, ib, n]),
-        max_power_w=float(profile_a.max_power_limit_w + profile_b.max_power_limit_w),
-        reference_local_batch=float(even[0]),
-        reference_step_time_s=float(ref_step),
-        reference_energy_j=float(ref_energy),
-        reference_cost=float(ref_cost),
-        reference_extrapolated=any(_outside(p, even)[0] for p in (profile_a, profile_b)),
     )
