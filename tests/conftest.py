@@ -16,6 +16,8 @@ import pytest
 
 from zeus_callbacks import sim
 
+pytest_plugins = ["tiers"]  # the deterministic and system tiers (tiers.py)
+
 # Variables that select or shape a simulation or a GPU set; no test may inherit them from the shell.
 _ISOLATED_ENV = (
     "ZEUS_CALLBACKS_SIMULATE",

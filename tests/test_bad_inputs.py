@@ -90,6 +90,7 @@ def test_environment(env, words, command, monkeypatch, capsys):
     assert_one_clear_line(rc, err, command[0], *words)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(("env", "words"), ENV_CASES[:1] + ENV_CASES[7:8] + ENV_CASES[-1:])
 def test_environment_subprocess(env, words):
     proc = subprocess.run(
@@ -270,6 +271,7 @@ def test_trace_files(name, content, words, tmp_path, capsys):
     assert_one_clear_line(rc, err, "simulate", str(path), *words)
 
 
+@pytest.mark.system
 def test_trace_file_subprocess(tmp_path):
     path = tmp_path / "a40.json"
     path.write_text('{"8": [{"power_limit": 300, "time": 1, "ene')

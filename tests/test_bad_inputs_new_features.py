@@ -92,6 +92,7 @@ def test_zeusd_environment_at_the_first_change(env, words, sim_gpus, monkeypatch
     assert system.gpus[0].power_limit_mw == 300_000
 
 
+@pytest.mark.system
 def test_zeusd_environment_subprocess():
     proc = subprocess.run(
         [sys.executable, "-m", "zeus_callbacks.cli", "doctor"],
@@ -222,6 +223,7 @@ ANSWER_CASES = [
 ]
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("answers", "words"), [c[1:] for c in ANSWER_CASES], ids=[c[0] for c in ANSWER_CASES]
 )
@@ -243,6 +245,7 @@ def test_zeusd_answers(answers, words, sim_gpus, monkeypatch, tmp_path, capsys):
         server.stop()
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("generation", ["0.4", "0.5"])
 def test_zeusd_of_a_generation_without_pci_addresses_for_part_of_a_node(generation, sim_gpus, tmp_path):
     """The real-source double: a zeusd that cannot say which GPU is which, for a job given one of two."""

@@ -269,6 +269,7 @@ def test_perseus_profile_files(content, words, tmp_path, capsys):
     assert_one_clear_line(rc, err, "pipeline-plan", str(path), *words)
 
 
+@pytest.mark.system
 def test_pipeline_plan_subprocess(tmp_path):
     path = tmp_path / "p.csv"
     _perseus(path)

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = ("transformers", "lightning", "pytorch_lightning", "accelerate")
 
 
+@pytest.mark.system
 def test_star_import_needs_no_framework(run_python) -> None:
     code = (
         "import sys\n"

@@ -18,15 +18,11 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from torch.utils.data import DataLoader, TensorDataset
 
-os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", "2*a40")  # before any GPU is discovered
-
-from accelerate import Accelerator  # noqa: E402
-
-from zeus_callbacks import MaxSlowdownConstraint, get_gpus  # noqa: E402
-from zeus_callbacks.accelerate import PowerLimitOptimizerHelper, local_gpu_index  # noqa: E402
-from zeus_callbacks.sim import SimulatedKernels  # noqa: E402
+from zeus_callbacks import MaxSlowdownConstraint, get_gpus
+from zeus_callbacks.accelerate import PowerLimitOptimizerHelper, local_gpu_index
 
 
 def main() -> None:
@@ -36,16 +32,21 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=16)
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
     parser.add_argument("--state", type=Path, help="directory for accelerator.save_state / load_state")
+    parser.add_argument("--real", action="store_true", help="train on the real GPUs (changes power limits)")
     args = parser.parse_args()
+    if not args.real:  # before any GPU is discovered
+        os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", "2*a40")
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.gradient_accumulation_steps)
+    accelerator = Accelerator(cpu=not args.real, gradient_accumulation_steps=args.gradient_accumulation_steps)
     gpu = local_gpu_index(accelerator)
-    # On simulated GPUs the step's GPU time: 4 ms forward, 8 ms backward (the identity on real GPUs).
-    model = torch.nn.Sequential(
-        torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1), SimulatedKernels(gpu, 0.004)
-    )
+    layers = [torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)]
+    if not args.real:  # the CPU stands in for the GPU: each step queues 4 ms forward, 8 ms backward on it
+        from zeus_callbacks.sim import SimulatedKernels
+
+        layers.append(SimulatedKernels(gpu, 0.004))
+    model = torch.nn.Sequential(*layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(4096, 256)
     loader = DataLoader(TensorDataset(x, x[:, :1] * 2 + 1), batch_size=256, shuffle=True)
@@ -72,7 +73,7 @@ def main() -> None:
 
     # One write per line, so that the lines of several processes sharing a pipe do not interleave.
     sys.stdout.write(
-        f"process {accelerator.process_index} (simulated GPU {gpu}): optimal power limit {chosen} W "
+        f"process {accelerator.process_index} ({'' if args.real else 'simulated '}GPU {gpu}): optimal power limit {chosen} W "
         f"(in force at the end: {in_force} W) after {core.profiling_steps} profiling steps; "
         f"GPU restored to {get_gpus()[gpu].power_limit_mw() // 1000} W\n"
     )

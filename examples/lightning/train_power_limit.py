@@ -18,10 +18,7 @@ import os
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", "2*a40")  # before any GPU is discovered
-
-from zeus_callbacks import MaxSlowdownConstraint, ZeusMonitor, get_gpus, local_rank  # noqa: E402
-from zeus_callbacks.sim import SimulatedKernels  # noqa: E402
+from zeus_callbacks import MaxSlowdownConstraint, ZeusMonitor, get_gpus, local_rank
 
 
 def main() -> None:
@@ -31,7 +28,10 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="CPU processes (DDP when > 1)")
     parser.add_argument("--package", choices=["lightning", "pytorch_lightning"], default="lightning")
     parser.add_argument("--max-steps", type=int, default=120)
+    parser.add_argument("--real", action="store_true", help="train on the real GPUs (changes power limits)")
     args = parser.parse_args()
+    if not args.real:  # before any GPU is discovered
+        os.environ.setdefault("ZEUS_CALLBACKS_SIMULATE", "2*a40")
 
     if args.package == "lightning":
         import lightning.pytorch as L
@@ -49,13 +49,12 @@ def main() -> None:
     class Regressor(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            # On simulated GPUs the step's GPU time: 4 ms forward, 8 ms backward (identity on real GPUs).
-            self.net = torch.nn.Sequential(
-                torch.nn.Linear(256, 1024),
-                torch.nn.ReLU(),
-                torch.nn.Linear(1024, 1),
-                SimulatedKernels(gpu, 0.004),
-            )
+            layers = [torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)]
+            if not args.real:  # the CPU stands in for the GPU: each step queues 4 ms forward, 8 ms backward
+                from zeus_callbacks.sim import SimulatedKernels
+
+                layers.append(SimulatedKernels(gpu, 0.004))
+            self.net = torch.nn.Sequential(*layers)
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -76,7 +75,7 @@ def main() -> None:
         monitor, MaxSlowdownConstraint(1.1), wait_steps=5, warmup_steps=2, profile_steps=8
     )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator="gpu" if args.real else "cpu",
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
         max_steps=args.max_steps,
@@ -91,7 +90,7 @@ def main() -> None:
 
     core = plo.optimizer
     print(
-        f"rank {trainer.global_rank} (simulated GPU {gpu}): optimal power limit {core.optimal_power_limit_w} W "
+        f"rank {trainer.global_rank} ({'' if args.real else 'simulated '}GPU {gpu}): optimal power limit {core.optimal_power_limit_w} W "
         f"after {core.profiling_steps} profiling steps; "
         f"GPU restored to {get_gpus()[gpu].power_limit_mw() // 1000} W",
         flush=True,

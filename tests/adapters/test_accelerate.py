@@ -69,6 +69,7 @@ def _train(
     return seen
 
 
+@pytest.mark.system
 def test_helper_chooses_applies_and_restores(accelerator_factory, burn_cpu) -> None:
     accelerator = accelerator_factory()
     with PowerLimitOptimizerHelper(accelerator, **FAST) as plo:
@@ -101,6 +102,7 @@ class Tracker(GeneralTracker):
         self.logged.append((dict(values), step))
 
 
+@pytest.mark.system
 def test_helper_logs_to_the_accelerators_trackers(accelerator_factory, burn_cpu) -> None:
     tracker = Tracker()
     accelerator = accelerator_factory(log_with=[tracker])
@@ -121,6 +123,7 @@ def test_helper_logs_to_the_accelerators_trackers(accelerator_factory, burn_cpu)
     assert "power_limit_optimizer/energy_saved_pct" in summary
 
 
+@pytest.mark.system
 def test_gradient_accumulation_profiles_optimizer_steps(accelerator_factory, burn_cpu) -> None:
     accelerator = accelerator_factory(gradient_accumulation_steps=3)
     with PowerLimitOptimizerHelper(accelerator, **FAST) as plo:
@@ -129,6 +132,7 @@ def test_gradient_accumulation_profiles_optimizer_steps(accelerator_factory, bur
     assert decided_at == FAST["wait_steps"] + plo.optimizer.profiling_steps
 
 
+@pytest.mark.system
 def test_save_state_load_state_resumes_without_profiling(
     accelerator_factory, burn_cpu, tmp_path: Path
 ) -> None:
@@ -151,6 +155,7 @@ def test_save_state_load_state_resumes_without_profiling(
     assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
 
 
+@pytest.mark.system
 def test_a_corrupted_state_is_refused_with_one_warning_and_profiling_starts_afresh(
     accelerator_factory, burn_cpu, tmp_path: Path, caplog
 ) -> None:
@@ -174,6 +179,7 @@ def test_a_corrupted_state_is_refused_with_one_warning_and_profiling_starts_afre
     assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
 
 
+@pytest.mark.system
 def test_exception_in_the_loop_restores_the_gpu(accelerator_factory, burn_cpu) -> None:
     accelerator = accelerator_factory()
     with pytest.raises(RuntimeError, match="training failed while profiling"):
@@ -185,6 +191,7 @@ def test_exception_in_the_loop_restores_the_gpu(accelerator_factory, burn_cpu) -
     assert guard().entries == [] and plo.optimizer.monitor.open_windows == []
 
 
+@pytest.mark.system
 def test_prepare_measures_this_process_gpu(accelerator_factory) -> None:
     accelerator = accelerator_factory()
     optimizer = prepare_power_limit_optimizer(accelerator, profile_steps=5)
@@ -194,6 +201,7 @@ def test_prepare_measures_this_process_gpu(accelerator_factory) -> None:
         prepare_power_limit_optimizer(accelerator, profile_steps=0)
 
 
+@pytest.mark.system
 def test_plain_loop_without_accelerator(sim_gpus, burn_cpu, monkeypatch) -> None:
     sim_gpus("2*a40", energy_refresh_ms=10)  # toy steps (see `accelerator_factory`)
     monkeypatch.setenv("LOCAL_RANK", "1")

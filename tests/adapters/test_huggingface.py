@@ -114,6 +114,7 @@ def make_trainer(
     return trainer_cls(model=model or tiny_model(), args=args, train_dataset=ToyData(), callbacks=callbacks)
 
 
+@pytest.mark.system
 def test_simulated_gpu_work_paces_each_step_by_the_limit_in_force(node, tmp_path, sim_sleeps):
     """What the simulator makes the steps wait for the GPU (its recorded catch-up sleeps, which depend on
     the work and on CPU time, not on the host's load; a plain Trainer synchronises nowhere, so the window's
@@ -143,6 +144,7 @@ def test_simulated_gpu_work_refuses_negative_work():
         HFSimulatedGPUWork(0, -1.0)
 
 
+@pytest.mark.system
 def test_optimizer_chooses_applies_and_restores(node, tmp_path):
     plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
     recorder = Recorder(node)
@@ -157,6 +159,7 @@ def test_optimizer_chooses_applies_and_restores(node, tmp_path):
     assert node.gpus[0].power_limit_mw == MAX_W * 1000  # and is undone at train end
 
 
+@pytest.mark.system
 def test_metrics_reach_trackers_before_and_after_and_log_history(node, tmp_path):
     monitor = ZeusMonitor([0])
     before, after = Recorder(), Recorder()
@@ -208,6 +211,7 @@ def test_metrics_reach_trackers_before_and_after_and_log_history(node, tmp_path)
         assert summary[f"{OPTIMIZER_PREFIX}optimal_power_limit_w"] in (300.0, 200.0, 100.0)
 
 
+@pytest.mark.system
 def test_checkpoint_resume_keeps_the_choice_without_profiling(node, tmp_path):
     first = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
     make_trainer(tmp_path, [first], max_steps=24, save_strategy="steps", save_steps=24).train()
@@ -236,6 +240,7 @@ def test_checkpoint_resume_keeps_the_choice_without_profiling(node, tmp_path):
     assert node.gpus[0].power_limit_mw == MAX_W * 1000
 
 
+@pytest.mark.system
 def test_resume_mid_profiling_by_default(node, tmp_path):
     """`resume_from_checkpoint` with default arguments carries on profiling at the next limit, with the
     counters of the first run (transformers restores callback state only with a flag; we do not need it)."""
@@ -414,17 +419,20 @@ def test_signature_matches_zeus():
     assert ours[: len(theirs)] == theirs
 
 
+@pytest.mark.system
 def test_import_does_not_load_transformers(run_python):
     code = "import sys, zeus_callbacks; assert 'transformers' not in sys.modules, 'transformers imported'"
     assert run_python(code).returncode == 0
 
 
+@pytest.mark.system
 def test_monitor_none_without_an_instance_to_adopt(node):
     HFGlobalPowerLimitOptimizer._built.clear()
     with pytest.raises(TypeError, match=r"HFGlobalPowerLimitOptimizer\(monitor=None\)"):
         HFGlobalPowerLimitOptimizer(None)  # type: ignore[arg-type]
 
 
+@pytest.mark.system
 def test_energy_monitor_logs_co2eq_and_cost_beside_energy(node, tmp_path):
     monitor = ZeusMonitor([0])
     recorder = Recorder()
@@ -444,6 +452,7 @@ def test_energy_monitor_logs_co2eq_and_cost_beside_energy(node, tmp_path):
     assert summary["energy/total_cost"] == pytest.approx(summary["energy/total_j"] / 3.6e6 * 0.2)
 
 
+@pytest.mark.system
 def test_energy_monitor_takes_rates_from_the_environment_and_refuses_bad_ones(node, monkeypatch):
     monkeypatch.setenv("ZEUS_CALLBACKS_CARBON_INTENSITY", "380")
     monkeypatch.setenv("ZEUS_CALLBACKS_ELECTRICITY_PRICE", "US-CA")
@@ -456,6 +465,7 @@ def test_energy_monitor_takes_rates_from_the_environment_and_refuses_bad_ones(no
         HFZeusMonitor(ZeusMonitor([0]))
 
 
+@pytest.mark.system
 def test_plain_trainer_is_not_patched_and_its_trackers_ahead_get_no_metrics(node, tmp_path, caplog):
     """Nothing process-wide: `Trainer.train` is transformers' own; the callbacks stay where the user put them,
     so a tracker ahead of them misses their metrics, which still reach log_history (and one line says so)."""
@@ -478,6 +488,7 @@ def test_plain_trainer_is_not_patched_and_its_trackers_ahead_get_no_metrics(node
     assert len(said) == 1 and "tensorboard" in said[0], caplog.text
 
 
+@pytest.mark.system
 def test_report_path_writes_the_run_report_with_the_profile(node, tmp_path):
     from zeus_callbacks.core.report import load_run, run_dir_for
 

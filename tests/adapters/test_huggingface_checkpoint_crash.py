@@ -180,6 +180,7 @@ def _no_stats(state: dict) -> None:
     del state["stats"]
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("change", [_negative_energy, _half_a_measurement, _no_stats])
 @pytest.mark.parametrize("restore_flag", [False, True])
 def test_corrupted_callback_state_is_refused_for_the_earlier_one(
@@ -217,6 +218,7 @@ def test_corrupted_callback_state_is_refused_for_the_earlier_one(
     assert node.gpus[0].power_limit_mw == 300_000
 
 
+@pytest.mark.system
 def test_corrupted_callback_state_without_earlier_state_says_profiling_starts_afresh(node, tmp_path, caplog):
     _, newest = _two_checkpoints(tmp_path)
     for checkpoint in (tmp_path / "out").glob("checkpoint-*"):
@@ -237,6 +239,7 @@ def test_corrupted_callback_state_without_earlier_state_says_profiling_starts_af
     assert trainer.state.global_step == 20
 
 
+@pytest.mark.system
 def test_checkpoint_without_trainer_state_and_none_before_starts_over_saying_so(node, tmp_path, caplog):
     """Killed before trainer_state.json was begun, in the first checkpoint: no complete checkpoint at all."""
     _, newest = _two_checkpoints(tmp_path)
@@ -257,6 +260,7 @@ def test_checkpoint_without_trainer_state_and_none_before_starts_over_saying_so(
     assert trainer.state.global_step == 10
 
 
+@pytest.mark.system
 def test_plain_trainer_resumes_from_exactly_the_checkpoint_named(node, tmp_path, caplog):
     """Without the opt-in nothing about resumption changes: a complete checkpoint named is the one resumed,
     and a cut-short newest one is left to transformers (which refuses it), with one line, said when the
@@ -334,6 +338,7 @@ def test_sigkill_while_writing_the_profile_keeps_the_last_complete_one(tmp_path,
     _gpu_back_at_300_w(sim_state_dir)
 
 
+@pytest.mark.system
 def test_corrupted_callback_state_falls_back_to_the_profile(node, tmp_path, caplog):
     profile_path = tmp_path / "plo.json"
     first = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), profile_path=profile_path, **PLO_KW)

@@ -24,6 +24,8 @@ from zeus_callbacks.huggingface import (  # noqa: E402
     restoring_gpus,
 )
 
+pytestmark = pytest.mark.system  # other processes or the real clock (tests/tiers.py)
+
 
 class ZeusTrainer(ZeusTrainerMixin, Trainer):
     """The opt-in that restores the GPUs the moment `train()` raises."""

@@ -17,6 +17,8 @@ ignite_engine = pytest.importorskip("ignite.engine")
 ignite_handlers = pytest.importorskip("ignite.handlers")
 from zeus_callbacks.ignite import IgnitePowerLimitOptimizer  # noqa: E402
 
+pytestmark = pytest.mark.system  # other processes or the real clock (tests/tiers.py)
+
 MAX_W = 300  # the simulated A40's maximum power limit
 FAST = dict(wait_steps=1, warmup_steps=1, profile_steps=6)
 P = "power_limit_optimizer/"

@@ -133,6 +133,7 @@ def test_callbacks_subclass_their_packages_callback(flavour: Flavour) -> None:
         assert cls.__qualname__ == name  # module-level: the checkpoint state key is the same in both packages
 
 
+@pytest.mark.system
 def test_standalone_package_gets_every_callback_without_lightning(run_python) -> None:
     code = (
         "import sys\n"
@@ -150,11 +151,13 @@ def test_standalone_package_gets_every_callback_without_lightning(run_python) ->
     assert out.stdout.strip() == "True", out.stderr[-2000:]
 
 
+@pytest.mark.system
 def test_import_does_not_import_lightning(run_python) -> None:
     code = "import sys, zeus_callbacks, zeus_callbacks.lightning; print('lightning' in sys.modules)"
     assert run_python(code).stdout.strip() == "False"
 
 
+@pytest.mark.system
 def test_optimizer_chooses_applies_and_restores(
     flavour: Flavour, gpu0: ZeusMonitor, tmp_path: Path, burn_cpu
 ) -> None:
@@ -192,6 +195,7 @@ def test_optimizer_chooses_applies_and_restores(
     assert record.finished and record.power_limit.optimal_power_limit_w == optimal
 
 
+@pytest.mark.system
 def test_gradient_accumulation_profiles_optimizer_steps(gpu0: ZeusMonitor, tmp_path: Path, burn_cpu) -> None:
     flavour = Flavour("lightning.pytorch", "zeus_callbacks.lightning")
     plo = flavour.zeus.LightningGlobalPowerLimitOptimizer(gpu0, **FAST)
@@ -205,6 +209,7 @@ def test_gradient_accumulation_profiles_optimizer_steps(gpu0: ZeusMonitor, tmp_p
     assert decided_at == FAST["wait_steps"] + plo.optimizer.profiling_steps
 
 
+@pytest.mark.system
 def test_energy_monitor_logs_intervals_and_totals(
     flavour: Flavour, gpu0: ZeusMonitor, tmp_path: Path, burn_cpu
 ) -> None:
@@ -221,6 +226,7 @@ def test_energy_monitor_logs_intervals_and_totals(
     assert gpu0.open_windows == []
 
 
+@pytest.mark.system
 def test_energy_monitor_logs_co2eq_and_cost(gpu0: ZeusMonitor, tmp_path: Path, burn_cpu) -> None:
     flavour = Flavour("lightning.pytorch", "zeus_callbacks.lightning")
     energy = flavour.zeus.LightningZeusMonitor(gpu0, "epoch", carbon_intensity=400, price_per_kwh=0.1)
@@ -234,6 +240,7 @@ def test_energy_monitor_logs_co2eq_and_cost(gpu0: ZeusMonitor, tmp_path: Path, b
     assert cost == pytest.approx(total / 3.6e6 * 0.1)
 
 
+@pytest.mark.system
 def test_energy_monitor_report_path_writes_the_run_report(gpu0: ZeusMonitor, tmp_path: Path, burn_cpu) -> None:
     from zeus_callbacks.core.report import load_run, run_dir_for
 
@@ -246,6 +253,7 @@ def test_energy_monitor_report_path_writes_the_run_report(gpu0: ZeusMonitor, tmp
     assert "SIMULATED" in report.read_text()
 
 
+@pytest.mark.system
 def test_energy_monitor_step_interval_follows_log_every_n_steps(
     gpu0: ZeusMonitor, tmp_path: Path, burn_cpu
 ) -> None:
@@ -257,6 +265,7 @@ def test_energy_monitor_step_interval_follows_log_every_n_steps(
     assert len(_column(_csv_rows(tmp_path), "energy/interval_j")) == 4
 
 
+@pytest.mark.system
 def test_energy_monitor_rejects_bad_interval(gpu0: ZeusMonitor) -> None:
     from zeus_callbacks.lightning import LightningZeusMonitor
 
@@ -264,6 +273,7 @@ def test_energy_monitor_rejects_bad_interval(gpu0: ZeusMonitor) -> None:
         LightningZeusMonitor(gpu0, logging_interval="batch")
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     "first, second",
     [
@@ -302,6 +312,7 @@ def test_checkpoint_resume_does_not_profile_again(
     assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
 
 
+@pytest.mark.system
 def test_corrupted_checkpoint_state_is_refused_with_one_warning(
     flavour: Flavour, gpu0: ZeusMonitor, tmp_path: Path, burn_cpu, caplog
 ) -> None:
@@ -326,6 +337,7 @@ def test_corrupted_checkpoint_state_is_refused_with_one_warning(
     assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
 
 
+@pytest.mark.system
 def test_exception_in_training_step_restores_the_gpu(
     flavour: Flavour, gpu0: ZeusMonitor, tmp_path: Path, burn_cpu
 ) -> None:
@@ -403,6 +415,7 @@ class SpawnTiny(importlib.import_module("lightning.pytorch").LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+@pytest.mark.system
 def test_ddp_spawn_refused_with_a_clear_message(gpu0: ZeusMonitor, tmp_path: Path) -> None:
     flavour = Flavour("lightning.pytorch", "zeus_callbacks.lightning")
     plo = flavour.zeus.LightningGlobalPowerLimitOptimizer(gpu0, **FAST)

@@ -96,6 +96,7 @@ def test_devices_refuses_mig(sim_gpus, capsys):
     assert "MIG" in capsys.readouterr().err
 
 
+@pytest.mark.system
 def test_measure_table(sim_gpus, capfd):
     system = sim_gpus("2*a40")
     rc = cli.main(["measure", "--", sys.executable, "-c", _WORK])
@@ -113,6 +114,7 @@ def test_measure_table(sim_gpus, capfd):
     assert idle_j > 0
 
 
+@pytest.mark.system
 def test_measure_json(sim_gpus, capfd):
     system = sim_gpus("2*a40")
     rc = cli.main(["measure", "--json", "--gpus", "0", "--", sys.executable, "-c", _WORK])
@@ -125,6 +127,7 @@ def test_measure_json(sim_gpus, capfd):
     assert res["total_energy_j"] == pytest.approx(res["gpu_energy_j"]["0"])
 
 
+@pytest.mark.system
 def test_measure_errors(sim_gpus, capsys):
     sim_gpus("a40")
     assert cli.main(["measure"]) == 2
@@ -135,6 +138,7 @@ def test_measure_errors(sim_gpus, capsys):
     assert cli.main(["measure", "--", "sh", "-c", "kill -TERM $$"]) == 128 + 15
 
 
+@pytest.mark.system
 def test_restore_json_and_include_live(sim_gpus, capsys):
     system = sim_gpus("a40")
     proc = subprocess.Popen(
@@ -158,6 +162,7 @@ def test_restore_json_and_include_live(sim_gpus, capsys):
     assert get_gpus()[0].power_limit_mw() == 300_000
 
 
+@pytest.mark.system
 def test_entry_point_runs(sim_gpus, tmp_path):
     exe = shutil.which("zeus-callbacks") or os.path.join(os.path.dirname(sys.executable), "zeus-callbacks")
     if not os.path.exists(exe):

@@ -91,6 +91,7 @@ def test_journal_is_written_before_the_change(sim_gpus, monkeypatch):
     assert _journals() == []
 
 
+@pytest.mark.system
 def test_restore_at_normal_exit(sim_gpus, run_python):
     system = sim_gpus("a40")
     child = run_python(
@@ -106,6 +107,7 @@ def test_restore_at_normal_exit(sim_gpus, run_python):
     assert _journals() == []
 
 
+@pytest.mark.system
 def test_restore_on_uncaught_exception(sim_gpus, run_python):
     system = sim_gpus("a40")
     child = run_python(_child_code("raise RuntimeError('boom in training')"))
@@ -114,6 +116,7 @@ def test_restore_on_uncaught_exception(sim_gpus, run_python):
     assert _journals() == []
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_restore_on_signal_chains_the_users_handler(sim_gpus, signum):
     system = sim_gpus("a40")
@@ -134,6 +137,7 @@ def test_restore_on_signal_chains_the_users_handler(sim_gpus, signum):
     assert _journals() == []
 
 
+@pytest.mark.system
 def test_restore_on_sigterm_with_default_handler_still_dies_of_the_signal(sim_gpus):
     system = sim_gpus("a40")
     proc = _start(_child_code("time.sleep(30)"))
@@ -143,6 +147,7 @@ def test_restore_on_sigterm_with_default_handler_still_dies_of_the_signal(sim_gp
     assert system.gpus[0].power_limit_mw == 300_000
 
 
+@pytest.mark.system
 def test_restore_on_sigint_with_default_handler_raises_keyboard_interrupt(sim_gpus):
     system = sim_gpus("a40")
     proc = _start(_child_code("time.sleep(30)"))
@@ -167,6 +172,7 @@ def _killed_child(system) -> dict:
     return journal
 
 
+@pytest.mark.system
 def test_sigkill_leaves_the_change_and_the_next_discovery_repairs_it(sim_gpus, caplog):
     system = sim_gpus("a40")
     journal = _killed_child(system)
@@ -177,6 +183,7 @@ def test_sigkill_leaves_the_change_and_the_next_discovery_repairs_it(sim_gpus, c
     assert f"Process {journal['pid']} ended without restoring power_limit" in caplog.text
 
 
+@pytest.mark.system
 def test_sigkill_repaired_by_another_process(sim_gpus, run_python):
     system = sim_gpus("a40")
     _killed_child(system)
@@ -188,6 +195,7 @@ def test_sigkill_repaired_by_another_process(sim_gpus, run_python):
     assert system.gpus[0].power_limit_mw == 250_000
 
 
+@pytest.mark.system
 def test_zeus_callbacks_restore_repairs(sim_gpus, capsys):
     system = sim_gpus("a40")
     _killed_child(system)
@@ -200,6 +208,7 @@ def test_zeus_callbacks_restore_repairs(sim_gpus, capsys):
     assert "Nothing to restore" in capsys.readouterr().out
 
 
+@pytest.mark.system
 def test_live_runs_are_left_alone_unless_asked(sim_gpus):
     system = sim_gpus("a40")
     proc = _start(_child_code("time.sleep(30)"))
@@ -215,6 +224,7 @@ def test_live_runs_are_left_alone_unless_asked(sim_gpus):
     assert system.gpus[0].power_limit_mw == 300_000
 
 
+@pytest.mark.system
 def test_journal_of_a_lost_gpu_is_kept(sim_gpus, run_python, monkeypatch):
     system = sim_gpus("a40")
     _killed_child(system)

@@ -79,6 +79,7 @@ def test_no_memory_clocks_means_clocks_cannot_be_locked(sim_gpus, caplog):
     assert "lists no supported SM clocks" in caplog.text, caplog.text
 
 
+@pytest.mark.system
 def test_no_memory_clocks_in_devices_and_doctor():
     env = _simulated("empty_memory_clocks")
     devices = _cli("devices", env=env)
@@ -93,6 +94,7 @@ def test_no_memory_clocks_in_devices_and_doctor():
 
 
 # -- 8: old drivers, a whole-call UNKNOWN, a lost GPU ---------------------------------------------------------
+@pytest.mark.system
 @pytest.mark.parametrize("faults", ["missing=nvmlDeviceGetFieldValues", "unknown=nvmlDeviceGetFieldValues"])
 def test_instant_power_falls_back_to_power_usage(sim_gpus, faults):
     sim_gpus("v100", faults=faults, virtual_clock=True)
@@ -104,6 +106,7 @@ def test_instant_power_falls_back_to_power_usage(sim_gpus, faults):
     assert row["power_instant_w"] is not None and row["power_instant_w"] > 0, row
 
 
+@pytest.mark.system
 def test_without_nvml_architecture_the_energy_counter_is_probed(sim_gpus):
     sim_gpus("a40,t4", faults="missing=nvmlDeviceGetArchitecture;no_energy_counter@0")
     by_name = {g.name: g for g in get_gpus()}
@@ -118,6 +121,7 @@ def test_without_nvml_architecture_the_energy_counter_is_probed(sim_gpus):
     assert json.loads(doctor.stdout)["problems"] == []
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("command", ["devices", "doctor"])
 def test_a_lost_gpu_outside_the_jobs_view_is_skipped_with_one_line(command):
     proc = _cli(command, env=_simulated("lost_after=0@1", visible="0"))
@@ -127,6 +131,7 @@ def test_a_lost_gpu_outside_the_jobs_view_is_skipped_with_one_line(command):
     assert "GPU is lost" in lines[0], lines
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("command", ["devices", "doctor"])
 def test_a_lost_gpu_of_the_job_is_one_clear_line(command):
     proc = _cli(command, env=_simulated("lost_after=0@0", visible="0"))
@@ -149,6 +154,7 @@ def test_real_backend_without_torch_keeps_a_lost_gpu_in_cudas_numbering(sim_gpus
 _SIM_MODULES = "sorted(m for m in sys.modules if m.startswith('zeus_callbacks.sim'))"
 
 
+@pytest.mark.system
 def test_a_real_discovery_does_not_import_the_simulator(run_python):
     code = textwrap.dedent(
         f"""
@@ -255,6 +261,7 @@ def unofficial_pynvml(tmp_path: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(package.parent), os.environ.get("PYTHONPATH")]))}
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("simulate", ["", "a40"])  # the simulator, too, runs beneath nvidia-ml-py
 @pytest.mark.parametrize("command", ["devices", "doctor"])
 def test_the_unofficial_pynvml_is_named_with_its_fix(unofficial_pynvml, command, simulate):
@@ -265,6 +272,7 @@ def test_the_unofficial_pynvml_is_named_with_its_fix(unofficial_pynvml, command,
     assert UNOFFICIAL_PYNVML_FIX == "pip uninstall pynvml && pip install nvidia-ml-py"
 
 
+@pytest.mark.system
 def test_bindings_that_answer_bytes_give_text(unofficial_pynvml, run_python):
     code = textwrap.dedent(
         """
@@ -298,6 +306,7 @@ def test_a_backend_factory_is_imported_only_when_its_condition_holds(monkeypatch
     backends.reset_backend()
 
 
+@pytest.mark.system
 def test_simulate_called_directly_names_the_unofficial_pynvml(unofficial_pynvml, run_python):
     # Fails before the simulator refused the unofficial bindings first: importing it died on an unrelated error.
     code = "import zeus_callbacks.sim as sim\nsim.simulate('a40')\n"

@@ -140,6 +140,7 @@ def test_endpoint_is_recorded_and_read_back():
 
 
 # -- changes and restores through the daemon ---------------------------------------------------------
+@pytest.mark.system
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
 def test_changes_go_through_zeusd_and_are_undone_through_it(sim_gpus, start_zeusd, monkeypatch, transport):
     system = sim_gpus("a40", faults="no_cap_sys_admin")  # NVML refuses this process every change
@@ -168,6 +169,7 @@ def test_changes_go_through_zeusd_and_are_undone_through_it(sim_gpus, start_zeus
     ]
 
 
+@pytest.mark.system
 def test_the_daemons_index_is_found_by_pci_address(sim_gpus, start_zeusd, monkeypatch):
     """On a mixed node NVML's order is not CUDA's: `cuda:0` (the A10G) is zeusd's GPU 1."""
     system = sim_gpus("a10g,t4", faults="no_cap_sys_admin")
@@ -182,6 +184,7 @@ def test_the_daemons_index_is_found_by_pci_address(sim_gpus, start_zeusd, monkey
         assert guard().restore()
 
 
+@pytest.mark.system
 def test_restore_falls_back_to_nvml_where_this_process_may(sim_gpus, start_zeusd, monkeypatch):
     system = sim_gpus("a40")  # this process holds the (simulated) capability
     daemon = start_zeusd()
@@ -193,6 +196,7 @@ def test_restore_falls_back_to_nvml_where_this_process_may(sim_gpus, start_zeusd
     assert system.gpus[0].power_limit_mw == 300_000
 
 
+@pytest.mark.system
 def test_a_journal_from_before_routes_is_still_repaired(sim_gpus):
     """Entries without a route were NVML changes: they are read and undone as such."""
     system = sim_gpus("a40")
@@ -210,6 +214,7 @@ def test_a_journal_from_before_routes_is_still_repaired(sim_gpus):
 
 
 # -- refusals: one clear line, nothing journaled -------------------------------------------------------
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("options", "token", "says"),
     [
@@ -248,6 +253,7 @@ def test_a_refusal_says_what_failed_and_what_to_do(sim_gpus, start_zeusd, monkey
     assert system.gpus[0].power_limit_mw == 300_000 and guard().entries == []
 
 
+@pytest.mark.system
 def test_a_good_token_with_the_gpu_control_scope_is_accepted(sim_gpus, start_zeusd, monkeypatch):
     system = sim_gpus("a40", faults="no_cap_sys_admin")
     daemon = start_zeusd("tcp", "--signing-key", KEY)
@@ -265,6 +271,7 @@ def test_an_unreachable_daemon_says_so(sim_gpus, monkeypatch, tmp_path):
     assert guard().entries == []
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_an_unsupported_clock_lock_leaves_no_journal_entry(sim_gpus, start_zeusd, monkeypatch, generation):
     """zeusd's real answer is nvml-wrapper's text, with 400 from 0.5 and 500 at 0.4 (`error.rs`)."""
@@ -279,6 +286,7 @@ def test_an_unsupported_clock_lock_leaves_no_journal_entry(sim_gpus, start_zeusd
     assert leftover_entries() == []  # nothing for `restore` to report or `doctor` to warn about
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_a_lost_gpu_is_a_gpu_lost_error(sim_gpus, start_zeusd, monkeypatch, generation):
     sim_gpus("a40", faults="no_cap_sys_admin")
@@ -289,6 +297,7 @@ def test_a_lost_gpu_is_a_gpu_lost_error(sim_gpus, start_zeusd, monkeypatch, gene
         get_gpus()[0].set_power_limit_mw(150_000)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_a_change_answered_after_the_timeout_is_undone_by_the_restore(
     sim_gpus, start_zeusd, monkeypatch, generation
@@ -320,6 +329,7 @@ def _stop(daemon: Daemon) -> None:
     daemon.proc.wait(timeout=30)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("generation", "env", "says"),
     [
@@ -339,6 +349,7 @@ def test_without_pci_addresses_a_part_of_the_node_is_refused(
     assert daemon.writes() == [] and all(g.power_limit_mw == 300_000 for g in system.gpus)
 
 
+@pytest.mark.system
 def test_a_job_that_sees_fewer_gpus_is_matched_by_pci_address_or_refused(sim_gpus, start_zeusd, monkeypatch):
     """A container given GPU 1 only: its NVML index 0 is zeusd's GPU 1."""
     system = sim_gpus("a40,a40", faults="no_cap_sys_admin;hidden@0")  # this job's NVML sees one GPU
@@ -357,6 +368,7 @@ def test_a_job_that_sees_fewer_gpus_is_matched_by_pci_address_or_refused(sim_gpu
             assert daemon.writes() == []
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_doctor_says_the_generation_and_the_mapping(sim_gpus, start_zeusd, generation):
     sim_gpus("a10g,t4", faults="no_cap_sys_admin")

@@ -12,6 +12,8 @@ from zeusd_double import issue_token
 
 from zeus_callbacks.core.device import zeusd
 
+pytestmark = pytest.mark.system  # other processes or the real clock (tests/tiers.py)
+
 KEY = "test-signing-key-0123456789abcdef"
 
 

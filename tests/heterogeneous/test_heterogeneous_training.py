@@ -106,6 +106,7 @@ def test_planner_refuses_batches_outside_the_measured_range():
 # -- power limits --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.system
 def test_each_rank_power_limit_is_applied_and_restored(sim_gpus, hetero_plan):
     sim_gpus("a10g,t4")
     gpus = get_gpus()
@@ -120,6 +121,7 @@ def test_each_rank_power_limit_is_applied_and_restored(sim_gpus, hetero_plan):
         apply_power_limit(too_high, gpu_index=1)
 
 
+@pytest.mark.system
 def test_hf_and_lightning_adapters_apply_and_restore(sim_gpus, hetero_plan):
     from zeus_callbacks.huggingface import HFHeterogeneousCallback
     from zeus_callbacks.lightning import LightningHeterogeneous

@@ -39,6 +39,7 @@ def test_nested_and_overlapping_windows(sim_gpus):
     assert c.total_energy == pytest.approx(sum(c.gpu_energy.values()))
 
 
+@pytest.mark.system
 def test_window_errors_and_cancel(sim_gpus):
     sim_gpus("a40")
     monitor = ZeusMonitor()
@@ -106,6 +107,7 @@ def test_a_lost_gpu_leaves_the_others_measured(sim_gpus, tmp_path, caplog):
             monitor.end_window("step")
 
 
+@pytest.mark.system
 def test_constructor_errors(sim_gpus):
     sim_gpus("2*a40")
     with pytest.raises(
@@ -116,6 +118,7 @@ def test_constructor_errors(sim_gpus):
         ZeusMonitor(sync_execution_with="jax")
 
 
+@pytest.mark.system
 def test_subset_of_gpus(sim_gpus):
     sim_gpus("4*a40")
     monitor = ZeusMonitor(gpu_indices=[3, 1])
@@ -125,6 +128,7 @@ def test_subset_of_gpus(sim_gpus):
     assert isinstance(m, Measurement) and m.simulated and m.cpu_energy is None and m.dram_energy is None
 
 
+@pytest.mark.system
 def test_csv_log_in_zeus_format(sim_gpus, tmp_path, burn_cpu):
     # The file's format is under test, with 30 ms windows: an exact counter keeps every row non-zero so the
     # log loads as a trace (a refreshed counter reads 0 J in such windows).
@@ -180,6 +184,7 @@ def _window_at(monitor: ZeusMonitor, power_limit_w: int, burn_cpu, sim_sleeps: l
     return m.time - lost, m.gpu_energy[0] - idle_w * lost, m
 
 
+@pytest.mark.system
 def test_energy_and_time_follow_the_trace(sim_gpus, burn_cpu, sim_sleeps):
     system = sim_gpus("a40:imagenet/resnet50/256")
     tr = system.gpus[0].trace
@@ -240,6 +245,7 @@ def test_power_sampling_fallback_integrates_sensibly(sim_gpus):
     assert busy.gpu_energy[1] > 2 * idle.gpu_energy[1]
 
 
+@pytest.mark.system
 def test_power_sampling_of_a_slowed_gpu(sim_gpus, sim_sleeps):
     system = sim_gpus("a40", faults="no_energy_counter")
     monitor = ZeusMonitor(power_sample_interval_s=0.005)
@@ -260,6 +266,7 @@ def test_power_sampling_of_a_slowed_gpu(sim_gpus, sim_sleeps):
     assert m.gpu_energy[0] == pytest.approx(expected, rel=0.2)
 
 
+@pytest.mark.system
 def test_refresh_period_is_measured_once_per_gpu(sim_gpus):
     from zeus_callbacks.core.device.power import energy_refresh_period_s
 
@@ -270,6 +277,7 @@ def test_refresh_period_is_measured_once_per_gpu(sim_gpus):
     assert periods["Tesla V100-PCIE-32GB"] == pytest.approx(0.02, rel=0.5)
 
 
+@pytest.mark.system
 def test_short_windows_warn_once_per_gpu(sim_gpus, burn_cpu, caplog):
     sim_gpus("a40")
     monitor = ZeusMonitor()
@@ -285,6 +293,7 @@ def test_short_windows_warn_once_per_gpu(sim_gpus, burn_cpu, caplog):
     assert readings.count(0.0) >= 2
 
 
+@pytest.mark.system
 def test_approx_instant_energy_measures_short_windows(sim_gpus, burn_cpu):
     system = sim_gpus("a40:imagenet/resnet50/256")
     monitor = ZeusMonitor(approx_instant_energy=True)

@@ -30,6 +30,7 @@ def powercap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
+@pytest.mark.system
 def test_cpu_and_dram_energy_with_wraparound(sim_gpus, powercap: Path):
     sim_gpus("a40")
     monitor = ZeusMonitor(gpu_indices=[0])
@@ -46,6 +47,7 @@ def test_cpu_and_dram_energy_with_wraparound(sim_gpus, powercap: Path):
     assert ZeusMonitor(cpu_indices=[]).cpu_indices == []
 
 
+@pytest.mark.system
 def test_cpu_indices_without_rapl_said_once(sim_gpus, tmp_path: Path, monkeypatch, caplog):
     sim_gpus("a40")
     monkeypatch.setattr(rapl, "POWERCAP_DIR", tmp_path / "absent")

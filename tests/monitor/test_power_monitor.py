@@ -150,6 +150,7 @@ def test_equal_readings_keep_the_first_and_last_point_of_their_run() -> None:
     assert bounded.points() == [(3, 3), (4, 4)]
 
 
+@pytest.mark.system
 def test_the_inferred_period_sleeps_and_is_never_zero(sim_gpus) -> None:
     """Zeus 0.16.0's inference starts from 0 and takes the minimum, so it always returns 0 s: busy polling.
     Here it is half the measured refresh (A40: 100 ms), floored at 10 ms."""
@@ -176,6 +177,7 @@ def test_zeus_0160_infers_a_zero_period() -> None:
         pytest.skip("this Zeus infers the period differently (fixed upstream)")
 
 
+@pytest.mark.system
 def test_the_background_thread_reads_nvml_at_most_once_per_period(sim_gpus, monkeypatch) -> None:
     """Count the NVML calls beneath pynvml over a wall-clock second: sleeping between ticks bounds them by
     the elapsed time over the period (a slower host only makes fewer)."""
@@ -201,6 +203,7 @@ def test_the_background_thread_reads_nvml_at_most_once_per_period(sim_gpus, monk
     assert len(calls) == settled  # stopped means stopped
 
 
+@pytest.mark.system
 def test_stop_is_idempotent_and_a_dropped_monitor_stops_its_thread(sim_gpus) -> None:
     sim_gpus("a40")
     monitor = PowerMonitor(update_period=0.02, sampling="thread")
@@ -273,6 +276,7 @@ def _gone(pid: int, within_s: float = 30.0) -> bool:
     return False
 
 
+@pytest.mark.system
 def test_another_process_samples_the_power_of_the_work_this_process_runs(sim_gpus) -> None:
     """The child reads the node this process works on: GPU 0, given twice GPU 1's work, drew more energy
     than GPU 1, which drew more than idling, and no thread of this process samples."""
@@ -294,6 +298,7 @@ def test_another_process_samples_the_power_of_the_work_this_process_runs(sim_gpu
     assert energy is not None and energy[0] > energy[1] > idle_j
 
 
+@pytest.mark.system
 def test_the_sampling_process_ends_with_the_monitor_when_dropped_and_when_its_parent_dies(
     sim_gpus, run_python
 ) -> None:
@@ -322,6 +327,7 @@ def test_the_sampling_process_ends_with_the_monitor_when_dropped_and_when_its_pa
     assert _gone(int(result.stdout.split()[0]))
 
 
+@pytest.mark.system
 def test_a_gpu_the_sampling_process_loses_ends_its_timeline(sim_gpus) -> None:
     """The child counts its own NVML calls: GPU 1 is lost after 40 of them, GPU 0 goes on."""
     sim_gpus("2*a40", faults="lost_after=40@1")
@@ -334,6 +340,7 @@ def test_a_gpu_the_sampling_process_loses_ends_its_timeline(sim_gpus) -> None:
     monitor.stop()
 
 
+@pytest.mark.system
 def test_a_sampling_process_that_cannot_start_or_dies_leaves_a_thread_or_the_readings_so_far(
     sim_gpus, monkeypatch, caplog
 ) -> None:

@@ -47,6 +47,7 @@ def test_subset_scaling_follows_zeus():
         subset_indices(100, 0.0)
 
 
+@pytest.mark.system
 def test_profile_dataloader_rejects_bad_arguments(sim_gpus, tmp_path):
     sim_gpus("a10g")
     ds = TensorDataset(torch.zeros(10, 2))
@@ -59,6 +60,7 @@ def test_profile_dataloader_rejects_bad_arguments(sim_gpus, tmp_path):
 # -- ProfileDataLoader ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.system
 def test_profile_dataloader_writes_scaled_time_energy_and_power(sim_gpus, tmp_path, burn_cpu, monkeypatch):
     sim_gpus("a10g")
     monkeypatch.setenv("ZEUS_LOG_PREFIX", str(tmp_path / "logs" / "bs5"))
@@ -91,6 +93,7 @@ def test_profile_dataloader_writes_scaled_time_energy_and_power(sim_gpus, tmp_pa
     assert all(int(line.split(",")[1]) > 0 for line in power[1:])
 
 
+@pytest.mark.system
 def test_only_scale_time_runs_the_whole_dataset(sim_gpus, tmp_path):
     sim_gpus("a10g")
     dataset = TensorDataset(torch.arange(100, dtype=torch.float32))
@@ -107,6 +110,7 @@ def test_only_scale_time_runs_the_whole_dataset(sim_gpus, tmp_path):
     assert loader.records[0].time_s > loader.records[0].measured_time_s
 
 
+@pytest.mark.system
 def test_profile_dataloader_needs_a_prefix(sim_gpus):
     sim_gpus("a10g")
     with pytest.raises(ValueError, match="ZEUS_LOG_PREFIX"):
@@ -116,6 +120,7 @@ def test_profile_dataloader_needs_a_prefix(sim_gpus):
 # -- power-limit windows -----------------------------------------------------------------------------------
 
 
+@pytest.mark.system
 def test_profile_power_limits_measures_each_limit_and_restores(sim_gpus, tmp_path, burn_cpu):
     sim_gpus("a10g")
     out = tmp_path / "run.json"
@@ -175,6 +180,7 @@ def test_cli_profile_writes_a_loadable_zeus2_profile(tmp_path, monkeypatch, caps
     assert "SIMULATED" in capsys.readouterr().out
 
 
+@pytest.mark.system
 def test_cli_profile_refuses_bad_runs(tmp_path, monkeypatch, capsys):
     base = ["profile", "--gpu-name", "a10", "--output", str(tmp_path / "p.json")]
     assert cli_main([*base, "--batch-sizes", "32", "--", "true"]) == 2
@@ -187,6 +193,7 @@ def test_cli_profile_refuses_bad_runs(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.system
 def test_hf_and_lightning_epoch_logs_write_rows(sim_gpus, tmp_path, burn_cpu):
     from types import SimpleNamespace
 

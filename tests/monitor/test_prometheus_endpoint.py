@@ -90,6 +90,7 @@ def test_exposition_labels_every_gpu_with_uuid_rank_job_and_simulated(sim_gpus):
         urllib.request.urlopen(server.url, timeout=2)
 
 
+@pytest.mark.system
 def test_one_port_per_rank_and_the_environment_switch(sim_gpus, monkeypatch):
     sim_gpus("a40")
     monkeypatch.delenv(PORT_ENV, raising=False)
@@ -118,6 +119,7 @@ def test_one_port_per_rank_and_the_environment_switch(sim_gpus, monkeypatch):
         serve_metrics_from_env()
 
 
+@pytest.mark.system
 def test_bad_arguments_say_what_to_pass(sim_gpus):
     sim_gpus("a40")
     with pytest.raises(InvalidInputError, match=r"serve_metrics\(port=-1\)"):
@@ -128,6 +130,7 @@ def test_bad_arguments_say_what_to_pass(sim_gpus):
         serve_metrics(port=0, optimizers=[object()])
 
 
+@pytest.mark.system
 def test_prometheus_client_missing_says_how_to_install(sim_gpus, monkeypatch):
     sim_gpus("a40")
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
@@ -135,6 +138,7 @@ def test_prometheus_client_missing_says_how_to_install(sim_gpus, monkeypatch):
         serve_metrics(port=0)
 
 
+@pytest.mark.system
 def test_importing_the_package_does_not_import_prometheus_client(run_python):
     code = (
         "import sys, zeus_callbacks; from zeus_callbacks import *; print('prometheus_client' in sys.modules)"

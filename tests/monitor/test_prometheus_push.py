@@ -127,6 +127,7 @@ def test_a_gateway_that_does_not_answer_is_logged_not_raised(sim_gpus, caplog):
     assert len(outside) == 1  # ~47 J under the lowest bucket (50 J): said once per window and GPU
 
 
+@pytest.mark.system
 def test_bad_arguments_say_what_to_pass(sim_gpus):
     sim_gpus("a40")
     url = "http://localhost:9091"

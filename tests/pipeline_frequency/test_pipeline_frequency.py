@@ -213,6 +213,7 @@ def test_plan_from_simulated_curve_is_valid():
     assert at_max[0] > max(at_max[1:])  # the heavy stage is the critical path
 
 
+@pytest.mark.system
 def test_constructor_errors(node):
     with pytest.raises(ValueError, match=r"PipelineFrequencyOptimizer\(schedule='zb'\)"):
         PipelineFrequencyOptimizer(schedule="zb")
@@ -226,6 +227,7 @@ def test_constructor_errors(node):
             PipelineFrequencyOptimizer(**kw)
 
 
+@pytest.mark.system
 def test_min_frequency_within_the_gpu_clocks(node):
     """Below the lowest supported clock, or an integral float: accepted; the sweep starts at the maximum."""
     pfo = PipelineFrequencyOptimizer(device_id=0, **{**FAST, "wait_steps": 0}, min_frequency_mhz=10.0)
@@ -235,6 +237,7 @@ def test_min_frequency_within_the_gpu_clocks(node):
 
 
 # -- the loop on a simulated GPU ------------------------------------------------------------------------
+@pytest.mark.system
 def test_sweep_stops_early_and_applies_plan(node, tmp_path: Path):
     gpu = node.gpus[0]
     csv_path = tmp_path / "profile.csv"
@@ -270,6 +273,7 @@ def test_sweep_stops_early_and_applies_plan(node, tmp_path: Path):
     assert gpu.locked_sm_clocks_mhz is None
 
 
+@pytest.mark.system
 def test_straggler_target_slows_instructions(node):
     gpu = node.gpus[0]
     pfo = PipelineFrequencyOptimizer(
@@ -297,6 +301,7 @@ def test_straggler_target_slows_instructions(node):
     assert gpu.locked_sm_clocks_mhz is None
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("new_kinds", "when"),
     [(_kinds("1f1b", 3), "the step ran 6 instructions"), (_kinds("gpipe", 4), "instruction 1 of the step")],
@@ -316,6 +321,7 @@ def test_fallback_to_max_clock_on_sequence_mismatch(node, caplog, new_kinds, whe
     assert gpu.locked_sm_clocks_mhz is None
 
 
+@pytest.mark.system
 def test_interleaved_order_planned_applied_and_checked(node, caplog):
     """One rank with 2 model chunks (virtual stages 0 and 1) running torch's interleaved order."""
     gpu = node.gpus[0]
@@ -343,6 +349,7 @@ def test_interleaved_order_planned_applied_and_checked(node, caplog):
     assert gpu.locked_sm_clocks_mhz is None
 
 
+@pytest.mark.system
 def test_redundant_clock_changes_are_skipped(node):
     gpu = node.gpus[0]
     controller = FrequencyController(gpu)
@@ -372,6 +379,7 @@ def test_redundant_clock_changes_are_skipped(node):
     assert gpu.locked_sm_clocks_mhz is None
 
 
+@pytest.mark.system
 def test_split_backward_halves_are_one_instruction(node):
     pfo = PipelineFrequencyOptimizer(device_id=0, **FAST)
     names = ["forward", "backward_input", "backward_weight", "forward", "backward_input", "backward_weight"]
@@ -389,6 +397,7 @@ def test_split_backward_halves_are_one_instruction(node):
     pfo.close()
 
 
+@pytest.mark.system
 def test_no_permission_measures_and_warns_once(sim_gpus, caplog):
     node = sim_gpus("a40", faults="no_permission")
     with caplog.at_level(logging.WARNING):
@@ -405,6 +414,7 @@ def test_no_permission_measures_and_warns_once(sim_gpus, caplog):
     pfo.close()
 
 
+@pytest.mark.system
 def test_no_permission_with_profile_reports_plan_without_applying(sim_gpus, tmp_path: Path):
     node = sim_gpus("a40", faults="no_permission")
     path = tmp_path / "profile.csv"
@@ -476,6 +486,7 @@ def test_clocks_restored_after_sigterm(node):
     assert node.gpus[0].locked_sm_clocks_mhz is None
 
 
+@pytest.mark.system
 def test_slack_margin_plans_lowered_clocks_longer_at_the_same_effective_energy(node):
     from zeus_callbacks.core.pipeline_frequency.frontier import FrequencyOption
 
@@ -489,6 +500,7 @@ def test_slack_margin_plans_lowered_clocks_longer_at_the_same_effective_energy(n
         PipelineFrequencyOptimizer(slack_margin=1.5)
 
 
+@pytest.mark.system
 def test_close_in_the_middle_of_a_step(node):
     pfo = PipelineFrequencyOptimizer(device_id=0, **FAST)
     pfo.on_step_begin()
@@ -499,6 +511,7 @@ def test_close_in_the_middle_of_a_step(node):
     assert pfo.phase == "waiting" and not pfo.monitor.open_windows
 
 
+@pytest.mark.system
 def test_empty_clock_list_is_not_supported_not_a_crash(sim_gpus, caplog):
     node = sim_gpus("a40", faults="empty_clocks")
     pfo = PipelineFrequencyOptimizer(device_id=0, **FAST)
@@ -512,6 +525,7 @@ def test_empty_clock_list_is_not_supported_not_a_crash(sim_gpus, caplog):
     assert node.gpus[0].locked_sm_clocks_mhz is None
 
 
+@pytest.mark.system
 def test_profiling_starts_from_the_default_power_limit(node):
     gpu = node.gpus[0]
     gpu.set_power_limit_mw(150_000)  # left low by someone else: it would cap every clock
@@ -523,6 +537,7 @@ def test_profiling_starts_from_the_default_power_limit(node):
     assert gpu.power_limit_mw == 150_000  # put back as it was found
 
 
+@pytest.mark.system
 def test_bad_profile_path_file_is_named_at_the_first_step(node, tmp_path):
     path = tmp_path / "profile.csv"
     path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")

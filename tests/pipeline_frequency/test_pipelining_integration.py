@@ -196,6 +196,7 @@ def test_instrument_checks_a_multi_stage_schedule():
         instrument(None, zero_bubble, None)  # type: ignore[arg-type]
 
 
+@pytest.mark.system
 def test_adapters_refuse_a_job_without_pipeline_stage(sim_gpus):
     sim_gpus("a40")
     import torch
@@ -217,6 +218,7 @@ def test_adapters_refuse_a_job_without_pipeline_stage(sim_gpus):
     pl.optimizer.close()
 
 
+@pytest.mark.system
 def test_attachment_instruments_a_multi_stage_schedule(sim_gpus):
     """The adapters' path: a model holding an interleaved schedule; the trainer marks the steps."""
     sim_gpus("a40")

@@ -381,6 +381,7 @@ def test_no_permission_warns_once_and_trains_on(tmp_path: Path, caplog):
         sim.disable()
 
 
+@pytest.mark.system
 def test_gpu_lost_mid_run(tmp_path: Path, caplog, run_python):
     state_dir = str(tmp_path / "node")
     system = vsim(faults="lost_after=60", state_dir=state_dir)

@@ -167,6 +167,7 @@ def test_missing_or_empty_run_dir(tmp_path: Path):
         load_run(tmp_path)
 
 
+@pytest.mark.system
 def test_background_sampling_waits_between_samples(sim_gpus, tmp_path: Path):
     import time
 

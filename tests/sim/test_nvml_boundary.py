@@ -206,6 +206,7 @@ def test_every_function_of_the_simulators_nvml_is_offered_at_the_c_boundary():
     assert {n: c for n, c in missing.items() if c} == {}
 
 
+@pytest.mark.system
 def test_zeus_measures_the_simulated_gpus_through_the_real_pynvml(sim_gpus):
     zeus_gpu = pytest.importorskip("zeus.device.gpu")
     import zeus.device.gpu.nvidia as zeus_nvidia
@@ -243,6 +244,7 @@ def test_sim_disable_gives_pynvml_back_its_library(sim_gpus, no_nvidia_driver):
         pynvml.nvmlInit()  # the real driver's loader, which finds no driver on this machine
 
 
+@pytest.mark.system
 def test_a_real_run_leaves_pynvml_untouched(run_python):
     child = run_python(
         "import sys, pynvml\n"

@@ -193,6 +193,7 @@ def test_clock_cap_above_what_the_power_limit_allows_changes_nothing(sim_gpus):
     assert gpu.operating_point() == pytest.approx(at_pl)
 
 
+@pytest.mark.system
 def test_locked_clock_slows_real_time_work(sim_gpus, burn_cpu, sim_sleeps):
     system = sim_gpus("a40")
     gpu = system.gpus[0]
@@ -255,6 +256,7 @@ def test_run_step_needs_a_virtual_clock():
         SimulatedSystem("a40", state_dir="").run_step(1.0)
 
 
+@pytest.mark.system
 def test_multi_gpu_synchronisation_takes_the_slowest_not_the_sum(sim_gpus, burn_cpu, sim_sleeps):
     import time
 
@@ -274,6 +276,7 @@ def test_multi_gpu_synchronisation_takes_the_slowest_not_the_sum(sim_gpus, burn_
 
 
 # -- shared state ----------------------------------------------------------------------------------------
+@pytest.mark.system
 def test_state_outlives_the_process(sim_gpus, run_python, burn_cpu):
     system = sim_gpus("2*a40")
     gpu = system.gpus[1]
@@ -302,6 +305,7 @@ def test_state_outlives_the_process(sim_gpus, run_python, burn_cpu):
     assert again.gpus[1].power_limit_mw == 175_000
 
 
+@pytest.mark.system
 def test_another_process_sees_the_work_in_progress_of_the_last_process_that_synchronised(sim_gpus, run_python):
     """A sampler in another process (PowerMonitor's) reads the power of work not synchronised yet: the
     worker's CPU time since its last synchronisation, read from /proc. Before the worker's first
@@ -339,6 +343,7 @@ def test_another_process_sees_the_work_in_progress_of_the_last_process_that_sync
     assert abs(int(run_python(reader).stdout) - idle_mw) <= 1  # a worker that is gone works no more
 
 
+@pytest.mark.system
 def test_state_is_per_spec_and_per_directory(sim_gpus, tmp_path):
     a = sim_gpus("a40")
     a.gpus[0].set_power_limit_mw(200_000)
@@ -347,6 +352,7 @@ def test_state_is_per_spec_and_per_directory(sim_gpus, tmp_path):
     assert SimulatedSystem("a40", state_dir="").gpus[0].power_limit_mw == 300_000
 
 
+@pytest.mark.system
 def test_simulate_exports_the_environment(sim_gpus, sim_state_dir):
     import os
 
@@ -360,6 +366,7 @@ def test_simulate_exports_the_environment(sim_gpus, sim_state_dir):
     assert "ZEUS_CALLBACKS_SIMULATE" not in os.environ
 
 
+@pytest.mark.system
 def test_active_builds_the_node_from_the_environment(monkeypatch):
     monkeypatch.setenv("ZEUS_CALLBACKS_SIMULATE", "a10g,t4")
     monkeypatch.setenv("ZEUS_CALLBACKS_SIM_FAULTS", "no_energy_counter@1")
@@ -417,6 +424,7 @@ def test_parse_faults():
         parse_faults("melt")
 
 
+@pytest.mark.system
 def test_lost_after_changes_counts_setting_changes_not_calls(sim_gpus):
     sim_gpus("a40", faults="lost_after_changes=2")
     nvml.nvmlInit()
@@ -432,6 +440,7 @@ def test_lost_after_changes_counts_setting_changes_not_calls(sim_gpus):
         parse_faults("lost_after_changes=0")
 
 
+@pytest.mark.system
 def test_enqueued_kernels_run_at_the_locked_clock_without_host_cpu(sim_gpus, sim_sleeps):
     import time
 

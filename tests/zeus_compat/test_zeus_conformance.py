@@ -142,6 +142,7 @@ def test_callback_set_drives_every_hook():
     assert calls == ["epoch_begin", "begin forward", "evaluate 0.9"]
 
 
+@pytest.mark.system
 def test_both_optimizers_are_zeus_callbacks_driven_by_a_callback_set(sim_gpus):
     """Zeus's `GlobalPowerLimitOptimizer` and `PipelineFrequencyOptimizer` are `Callback`s; a `CallbackSet`
     of both drives the pipeline one's instructions too."""
