@@ -41,7 +41,7 @@ from zeus_callbacks.core.pipeline_frequency.dag import Instruction, PipelineDAG,
 from zeus_callbacks.core.pipeline_frequency.frontier import OptionTable, Plan, evaluate
 
 if TYPE_CHECKING:
-    from zeus_callbacks.core.pipeline_frequency.frontier import _Problem
+    from zeus_callbacks.core.pipeline_frequency.plan_search import PlanSearch
 
 __all__ = ["GAP_GOAL", "exact_plan", "lower_bound", "refine", "scipy_available"]
 
@@ -127,9 +127,10 @@ def lower_bound(
     Raises:
         ValueError: On invalid options or an infeasible target.
     """
-    from zeus_callbacks.core.pipeline_frequency.frontier import _as_dag, _Problem
+    from zeus_callbacks.core.pipeline_frequency.energy_model import as_dag
+    from zeus_callbacks.core.pipeline_frequency.plan_search import PlanSearch
 
-    problem = _Problem(_as_dag(dag), options, p_blk_w)
+    problem = PlanSearch(as_dag(dag), options, p_blk_w)
     program = _Program.build(problem.dag, problem.times, problem.costs, sum(problem.p_blk), target_time_s)
     result = program.solve(integral=False)
     if result.status != 0:
@@ -138,7 +139,7 @@ def lower_bound(
 
 
 def refine(
-    problem: _Problem, levels: list[int], target_time_s: float, node_limit: int, max_passes: int
+    problem: PlanSearch, levels: list[int], target_time_s: float, node_limit: int, max_passes: int
 ) -> tuple[list[int], float]:
     """A plan at least as good as `levels` under `target_time_s`, and a proven lower bound on the optimum.
 

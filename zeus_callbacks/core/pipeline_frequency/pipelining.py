@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction
+from zeus_callbacks.core.pipeline_frequency.engine_step import EngineStep
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 
 __all__ = ["instrument", "find_stage", "schedule_order"]
@@ -111,6 +112,30 @@ def instrument(
         pfo.on_train_end()
     """
     multi = schedule is not None and hasattr(schedule, "_stages")
+    stages = _stages_run(stage, schedule, multi)
+    if multi:
+        order = schedule_order(schedule)  # refuses a schedule the planner cannot model, before any change
+        optimizer.use_schedule(order, name=type(schedule).__name__)
+    patch = _Patch(optimizer, mark_steps, training=schedule is None or not mark_steps)
+    if schedule is not None and mark_steps:
+        patch.wrap(schedule, "step", functools.partial(patch.step, schedule=schedule))
+    for owner in stages:
+        virtual_stage = owner.stage_index if multi else None
+        for method, name in _STAGE_METHODS.items():
+            if hasattr(owner, method):
+                make = functools.partial(
+                    patch.instruction, owner=owner, fixed=name, virtual_stage=virtual_stage
+                )
+                patch.wrap(owner, method, make)
+    return patch.undo
+
+
+def _stages_run(stage: Any, schedule: Any, multi: bool) -> list[Any]:
+    """The stages `instrument` reports: those of `stage` that a multi-stage `schedule` runs, else `[stage]`.
+
+    Raises:
+        TypeError: `schedule` does not run `stage`.
+    """
     if multi:
         stages = list(schedule._stages)
         given = stages if stage is None else list(stage) if isinstance(stage, list | tuple) else [stage]
@@ -119,69 +144,62 @@ def instrument(
                 f"`instrument(stage, schedule={type(schedule).__name__}(...), ...)`: `stage` is not run by "
                 "this schedule; pass its stages, one of them, or None."
             )
-        order = schedule_order(schedule)  # refuses a schedule the planner cannot model, before any change
-        optimizer.use_schedule(order, name=type(schedule).__name__)
-    else:
-        if schedule is not None and getattr(schedule, "_stage", stage) is not stage:
-            raise TypeError(
-                f"`instrument(stage, schedule={type(schedule).__name__}(...), ...)`: the schedule does not "
-                "run `stage`; pass the stage it was built with."
-            )
-        stages = [stage]
-    state = {"training": schedule is None or not mark_steps}
-    originals: list[tuple[Any, str]] = []
+        return stages
+    if schedule is not None and getattr(schedule, "_stage", stage) is not stage:
+        raise TypeError(
+            f"`instrument(stage, schedule={type(schedule).__name__}(...), ...)`: the schedule does not "
+            "run `stage`; pass the stage it was built with."
+        )
+    return [stage]
 
-    def wrap(obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+
+class _Patch(EngineStep):
+    """The methods `instrument` replaced (to put back), and the training step they report (`EngineStep`)."""
+
+    def __init__(self, optimizer: PipelineFrequencyOptimizer, mark_steps: bool, training: bool) -> None:
+        super().__init__(optimizer, mark_steps)
+        self._training = training  # True: every instruction is reported (something else marks the steps)
+        self.originals: list[tuple[Any, str]] = []
+
+    def wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replace `obj.name` by `make(original)` on the instance, with the original's name and docstring."""
         original = getattr(obj, name)
         wrapped = functools.wraps(original)(make(original))
         setattr(obj, name, wrapped)
-        originals.append((obj, name))
+        self.originals.append((obj, name))
 
-    def step(original: Callable[..., Any]) -> Callable[..., Any]:
+    def undo(self) -> None:
+        """Put every replaced method back."""
+        for obj, name in reversed(self.originals):
+            obj.__dict__.pop(name, None)
+        self.originals.clear()
+
+    def step(self, original: Callable[..., Any], schedule: Any) -> Callable[..., Any]:
+        """`schedule.step`, as one training step of the optimizer (not in eval, nor nested in a step)."""
+
         def run(*args: Any, **kwargs: Any) -> Any:
-            if not getattr(schedule, "_has_backward", True) or state["training"]:  # eval, or a nested call
+            if not getattr(schedule, "_has_backward", True) or self._training:  # eval, or a nested call
                 return original(*args, **kwargs)
-            optimizer.on_step_begin()
-            state["training"] = True
-            try:
-                out = original(*args, **kwargs)
-            finally:
-                state["training"] = False
-            optimizer.on_step_end()
-            return out
+            return self._run_step(original, *args, **kwargs)
 
         return run
 
     def instruction(
-        original: Callable[..., Any], owner: Any, fixed: str | None, virtual_stage: int | None
+        self, original: Callable[..., Any], owner: Any, fixed: str | None, virtual_stage: int | None
     ) -> Callable[..., Any]:
+        """A stage method, as one instruction of the optimizer: `fixed`, else a backward or its input half."""
+
         def run(*args: Any, **kwargs: Any) -> Any:
-            if not state["training"] or not owner.has_backward:
+            if not self._training or not owner.has_backward:
                 return original(*args, **kwargs)
             full = kwargs.get("full_backward", args[2] if len(args) > 2 else True)
             name = fixed or ("backward" if full else "backward_input")
-            optimizer.on_instruction_begin(name, virtual_stage=virtual_stage)
+            self.optimizer.on_instruction_begin(name, virtual_stage=virtual_stage)
             out = original(*args, **kwargs)
-            optimizer.on_instruction_end(name, virtual_stage=virtual_stage)
+            self.optimizer.on_instruction_end(name, virtual_stage=virtual_stage)
             return out
 
         return run
-
-    if schedule is not None and mark_steps:
-        wrap(schedule, "step", step)
-    for owner in stages:
-        virtual_stage = owner.stage_index if multi else None
-        for method, name in _STAGE_METHODS.items():
-            if hasattr(owner, method):
-                make = functools.partial(instruction, owner=owner, fixed=name, virtual_stage=virtual_stage)
-                wrap(owner, method, make)
-
-    def undo() -> None:
-        for obj, name in reversed(originals):
-            obj.__dict__.pop(name, None)
-        originals.clear()
-
-    return undo
 
 
 def find_stage(obj: Any) -> Any | None:
