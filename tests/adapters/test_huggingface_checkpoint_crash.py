@@ -22,8 +22,8 @@ from helpers import ROOT, TOY_STEPS_COUNTER
 
 pytest.importorskip("transformers")
 
-import test_huggingface as hf  # noqa: E402
-from test_huggingface import PLO_KW, Recorder, ZeusTrainer, make_trainer  # noqa: E402
+import hf_trainers as hf  # noqa: E402
+from hf_trainers import PLO_KW, Recorder, ZeusTrainer, make_trainer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from zeus_callbacks import sim  # noqa: E402
@@ -41,7 +41,7 @@ import torch
 from transformers import TrainerCallback, TrainerState
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer
-from test_huggingface import PLO_KW, ZeusTrainer, make_trainer
+from hf_trainers import PLO_KW, ZeusTrainer, make_trainer
 
 torch.set_num_threads(1)  # the simulator counts CPU time as GPU work
 tmp = Path({tmp!r})

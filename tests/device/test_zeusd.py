@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - the fixture imported from zeusd_daemon is named by each test
 """GPU settings through Zeus's daemon zeusd: the setters speak its HTTP API, journal the route, restore through it.
 
 zeusd cannot be built here: every test talks to `zeusd_double.py`, a test double rebuilt from zeusd's Rust
@@ -16,11 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helpers import TOY_STEPS_COUNTER
+from zeusd_daemon import GENERATIONS, ROOT, Daemon, start_zeusd  # noqa: F401 - the fixture
 from zeusd_double import issue_token
 
 from zeus_callbacks.core.device import setters, zeusd
@@ -36,25 +38,9 @@ from zeus_callbacks.core.device.journal import read_journal, write_atomic
 from zeus_callbacks.core.device.state_guard import guard, journal_dir, leftover_entries
 
 HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
-DOUBLE = HERE / "zeusd_double.py"
 SCRIPT = HERE / "fault_training.py"
 KEY = "test-signing-key-0123456789abcdef"
 ZEUSD_ENV = (zeusd.SOCK_ENV, zeusd.HOST_PORT_ENV, zeusd.TOKEN_ENV, zeusd.TIMEOUT_ENV, setters.SETTERS_ENV)
-GENERATIONS = ("0.4", "0.5", "master")
-
-
-class Daemon:
-    """A running test double: `env` points a client at it; `requests()` lists what it was asked."""
-
-    def __init__(self, proc: subprocess.Popen, env: dict[str, str], log: Path) -> None:
-        self.proc, self.env, self.log = proc, env, log
-
-    def requests(self) -> list[str]:
-        return self.log.read_text().splitlines() if self.log.exists() else []
-
-    def writes(self) -> list[str]:
-        return [r for r in self.requests() if r.startswith("POST")]
 
 
 @pytest.fixture(autouse=True)
@@ -62,41 +48,6 @@ def _no_zeusd_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ZEUSD_ENV:
         monkeypatch.delenv(name, raising=False)
     setters.forget()
-
-
-@pytest.fixture
-def start_zeusd(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
-    """`start_zeusd(transport="unix"|"tcp", *options)`: the double on this test's simulated node."""
-    started: list[subprocess.Popen] = []
-
-    def start(transport: str = "unix", *options: str, generation: str = "master") -> Daemon:
-        log = tmp_path / f"zeusd-{len(started)}.log"
-        where = (
-            ["--socket", str(tmp_path / f"zeusd-{len(started)}.sock")]
-            if transport == "unix"
-            else ["--tcp", "127.0.0.1:0"]
-        )
-        env = {k: v for k, v in os.environ.items() if k != "ZEUS_CALLBACKS_SIM_FAULTS"}  # the daemon is root
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-        proc = subprocess.Popen(
-            [sys.executable, str(DOUBLE), *where, "--log", str(log), "--generation", generation, *options],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        started.append(proc)
-        line = proc.stdout.readline().split()
-        assert line[:1] == ["READY"], (line, proc.stderr.read() if proc.poll() is not None else "")
-        name = zeusd.SOCK_ENV if transport == "unix" else zeusd.HOST_PORT_ENV
-        return Daemon(proc, {name: line[1]}, log)
-
-    yield start
-    for proc in started:
-        proc.terminate()
-        proc.wait(timeout=10)
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 def _client(monkeypatch: pytest.MonkeyPatch, daemon: Daemon | None = None, **env: str) -> None:

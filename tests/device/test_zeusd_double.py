@@ -1,4 +1,4 @@
-# ruff: noqa: F811 - the fixture imported from test_zeusd is named by each test
+# ruff: noqa: F811 - the fixture imported from zeusd_daemon is named by each test
 """The zeusd double answers as zeusd's source does (each case is a rule of `zeusd_double.py`)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from test_zeusd import GENERATIONS, Daemon, start_zeusd  # noqa: F401 - the fixture
+from zeusd_daemon import GENERATIONS, Daemon, start_zeusd  # noqa: F401 - the fixture
 from zeusd_double import issue_token
 
 from zeus_callbacks.core.device import zeusd

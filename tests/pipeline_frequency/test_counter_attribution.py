@@ -5,7 +5,7 @@ the plan."""
 from __future__ import annotations
 
 import pytest
-from test_pipeline_frequency import _kinds, run_steps
+from pipeline_steps import _kinds, run_steps
 
 from zeus_callbacks import sim
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer

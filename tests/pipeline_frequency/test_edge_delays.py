@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from test_frontier import _options
+from frontier_options import _options
 
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction, build_dag, build_schedule
@@ -185,7 +185,7 @@ def test_edge_delays_file_beside_the_profile(tmp_path):
 
 
 def test_cli_pipeline_plan_reads_the_edge_delays_beside_the_profile(tmp_path, capsys):
-    from test_perseus_profile import _profile
+    from profile_rows import _profile
 
     from zeus_callbacks.cli import main
     from zeus_callbacks.core.pipeline_frequency.profile_file import write_profile

@@ -5,22 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from profile_rows import _profile
 
 from zeus_callbacks.cli import main
 from zeus_callbacks.core.pipeline_frequency.frontier import FrequencyOption
 from zeus_callbacks.core.pipeline_frequency.planning import options_from_rows
-from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow, read_profile, write_profile
-
-
-def _profile(num_stages: int = 2) -> list[ProfileRow]:
-    rows = []
-    for s in range(num_stages):
-        scale = 1.0 + 0.3 * s
-        for kind, mult in (("forward", 0.02), ("backward", 0.04)):
-            for f in range(1740, 1100, -90):
-                t = scale * mult * (0.2 + 0.8 * 1740 / f)
-                rows.append(ProfileRow(s, kind, f, t, (80 + 200 * (f / 1740) ** 3) * t))
-    return rows
+from zeus_callbacks.core.pipeline_frequency.profile_file import read_profile, write_profile
 
 
 def test_round_trip(tmp_path):

@@ -8,13 +8,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 from helpers import burn_cpu
+from pipeline_steps import FAST, _kinds, run_steps
 
-from zeus_callbacks import sim
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.pipeline_frequency.clock_sweep import clock_sweep, merge_replicas, passed_valley
@@ -36,43 +35,6 @@ from zeus_callbacks.core.pipeline_frequency.recorder import (
     undisturbed_estimate,
 )
 from zeus_callbacks.sim.system import SimulatedSystem
-
-FAST = dict(wait_steps=1, warmup_steps=0, profile_steps=1, frequency_stride_mhz=180, patience=2)
-
-
-def _kinds(schedule: str, microbatches: int) -> list[str]:
-    return [i.kind for i in build_schedule(schedule, 1, microbatches)[0]]
-
-
-def run_steps(
-    pfo: PipelineFrequencyOptimizer,
-    steps: int,
-    kinds: list[str] | list[Instruction],
-    until: str | None = None,
-    work_s: float = 0.002,
-    queued: bool = False,
-) -> int:
-    """A fake single-stage schedule: each forward burns `work_s` of CPU (simulated GPU work), a backward twice,
-    and between instructions the stage waits for its peers without computing (a sleep, as a blocking recv).
-    With `queued` the work is queued on simulated GPU 0 instead (`sim.enqueue_work`: no host CPU, so the
-    host's load does not change how much work there is). Instructions (rather than kinds) are reported with
-    their virtual stage."""
-    for n in range(steps):
-        pfo.on_step_begin()
-        for item in kinds:
-            kind, virtual = (item.kind, item.virtual_stage) if isinstance(item, Instruction) else (item, None)
-            pfo.on_instruction_begin(kind, virtual_stage=virtual)
-            work = work_s if kind == "forward" else 2 * work_s
-            if queued:
-                sim.enqueue_work(0, work)
-            else:
-                burn_cpu(work)
-            pfo.on_instruction_end(kind, virtual_stage=virtual)
-            time.sleep(work_s / 2)
-        pfo.on_step_end()
-        if until is not None and pfo.phase == until:
-            return n + 1
-    return steps
 
 
 @pytest.fixture
@@ -441,7 +403,7 @@ _CHILD = textwrap.dedent(
     """
     import sys, time
     sys.path[:0] = {paths!r}  # this file's folder and tests/ (helpers)
-    from test_pipeline_frequency import FAST, _kinds, run_steps
+    from pipeline_steps import FAST, _kinds, run_steps
     from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
     pfo = PipelineFrequencyOptimizer(device_id=0, target_time_s=10.0, **FAST)
     kinds = _kinds("1f1b", 2)
