@@ -42,7 +42,7 @@ SCHEDULES = {"1f1b": None, "interleaved": 2}  # schedule -> virtual pipeline siz
 # The interleaved split, in Megatron's `pipeline_model_parallel_layout` notation (one `|`-separated entry per
 # virtual stage v = chunk * 4 + rank; E: embedding, t: transformer layer, L: output head and loss): the last
 # rank holds 2 layers' worth in each of its chunks (v3: 2 layers; v7: a layer and the head), the others 1.
-# The planner profiles a rank's forwards (backwards) over all its chunks, so a rank's chunks weigh the same.
+# The optimizer profiles each chunk apart, so a rank's chunks may weigh differently (`--vocab 640`, `--layout`).
 INTERLEAVED_LAYOUT = "Et|t|t|tt|t|t|t|tL"
 
 

@@ -297,6 +297,7 @@ def test_interleaved_order_planned_applied_and_checked(node, caplog):
     assert pfo.phase == "applying", report.get("reason")
     assert report["schedule"] == "ScheduleInterleaved1F1B" and report["num_virtual_stages"] == 2
     assert len(pfo.plan_frequencies_mhz) == 16
+    assert {r["virtual_stage"] for r in report["profile"]} == {0, 1}  # each chunk profiled on its own
     with pytest.raises(InvalidInputError, match="plan is made"):
         pfo.use_schedule(order)
     swapped = [Instruction(0, i.kind, i.microbatch, 1 - i.virtual_stage) for i in order[0]]

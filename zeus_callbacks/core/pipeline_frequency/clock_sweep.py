@@ -75,8 +75,8 @@ def merge_replicas(samples: Iterable[StageSample]) -> dict[int, StageSample]:
     for stage, group in sorted(by_stage.items()):
         if len({g.sequence for g in group}) > 1:
             raise ValueError(f"The replicas of pipeline stage {stage} ran different instruction sequences.")
-        kinds: dict[str, tuple[float, float, int]] = {}
-        for kind in sorted({k for g in group for k in g.kinds}):
+        kinds: dict[str | tuple[str, int], tuple[float, float, int]] = {}
+        for kind in sorted({k for g in group for k in g.kinds}, key=_key_order):
             vals = [g.kinds[kind] for g in group if kind in g.kinds]
             kinds[kind] = (max(v[0] for v in vals), sum(v[1] for v in vals), min(v[2] for v in vals))
         blocked_t = max(g.blocked_time_s for g in group)
@@ -85,6 +85,16 @@ def merge_replicas(samples: Iterable[StageSample]) -> dict[int, StageSample]:
             stage, group[0].frequency_mhz, kinds, blocked_t, power * blocked_t, group[0].sequence
         )
     return out
+
+
+def _key_order(key: str | tuple[str, int]) -> tuple[int, str]:
+    """Trace keys in order: by model chunk, then kind."""
+    kind, chunk = _kind_and_chunk(key)
+    return (-1 if chunk is None else chunk, kind)
+
+
+def _kind_and_chunk(key: str | tuple[str, int]) -> tuple[str, int | None]:
+    return (key[0], key[1]) if isinstance(key, tuple) else (key, None)
 
 
 class ClockSweep:
@@ -107,8 +117,8 @@ class ClockSweep:
         self.sequences: dict[int, tuple[str | tuple[str, int], ...]] = {}
         self._position = dict.fromkeys(self.clocks, 0)
         self._done = dict.fromkeys(self.clocks, False)
-        # stage -> kind -> [(clock MHz, time s, energy J)] in sweep order
-        self._points: dict[int, dict[str, list[tuple[int, float, float]]]] = {}
+        # stage -> trace key (kind, or (kind, virtual stage)) -> [(clock MHz, time s, energy J)] in sweep order
+        self._points: dict[int, dict[str | tuple[str, int], list[tuple[int, float, float]]]] = {}
         self._blocked: dict[int, list[float]] = {}  # stage -> [time s, energy J] over the sweep
         # Per profiled step, stage -> when its instructions ran (for the DAG's edge delays).
         self.timelines: list[dict[int, StepTimeline]] = []
@@ -170,13 +180,14 @@ class ClockSweep:
         return valley or self._position[stage] >= len(self.clocks[stage])
 
     def profile_rows(self) -> list[ProfileRow]:
-        """The profile measured so far (every stage, replicas merged)."""
-        return [
-            ProfileRow(stage, kind, f, t, e)
-            for stage, kinds in sorted(self._points.items())
-            for kind, pts in sorted(kinds.items())
-            for f, t, e in pts
-        ]
+        """The profile measured so far (every stage, replicas merged; per model chunk where a stage ran
+        several)."""
+        rows = []
+        for stage, kinds in sorted(self._points.items()):
+            for key, pts in sorted(kinds.items(), key=lambda kv: _key_order(kv[0])):
+                kind, chunk = _kind_and_chunk(key)
+                rows += [ProfileRow(stage, kind, f, t, e, virtual_stage=chunk) for f, t, e in pts]
+        return rows
 
     def blocking_power_w(self) -> dict[int, float]:
         """Measured power (W) of each stage while blocked between instructions (replicas summed).

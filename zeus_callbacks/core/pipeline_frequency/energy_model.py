@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction, PipelineDAG, build_dag
 
@@ -20,10 +21,17 @@ __all__ = [
     "pareto_options",
     "evaluate",
     "max_frequency_plan",
+    "OptionKey",
+    "OptionTable",
+    "options_of",
 ]
 
-OptionTable = Mapping[tuple[int, str], Sequence["FrequencyOption"]]
-"""Profiled options of each instruction type, keyed by `(stage, kind)` with kind `"forward"`/`"backward"`."""
+OptionKey = tuple[int, str] | tuple[int, str, int]
+"""`(stage, kind)` of a stage's instructions of one kind (`"forward"`/`"backward"`), or `(stage, kind,
+virtual stage)` of one model chunk's, where the profile was measured per chunk (interleaved schedules)."""
+
+OptionTable = Mapping[OptionKey, Sequence["FrequencyOption"]]
+"""Profiled options of each instruction type (`OptionKey`); read through `options_of`."""
 
 # Relative tolerance on the target time, to absorb floating-point rounding of sums of durations.
 REL_TOL = 1e-9
@@ -86,6 +94,20 @@ class Frontier:
         return min(feasible, key=lambda p: p.energy_j)
 
 
+def options_of(options: Mapping[OptionKey, Any], inst: Instruction) -> Any:
+    """`inst`'s entry of a table keyed by `OptionKey`: its model chunk's where the table has one, else its
+    stage's of its kind (a profile measured per rank prices each chunk at the rank's cost).
+
+    Raises:
+        KeyError: neither is in the table.
+    """
+    if inst.virtual_stage is not None:
+        chunk = options.get((inst.stage, inst.kind, inst.virtual_stage))
+        if chunk is not None:
+            return chunk
+    return options[inst.stage, inst.kind]
+
+
 def pareto_options(options: Sequence[FrequencyOption], p_blk_w: float) -> list[FrequencyOption]:
     """Options worth choosing, sorted by increasing time (so by decreasing effective energy).
 
@@ -118,7 +140,7 @@ def evaluate(
     chosen = []
     for inst in dag.instructions:
         try:
-            chosen.append(lookup[inst.stage, inst.kind][frequencies_mhz[inst]])
+            chosen.append(options_of(lookup, inst)[frequencies_mhz[inst]])
         except KeyError:
             raise ValueError(f"No profiled option for {inst} at {frequencies_mhz.get(inst)} MHz.") from None
     return make_plan(dag, p_blk, chosen)
@@ -133,9 +155,7 @@ def max_frequency_plan(
     dag = as_dag(dag)
     check_options(dag, options)
     top = {key: max(opts, key=lambda o: o.frequency_mhz) for key, opts in options.items()}
-    return make_plan(
-        dag, per_stage(p_blk_w, dag.num_stages), [top[i.stage, i.kind] for i in dag.instructions]
-    )
+    return make_plan(dag, per_stage(p_blk_w, dag.num_stages), [options_of(top, i) for i in dag.instructions])
 
 
 def as_dag(dag: PipelineDAG | Sequence[Sequence[Instruction]]) -> PipelineDAG:
@@ -157,14 +177,20 @@ def per_stage(p_blk_w: float | Sequence[float], num_stages: int) -> list[float]:
 
 def check_options(dag: PipelineDAG, options: OptionTable) -> None:
     """Raises ValueError unless every instruction type of `dag` has options, all with time > 0, energy >= 0."""
-    for key in sorted({(i.stage, i.kind) for i in dag.instructions}):
-        opts = options.get(key)
+    for inst in dag.instructions:
+        try:
+            opts = options_of(options, inst)
+        except KeyError:
+            opts = None
+        what = f"stage {inst.stage} {inst.kind}" + (
+            "" if inst.virtual_stage is None else f" of virtual stage {inst.virtual_stage}"
+        )
         if not opts:
-            raise ValueError(f"No profiled options for stage {key[0]} {key[1]}.")
+            raise ValueError(f"No profiled options for {what}.")
         for o in opts:
             if not (o.time_s > 0 and o.energy_j >= 0):
                 raise ValueError(
-                    f"Stage {key[0]} {key[1]}: invalid option {o} (needs time > 0, energy >= 0)."
+                    f"{what[0].upper()}{what[1:]}: invalid option {o} (needs time > 0, energy >= 0)."
                 )
 
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction, PipelineDAG, build_dag
+from zeus_callbacks.core.pipeline_frequency.energy_model import options_of
 from zeus_callbacks.core.pipeline_frequency.frontier import OptionTable, Plan, evaluate
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ def exact_plan(
     p_blk = [float(p_blk_w)] * dag.num_stages if isinstance(p_blk_w, int | float) else list(p_blk_w)
     choices = []
     for inst in dag.instructions:
-        by_freq = {o.frequency_mhz: o for o in options[inst.stage, inst.kind]}
+        by_freq = {o.frequency_mhz: o for o in options_of(options, inst)}
         choices.append([by_freq[f] for f in sorted(by_freq)])
     program = _Program.build(
         dag,

@@ -18,6 +18,7 @@ from zeus_callbacks.core.pipeline_frequency.energy_model import (
     check_options,
     make_plan,
     max_frequency_plan,
+    options_of,
     pareto_options,
     per_stage,
 )
@@ -43,7 +44,7 @@ class PlanSearch:
         self.dag = dag
         self.p_blk = per_stage(p_blk_w, dag.num_stages)
         by_type = {key: pareto_options(opts, self.p_blk[key[0]]) for key, opts in options.items()}
-        self.opts = [by_type[i.stage, i.kind] for i in dag.instructions]
+        self.opts = [options_of(by_type, i) for i in dag.instructions]
         self.times = [[o.time_s for o in opts] for opts in self.opts]
         self.costs = [
             [o.energy_j - self.p_blk[inst.stage] * o.time_s for o in opts]

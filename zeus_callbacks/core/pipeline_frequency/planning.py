@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import combinations
@@ -15,6 +16,7 @@ from zeus_callbacks.core.pipeline_frequency.dag import (
     build_schedule,
 )
 from zeus_callbacks.core.pipeline_frequency.edge_delays import EdgeDelays, measure_edge_delays
+from zeus_callbacks.core.pipeline_frequency.energy_model import OptionKey, check_options
 from zeus_callbacks.core.pipeline_frequency.frontier import (
     FrequencyOption,
     evaluate,
@@ -142,15 +144,16 @@ def _shown(sequences: Mapping[int, Sequence[TraceKey]]) -> dict[int, str]:
     return {s: "".join(short(k) for k in seq) for s, seq in sorted(sequences.items())}
 
 
-def options_from_rows(rows: Iterable[ProfileRow]) -> dict[tuple[int, str], list[FrequencyOption]]:
-    """The planner's options table from profile rows, each type's options from the highest clock down.
+def options_from_rows(rows: Iterable[ProfileRow]) -> dict[OptionKey, list[FrequencyOption]]:
+    """The planner's options table from profile rows (keyed by `ProfileRow.key`: per stage and kind, or per
+    model chunk where measured so), each type's options from the highest clock down.
 
     A lower clock never makes an instruction faster, so a measured time shorter than at a higher clock
     (noise) is raised to it: otherwise the plan would slow the critical path for a speed-up that is not real.
     """
-    out: dict[tuple[int, str], list[FrequencyOption]] = {}
-    for r in sorted(rows, key=lambda r: (r.stage, r.instruction, -r.frequency_mhz)):
-        opts = out.setdefault((r.stage, r.instruction), [])
+    out: dict[OptionKey, list[FrequencyOption]] = {}
+    for r in sorted(rows, key=lambda r: (r.stage, r.instruction, _chunk_order(r), -r.frequency_mhz)):
+        opts = out.setdefault(r.key, [])
         time_s = max(r.time_s, opts[-1].time_s) if opts else r.time_s
         opts.append(FrequencyOption(r.frequency_mhz, time_s, r.energy_j))
     return out
@@ -172,12 +175,14 @@ def fit_clock_times(rows: Iterable[ProfileRow]) -> list[ProfileRow]:
     maximum makes the next clocks look as fast as the maximum, and the plan lowers instructions on the
     critical path for a saving that costs time; one curve through the whole sweep prices every step.
     """
-    groups: dict[tuple[int, str], list[ProfileRow]] = {}
+    groups: dict[OptionKey, list[ProfileRow]] = {}
     for r in rows:
-        groups.setdefault((r.stage, r.instruction), []).append(r)
+        groups.setdefault(r.key, []).append(r)
     out = []
     for group in groups.values():
-        if len({r.frequency_mhz for r in group}) < _MIN_FIT_CLOCKS or any(r.frequency_mhz <= 0 for r in group):
+        if len({r.frequency_mhz for r in group}) < _MIN_FIT_CLOCKS or any(
+            r.frequency_mhz <= 0 for r in group
+        ):
             out += group
             continue
         top = max(r.frequency_mhz for r in group)
@@ -186,8 +191,12 @@ def fit_clock_times(rows: Iterable[ProfileRow]) -> list[ProfileRow]:
         for r, (x, _) in zip(group, points, strict=True):
             time_s = a + b * x
             energy_j = r.energy_j * time_s / r.time_s if r.time_s > 0 else r.energy_j
-            out.append(ProfileRow(r.stage, r.instruction, r.frequency_mhz, time_s, energy_j))
+            out.append(dataclasses.replace(r, time_s=time_s, energy_j=energy_j))
     return out
+
+
+def _chunk_order(row: ProfileRow) -> int:
+    return -1 if row.virtual_stage is None else row.virtual_stage
 
 
 def _theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -201,16 +210,17 @@ def _theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 
 def with_margin(
-    options: dict[tuple[int, str], list[FrequencyOption]], margin: float, p_blk_w: Sequence[float]
-) -> dict[tuple[int, str], list[FrequencyOption]]:
+    options: dict[OptionKey, list[FrequencyOption]], margin: float, p_blk_w: Sequence[float]
+) -> dict[OptionKey, list[FrequencyOption]]:
     """Every option but the fastest of its type taken `margin` longer, for planning only. The added time is
     charged at the stage's blocking power, so an option's effective energy (`e - P_blk * t`) is unchanged."""
     if margin == 0:
         return options
     out = {}
-    for (stage, kind), opts in options.items():
+    for key, opts in options.items():
+        stage = key[0]
         top = max(o.frequency_mhz for o in opts)
-        out[stage, kind] = [
+        out[key] = [
             o
             if o.frequency_mhz == top
             else FrequencyOption(
@@ -241,10 +251,10 @@ def plan_pipeline(
     predicted from the profile (as measured, or fitted with `fit_times`), the step's overhead outside the
     DAG included.
 
-    With several model chunks per stage (interleaved schedules) the profile is per stage and kind: a
-    stage's chunks share its GPU and its clock, and torch's multi-stage schedules split the model into
-    chunks of equal layers, so each chunk's forward (backward) is taken to cost what the stage's
-    forwards (backwards) cost, measured over all its chunks.
+    With several model chunks per stage (interleaved schedules) the optimizer profiles each chunk's
+    forwards and backwards apart (`ProfileRow.virtual_stage`), since real splits do not weigh alike (an
+    embedding, an output head); a profile measured per stage and kind (e.g. read from a Perseus file) prices
+    each of the stage's chunks at what its instructions cost over all its chunks.
 
     Args:
         sequences: Stage -> its instructions in one iteration, in execution order (`Instruction.trace_key`).
@@ -273,9 +283,10 @@ def plan_pipeline(
     delays = edge_delays if edge_delays is not None else measure_edge_delays(dag, timelines)
     dag = delays.apply(dag)
     options = options_from_rows(fit_clock_times(rows) if fit_times else rows)
-    missing = sorted({(i.stage, i.kind) for i in dag.instructions} - set(options))
-    if missing:
-        raise ValueError(f"the profile has no measurements of {missing}")
+    try:
+        check_options(dag, options)
+    except ValueError as e:
+        raise ValueError(f"the profile does not fit the schedule: {e}") from None
     p_blk = [blocking_power_w.get(s, 0.0) for s in range(dag.num_stages)]
     overhead_s = delays.step_overhead_s
     target = None if target_time_s is None else max(0.0, target_time_s - overhead_s)

@@ -3,7 +3,9 @@
 One row per (stage, instruction, SM frequency), as Zeus/Perseus write it: `instruction` is `forward` or
 `backward`, `frequency` in MHz, `time` in seconds and `energy` in joules for one instruction (one microbatch
 on one stage). `PipelineFrequencyOptimizer(profile_path=...)` writes and reads it; so does
-`zeus-callbacks pipeline-plan`.
+`zeus-callbacks pipeline-plan`. A profile of an interleaved schedule (several model chunks per stage) is
+measured per chunk and has a sixth column, `virtual_stage` (the chunk's place in the model); a file without
+it prices every chunk of a stage alike.
 
 The time measured between instructions (the DAG's edge delays, `edge_delays`) travels beside it, so that the
 profile itself stays what Perseus reads: `profile.csv` -> `profile.edges.csv`, one row per kind of edge,
@@ -35,6 +37,7 @@ __all__ = [
 ]
 
 PROFILE_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
+VIRTUAL_STAGE_COLUMN = "virtual_stage"  # optional: profiles measured per model chunk
 INSTRUCTIONS = ("forward", "backward")
 EDGE_COLUMNS = ("from_stage", "from_instruction", "to_stage", "to_instruction", "delay")
 EdgeRow = tuple[int, str, int, str, float]
@@ -45,7 +48,8 @@ class ProfileRow:
     """Time and energy of one instruction (one microbatch) of one type on one stage at one SM clock.
 
     In `PipelineFrequencyOptimizer.report()`, 0 MHz stands for the clock the GPU chose itself (measured
-    without permission to lock clocks); a file holds locked clocks only.
+    without permission to lock clocks); a file holds locked clocks only. `virtual_stage` is the model chunk
+    measured, in a profile measured per chunk (interleaved schedules); None: every chunk of the stage.
     """
 
     stage: int
@@ -53,6 +57,14 @@ class ProfileRow:
     frequency_mhz: int
     time_s: float
     energy_j: float
+    virtual_stage: int | None = None
+
+    @property
+    def key(self) -> tuple[int, str] | tuple[int, str, int]:
+        """The planner's key of the instruction type measured (`energy_model.OptionKey`)."""
+        if self.virtual_stage is None:
+            return (self.stage, self.instruction)
+        return (self.stage, self.instruction, self.virtual_stage)
 
 
 def read_profile(path: str | Path, num_stages: int | None = None) -> list[ProfileRow]:
@@ -66,21 +78,23 @@ def read_profile(path: str | Path, num_stages: int | None = None) -> list[Profil
     Raises:
         InvalidInputError: (a `ValueError`) naming the file, and the line where there is one: not a text
             file, a missing column, a row without 5 fields, an unparsable, negative or non-finite value,
-            an unknown instruction, a duplicated (stage, instruction, frequency), or a stage/instruction
-            with no rows.
+            an unknown instruction, a duplicated (stage, instruction, virtual stage, frequency), or a
+            stage/instruction with no rows.
         OSError: The file cannot be opened.
     """
     path = Path(path)
     rows: list[ProfileRow] = []
-    seen: set[tuple[int, str, int]] = set()
+    seen: set[tuple[Any, ...]] = set()
     with path.open(newline="", encoding="utf-8-sig") as f:
         try:
             for line, fields in _csv_lines(path, f):
                 row = _parse_row(path, line, fields)
-                key = (row.stage, row.instruction, row.frequency_mhz)
+                key = (*row.key, row.frequency_mhz)
                 if key in seen:
+                    chunk = "" if row.virtual_stage is None else f" of virtual stage {row.virtual_stage}"
                     raise InvalidInputError(
-                        f"{path}:{line}: stage {key[0]} {key[1]} at {key[2]} MHz appears twice."
+                        f"{path}:{line}: stage {row.stage} {row.instruction}{chunk} at {row.frequency_mhz} MHz "
+                        "appears twice."
                     )
                 seen.add(key)
                 rows.append(row)
@@ -133,15 +147,24 @@ def write_profile(path: str | Path, rows: Iterable[ProfileRow]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     order = {kind: i for i, kind in enumerate(INSTRUCTIONS)}
     ordered = sorted(
-        rows, key=lambda r: (r.stage, order.get(r.instruction, len(order)), r.instruction, -r.frequency_mhz)
+        rows,
+        key=lambda r: (
+            r.stage,
+            -1 if r.virtual_stage is None else r.virtual_stage,
+            order.get(r.instruction, len(order)),
+            r.instruction,
+            -r.frequency_mhz,
+        ),
     )
+    per_chunk = any(r.virtual_stage is not None for r in ordered)
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(PROFILE_COLUMNS)
+        writer.writerow((*PROFILE_COLUMNS, VIRTUAL_STAGE_COLUMN) if per_chunk else PROFILE_COLUMNS)
         for r in ordered:
+            fields = [r.stage, r.instruction, r.frequency_mhz, repr(float(r.time_s)), repr(float(r.energy_j))]
             writer.writerow(
-                [r.stage, r.instruction, r.frequency_mhz, repr(float(r.time_s)), repr(float(r.energy_j))]
+                [*fields, "" if r.virtual_stage is None else r.virtual_stage] if per_chunk else fields
             )
     tmp.replace(path)
 
@@ -226,7 +249,13 @@ def _parse_row(path: Path, line: int, fields: Mapping[str, str]) -> ProfileRow:
         raise InvalidInputError(f"{where} time must be positive and finite (seconds), got {time_s}.")
     if not (math.isfinite(energy_j) and energy_j >= 0):
         raise InvalidInputError(f"{where} energy must be non-negative and finite (joules), got {energy_j}.")
-    return ProfileRow(stage, kind, int(freq), time_s, energy_j)
+    chunk = fields.get(VIRTUAL_STAGE_COLUMN, "").strip()
+    virtual_stage = None
+    if chunk:
+        virtual_stage = _field(path, line, fields, VIRTUAL_STAGE_COLUMN, int, "pass the model chunk's index")
+        if virtual_stage < 0:
+            raise InvalidInputError(f"{where} virtual_stage must be >= 0 or empty, got {virtual_stage}.")
+    return ProfileRow(stage, kind, int(freq), time_s, energy_j, virtual_stage)
 
 
 def _check_stages(path: Path, profiled: set[tuple[int, str]], num_stages: int | None) -> None:

@@ -138,8 +138,9 @@ class StageSample:
 
     stage: int
     frequency_mhz: int
-    # kind -> (time s, energy J, number of instructions measured), from `undisturbed_estimate`
-    kinds: dict[str, tuple[float, float, int]]
+    # trace key (the kind, with the model chunk where there are several) -> (time s, energy J, number of
+    # instructions measured), from `undisturbed_estimate`
+    kinds: dict[str | tuple[str, int], tuple[float, float, int]]
     blocked_time_s: float
     blocked_energy_j: float
     sequence: tuple[str | tuple[str, int], ...]  # `InstructionRecord.trace_key` of the step's instructions
@@ -149,7 +150,8 @@ class StageSample:
 class ClockMeasurements:
     """The instructions measured over the profiled steps at one clock, and the blocked time and energy.
 
-    Each instruction type is summarised by a low quantile of its instances' times and of their energies
+    Each instruction type (its kind, and its model chunk where a rank holds several: `InstructionRecord.
+    trace_key`, as chunks of real splits weigh differently) is summarised by a low quantile of its instances' times and of their energies
     (`undisturbed_estimate`): a host that preempts the job (or simulated GPUs sharing CPU cores) only
     adds time, to many instances when it is busy, and a lower clock must not look free or dear because
     the host happened to be busier at another clock. With 4 simulated ranks on 2 cores, the medians of
@@ -163,9 +165,9 @@ class ClockMeasurements:
     the scale.
     """
 
-    kinds: dict[str, tuple[list[float], list[float], list[float]]] = field(
+    kinds: dict[str | tuple[str, int], tuple[list[float], list[float], list[float]]] = field(
         default_factory=dict
-    )  # kind -> (times, counter energies, power x time)
+    )  # trace key -> (times, counter energies, power x time)
     blocked_time_s: float = 0.0
     blocked_energy_j: float = 0.0
     blocked_power_time_j: float = 0.0
@@ -178,7 +180,7 @@ class ClockMeasurements:
         """Add the instructions and blocked time of the step `recorder` just recorded."""
         self.timelines.append(recorder.timeline())
         for r in recorder.records:
-            times, energies, estimates = self.kinds.setdefault(r.kind, ([], [], []))
+            times, energies, estimates = self.kinds.setdefault(r.trace_key, ([], [], []))
             times.append(r.time_s)
             energies.append(r.energy_j)
             estimates.append(r.power_time_j)

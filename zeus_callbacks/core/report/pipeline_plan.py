@@ -12,6 +12,7 @@ from zeus_callbacks.core.pipeline_frequency.dag import (
     build_schedule,
 )
 from zeus_callbacks.core.pipeline_frequency.edge_delays import EdgeDelays
+from zeus_callbacks.core.pipeline_frequency.energy_model import options_of
 from zeus_callbacks.core.pipeline_frequency.planning import options_from_rows
 from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow
 from zeus_callbacks.core.report.records import PipelinePlan, PlannedInstruction
@@ -79,13 +80,13 @@ def planned_instructions(
         raise ValueError("the plan's clocks do not match the schedule")
     dag = EdgeDelays.from_rows(edge_delay_rows).apply(build_dag(order))
     options = options_from_rows(rows)
-    times = {(s, kind, o.frequency_mhz): o.time_s for (s, kind), opts in options.items() for o in opts}
+    times = {key: {o.frequency_mhz: o.time_s for o in opts} for key, opts in options.items()}
     freq = {
         inst: f
         for o, fs in zip(order, stage_frequencies_mhz, strict=True)
         for inst, f in zip(o, fs, strict=True)
     }
-    durations = [times[i.stage, i.kind, freq[i]] for i in dag.instructions]
+    durations = [options_of(times, i)[freq[i]] for i in dag.instructions]
     starts = dag.earliest_start(durations)
     critical = _critical_path(dag, starts, durations)
     return tuple(
