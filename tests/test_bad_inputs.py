@@ -84,6 +84,7 @@ ENV_CASES = [
 )
 @pytest.mark.parametrize("command", [["devices"], ["doctor"], ["measure", "--", "true"]])
 def test_environment(env, words, command, monkeypatch, capsys):
+    """Fails if a bad simulator variable is accepted, or its error is not one line that names it."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     rc, _, err = run_cli(capsys, command)
@@ -109,16 +110,18 @@ def test_verbose_shows_the_traceback(monkeypatch):
         cli.main(["-v", "devices"])
 
 
-def test_a_bug_keeps_its_traceback(monkeypatch):
-    """Errors that are not bad inputs of ours (here a TypeError from deep inside) are not turned into one line."""
+@pytest.mark.parametrize("error", [TypeError, ValueError])
+def test_a_bug_keeps_its_traceback(error, monkeypatch):
+    """Errors that are not bad inputs of ours (a TypeError, or a ValueError raised outside this package, as
+    by another library) are not turned into one line. Fails if `cli.main` words any ValueError as one."""
     from zeus_callbacks.cli import devices
 
     def boom(args):
-        raise TypeError("a bug")
+        raise error("a bug")
 
     monkeypatch.setattr(devices, "run", boom)
     monkeypatch.setenv("ZEUS_CALLBACKS_SIMULATE", "a40")
-    with pytest.raises(TypeError, match="a bug"):
+    with pytest.raises(error, match="a bug"):
         cli.main(["devices"])
 
 
@@ -184,6 +187,8 @@ def test_valid_environment_edges(env, check, monkeypatch):
     ],
 )
 def test_monitor_arguments(kw, words, sim_gpus):
+    """Fails if a bad `ZeusMonitor` argument (e.g. a GPU named twice) is accepted, or its error does not quote
+    the call."""
     sim_gpus("a40")
     with pytest.raises(InvalidInputError) as info:
         ZeusMonitor(**kw)

@@ -41,6 +41,8 @@ PLO_CASES = [
 
 @pytest.mark.parametrize(("kw", "words"), PLO_CASES)
 def test_power_limit_optimizer_arguments(kw, words, sim_gpus):
+    """Fails if a bad argument (e.g. a fractional step count) is accepted, or its error does not quote the
+    call."""
     sim_gpus("a40")
     with pytest.raises((ValueError, TypeError)) as info:
         GlobalPowerLimitOptimizer(ZeusMonitor([0]), **kw)
@@ -139,6 +141,8 @@ def _tamper(path: Path, field: str, value) -> None:
     ],
 )
 def test_power_limit_profile_contents(field, value, words, tmp_path):
+    """Fails if a profile with an unusable measurement is used: a negative or non-finite sum, a limit outside
+    the GPU's range, steps=0 with time measured."""
     path = tmp_path / "plo.json"
     _finished_profile(path)
     _tamper(path, field, value)

@@ -17,7 +17,7 @@ import pytest
 from zeus_callbacks import cli
 from zeus_callbacks.core.device import gpus as devices
 from zeus_callbacks.core.device.journal import default_journal_dir
-from zeus_callbacks.core.device.state_guard import journal_dir
+from zeus_callbacks.core.device.state_guard import guard, journal_dir
 
 ROOT = Path(__file__).parents[2]
 NOBODY = 65534
@@ -89,6 +89,8 @@ def _dead_pid() -> int:
 
 # -- place ------------------------------------------------------------------------------------------------
 def test_default_journal_dir_lives_as_long_as_the_gpu_settings(monkeypatch, tmp_path):
+    """Fails if the default journal directory is one that may not outlast the GPU settings (root: /run;
+    others: the XDG state directory; never $TMPDIR)."""
     monkeypatch.setenv("TMPDIR", str(tmp_path / "job-private-tmp"))  # a container's or a Slurm job's /tmp
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     assert default_journal_dir() == Path("/run/zeus_callbacks/journal")
@@ -101,6 +103,8 @@ def test_default_journal_dir_lives_as_long_as_the_gpu_settings(monkeypatch, tmp_
 
 @pytest.mark.slow
 def test_two_journal_dirs_and_sigkill_warn_and_restore_to_default(sim_gpus, tmp_path, monkeypatch):
+    """Fails if a limit off its default that no journal explains goes unreported, or `restore --to-default`
+    does not reset it."""
     system = sim_gpus("a40")
     # A run whose journal lived in one place (say, a job's private /tmp) is killed hard...
     # (Its restore watchdog went with it, as in a container torn down.)
@@ -129,6 +133,7 @@ def test_two_journal_dirs_and_sigkill_warn_and_restore_to_default(sim_gpus, tmp_
 
 @pytest.mark.slow
 def test_restore_to_default_leaves_a_live_owners_gpu_alone(sim_gpus, capsys):
+    """Fails if `restore --to-default` resets a GPU whose owner is alive."""
     system = sim_gpus("a40")
     owner = _start(SET_AND_WAIT.format(mw=150_000))
     try:
@@ -181,6 +186,8 @@ def _plant(directory: Path, entries: list[dict], how: str) -> None:
     ],
 )
 def test_a_planted_journal_never_changes_the_gpu(sim_gpus, how):
+    """Fails if a journal another user could have written (or reached through a symbolic link), or an entry
+    that is not a valid setting, is applied or skipped without a warning."""
     system = sim_gpus("a40")
     uuid = system.gpus[0].uuid
     entry = {"uuid": uuid, "name": "NVIDIA A40", "knob": "power_limit", "original": 100_000}
@@ -198,12 +205,15 @@ def test_a_planted_journal_never_changes_the_gpu(sim_gpus, how):
 
 
 def test_a_malformed_or_foreign_journal_file_is_skipped_with_one_warning(sim_gpus, caplog):
+    """Fails if a file that is not a journal stops a repair, or is warned about at each repair of one
+    process (the watchdog repairs at its start and again at the end) rather than once."""
     sim_gpus("a40")
     d = journal_dir()
     d.mkdir(parents=True, mode=0o700)
     (d / "broken.json").write_text('{"pid": 12')
     (d / "foreign.json").write_text('{"name": "another tool"}')
-    devices.get_gpus()
+    gpus = devices.get_gpus()
+    guard().repair_dead_runs(gpus)  # a second repair in this process, as the watchdog's at the end
     devices.get_gpus()[0].set_power_limit_mw(200_000)  # looks for journals that explain the limit too
     devices.reset()
     devices.get_gpus()
@@ -228,6 +238,8 @@ get_gpus()
 
 @pytest.mark.slow
 def test_concurrent_repair_loses_no_update(sim_gpus):
+    """Fails if two repairers may rewrite one journal at once (no directory lock): an update is lost and a
+    stale entry left."""
     system = sim_gpus("2*a40")
     for g in system.gpus:
         g.set_power_limit_mw(250_000)  # an administrator's setting, before the run
@@ -291,6 +303,7 @@ print("energy", m.end_window("w").total_energy, flush=True)
 
 @pytest.mark.slow
 def test_a_second_live_process_may_measure_but_not_change_the_gpu(sim_gpus):
+    """Fails if a second live process may change a GPU another one owns."""
     system = sim_gpus("a40")
     first = _start(SET_AND_WAIT.format(mw=150_000))
     second = subprocess.Popen(
@@ -340,6 +353,8 @@ time.sleep(60)
 
 @pytest.mark.slow
 def test_a_forked_worker_that_gets_sigint_leaves_the_parents_gpu_and_journal(sim_gpus):
+    """Fails if a forked child restores its parent's GPU; it takes both of the child's guards to break (the
+    termination handler's pid check and `GPUStateGuard.restore`'s)."""
     system = sim_gpus("a40")
     parent = _start(FORKING_PARENT)
     try:
@@ -372,7 +387,8 @@ def _default_state_file(tmp_path: Path, spec: str) -> Path:
 @pytest.mark.parametrize("how", ["symlinked_file", "world_writable_dir", "foreign_dir"])
 def test_the_default_sim_state_dir_follows_no_planted_symlink_nor_foreign_dir(tmp_path, monkeypatch, how):
     """A `gpu0.state` planted as a symbolic link to someone's file made the simulator overwrite that file's
-    first bytes; the journal's trust rules now apply to the state directory too."""
+    first bytes; the journal's trust rules now apply to the state directory too. Fails if the state file is
+    opened through a symbolic link or in a directory other users may write."""
     import tempfile
 
     from zeus_callbacks import sim

@@ -62,6 +62,7 @@ def _nan_as_text(figures: dict) -> str:
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_a_version_1_checkpoint_state_reads_to_the_same_figures(name):
+    """Fails if a version-1 chunk list is read into other fields (every figure is compared to the last bit)."""
     state = json.loads((DATA / f"{name}.state.json").read_text())
     assert state["version"] == 1 and any(isinstance(c, list) for s in state["stats"] for c in s["chunks"])
     opt = _optimizer(name)
@@ -80,6 +81,7 @@ def test_a_version_1_checkpoint_state_reads_to_the_same_figures(name):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_a_version_1_profile_reads_to_the_same_figures(tmp_path: Path, name):
+    """Fails if a version-1 profile reads to other figures or another choice."""
     path = tmp_path / "profile.json"
     shutil.copy(DATA / f"{name}.profile.json", path)
     opt = _optimizer(name, profile_path=path)
@@ -90,6 +92,7 @@ def test_a_version_1_profile_reads_to_the_same_figures(tmp_path: Path, name):
 
 
 def test_a_partial_version_1_profile_resumes_and_is_written_as_version_2(tmp_path: Path):
+    """Fails if a resumed profile is written back in version 1."""
     path = tmp_path / "profile.json"
     shutil.copy(DATA / "adaptive_partial.profile.json", path)
     opt = _optimizer("adaptive_partial", refresh_ms=100, profile_path=path)
@@ -106,10 +109,13 @@ def test_a_partial_version_1_profile_resumes_and_is_written_as_version_2(tmp_pat
 
 
 def test_a_chunk_reads_back_from_either_version():
+    """Fails if a version-1 list of 3, 4, 6 or 7 numbers reads to another chunk, or a malformed chunk of
+    either version is accepted."""
     v1 = [3, 0.3, 60.0, 2, 200.0, 12.5]
     assert Chunk.from_v1(v1) == Chunk(3, 0.3, 60.0, visit=2, power_w=200.0, end_s=12.5)
     assert Chunk.from_v1([1, 0.1, 0.0, 2, -1.0, 3.0, 1]) == Chunk(1, 0.1, 0.0, 2, None, 3.0, settling=True)
     assert Chunk.from_v1([2, 0.2, 40.0]) == Chunk(2, 0.2, 40.0)  # the oldest files: no visit
+    assert Chunk.from_v1([2, 0.2, 40.0, 3]) == Chunk(2, 0.2, 40.0, visit=3)  # or a visit and no readings
     c = Chunk(1, 0.1, 20.0, visit=3, power_w=None, end_s=7.0)
     assert Chunk.from_saved(json.loads(json.dumps(c.to_saved()))) == c
     for bad in ([1, 0.1], [0, 0.1, 2.0], [1, float("nan"), 2.0], "1,2,3"):
@@ -121,6 +127,7 @@ def test_a_chunk_reads_back_from_either_version():
 
 
 def test_a_chunk_in_the_other_version_form_or_an_unknown_version_is_refused():
+    """Fails if version 2 reads version 1's lists, or a state of an unknown version is read."""
     state = json.loads((DATA / "adaptive_partial.state.json").read_text())
     parse_state(state)
     with pytest.raises(CorruptedStateError, match="stats entry 0: chunk"):
@@ -130,6 +137,7 @@ def test_a_chunk_in_the_other_version_form_or_an_unknown_version_is_refused():
 
 
 def test_a_profile_of_an_unknown_version_says_what_to_do(tmp_path: Path):
+    """Fails if a profile of an unknown version is read, or refused without saying what to do."""
     path = tmp_path / "profile.json"
     data = json.loads((DATA / "adaptive_complete.profile.json").read_text())
     path.write_text(json.dumps({**data, "version": 3}))

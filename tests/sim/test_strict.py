@@ -22,6 +22,7 @@ def _node(spec: str = "a40", **kw) -> sim.SimulatedSystem:
 
 # -- energy counter granularity ------------------------------------------------------------------------
 def test_energy_counter_moves_only_at_the_drivers_refreshes():
+    """Fails if the energy counter is current at every read rather than moving only at the driver's refreshes."""
     system = _node("a40")
     gpu, h = system.gpus[0], nvml.nvmlDeviceGetHandleByIndex(0)
     assert gpu.energy_refresh_s == pytest.approx(0.1)
@@ -41,6 +42,7 @@ def test_energy_counter_moves_only_at_the_drivers_refreshes():
 
 
 def test_a_window_shorter_than_the_refresh_reads_zero_or_a_whole_refresh():
+    """Fails if a read between two refreshes sees the energy drawn since the last one."""
     system = _node("a40")
     h = nvml.nvmlDeviceGetHandleByIndex(0)
     e0 = nvml.nvmlDeviceGetTotalEnergyConsumption(h)
@@ -93,6 +95,7 @@ def _power(h) -> tuple[int, int, int | None]:
 
 
 def test_power_usage_is_a_one_second_average_on_ampere():
+    """Fails if `nvmlDeviceGetPowerUsage` is the instant draw on a board that averages (Ampere)."""
     system = _node("a40")
     h, tr, idle = nvml.nvmlDeviceGetHandleByIndex(0), system.gpus[0].trace, system.gpus[0].spec.idle_power_w
     system.run_step(2.0)
@@ -103,6 +106,7 @@ def test_power_usage_is_a_one_second_average_on_ampere():
 
 
 def test_power_usage_is_instantaneous_on_volta_and_turing_and_when_ideal():
+    """Fails if it averages on boards that do not (Volta, Turing), or where `power_average` is ideal."""
     for spec, ideal in (("t4", ""), ("v100", ""), ("a40", "power_average")):
         system = _node(spec, ideal=ideal)
         h = nvml.nvmlDeviceGetHandleByIndex(0)
@@ -115,6 +119,8 @@ def test_power_usage_is_instantaneous_on_volta_and_turing_and_when_ideal():
 
 
 def test_field_values_answer_each_field_in_its_own_return():
+    """Fails if a field or scope the board lacks (memory power before Hopper) answers, or fails the whole
+    call."""
     _node("a40")
     h = nvml.nvmlDeviceGetHandleByIndex(0)
     energy, memory = nvml.nvmlDeviceGetFieldValues(
@@ -127,6 +133,8 @@ def test_field_values_answer_each_field_in_its_own_return():
 
 # -- device order ---------------------------------------------------------------------------------------
 def test_nvml_numbers_by_pci_bus_and_cuda_fastest_first(monkeypatch):
+    """Fails if NVML does not number by PCI bus (slower models on lower buses) or CUDA not fastest first, or
+    if `CUDA_DEVICE_ORDER` and `CUDA_VISIBLE_DEVICES` are not followed."""
     system = _node("a10g,t4")
     assert [g.spec.kind for g in system.gpus] == ["t4", "a10g"]
     buses = [nvml.nvmlDeviceGetPciInfo(nvml.nvmlDeviceGetHandleByIndex(i)).busId for i in range(2)]
@@ -141,8 +149,13 @@ def test_nvml_numbers_by_pci_bus_and_cuda_fastest_first(monkeypatch):
 
 
 def test_ideal_device_order_keeps_the_specs_order():
-    system = _node("a10g,t4", ideal="device_order")
-    assert [g.spec.kind for g in system.gpus] == [g.spec.kind for g in system.cuda_gpus()] == ["a10g", "t4"]
+    """Fails if the ideal order still puts the slower model on the lower bus (NVML's order, seen with the
+    faster one first) or CUDA's fastest first (seen with the slower one first)."""
+    for spec in ("a10g,t4", "t4,a10g"):
+        system = _node(spec, ideal="device_order")
+        kinds = spec.split(",")
+        assert [g.spec.kind for g in system.gpus] == [g.spec.kind for g in system.cuda_gpus()] == kinds, spec
+        sim.disable()
 
 
 def test_enqueue_work_takes_the_cuda_index():
@@ -160,6 +173,7 @@ def test_identity_follows_the_gpu_not_its_bus():
 
 # -- permissions and other answers ---------------------------------------------------------------------------
 def test_hidden_gpu_is_counted_but_may_not_be_opened():
+    """Fails if a hidden GPU can be opened (by index or UUID) or CUDA sees it."""
     system = _node("2*a40", faults="hidden@1")
     assert nvml.nvmlDeviceGetCount() == 2
     with pytest.raises(pynvml.NVMLError_NoPermission):
@@ -170,6 +184,7 @@ def test_hidden_gpu_is_counted_but_may_not_be_opened():
 
 
 def test_root_without_cap_sys_admin_may_read_but_not_set():
+    """Fails if `no_cap_sys_admin` lets a setter through or refuses a read."""
     _node("a40", faults="no_cap_sys_admin")
     h = nvml.nvmlDeviceGetHandleByIndex(0)
     assert nvml.nvmlDeviceGetPowerManagementLimit(h) == 300_000
@@ -183,6 +198,7 @@ def test_root_without_cap_sys_admin_may_read_but_not_set():
 
 
 def test_empty_supported_clocks_and_default_limit_below_the_maximum():
+    """Fails if `empty_clocks` lists clocks, or `default_limit_w` is not the limit in force at boot."""
     _node("a40", faults="empty_clocks;default_limit_w=250")
     h = nvml.nvmlDeviceGetHandleByIndex(0)
     assert nvml.nvmlDeviceGetSupportedGraphicsClocks(h, nvml.nvmlDeviceGetSupportedMemoryClocks(h)[0]) == []
@@ -216,6 +232,8 @@ def _signal_during_sync(system: sim.SimulatedSystem, burn_cpu) -> tuple[float, f
 
 
 def test_a_signal_is_handled_only_after_the_synchronisation_returns(sim_gpus, burn_cpu):
+    """Fails if a Python signal handler runs during the synchronisation's wait (CUDA waits in native code,
+    which defers it)."""
     handled_at, duration = _signal_during_sync(sim_gpus("a40"), burn_cpu)
     assert duration > 0.2 and handled_at >= 0.9 * duration
 
