@@ -231,6 +231,7 @@ def _signal_during_sync(system: sim.SimulatedSystem, burn_cpu) -> tuple[float, f
     return handled[0] - start, duration
 
 
+@pytest.mark.system  # a signal sent on the real clock, during a wait on it
 def test_a_signal_is_handled_only_after_the_synchronisation_returns(sim_gpus, burn_cpu):
     """Fails if a Python signal handler runs during the synchronisation's wait (CUDA waits in native code,
     which defers it)."""
@@ -238,9 +239,12 @@ def test_a_signal_is_handled_only_after_the_synchronisation_returns(sim_gpus, bu
     assert duration > 0.2 and handled_at >= 0.9 * duration
 
 
+@pytest.mark.system
 def test_interruptible_sync_when_ideal(sim_gpus, burn_cpu):
+    """Fails if the ideal synchronisation defers the handler until it returns (the outcome only: the timer
+    that sends the signal may be late on a loaded host, but not past a 0.3 s wait)."""
     handled_at, duration = _signal_during_sync(sim_gpus("a40", ideal="interruptible_sync"), burn_cpu)
-    assert duration > 0.2 and handled_at < 0.5 * duration
+    assert duration > 0.2 and handled_at < duration
 
 
 def test_unknown_ideal_behaviour_is_refused():
