@@ -4,9 +4,10 @@ An instruction `v` starts once each predecessor `u` in the DAG has ended and, af
 passed: between stages, the point-to-point communication (send, transfer, receive, and the schedule's own
 host time around them); within a stage, the host's time between two of its instructions. So every
 measured instance gives `start[v] - end[u] >= delay(u, v)`, with equality where `v` waited for `u` (the
-stage was blocked on that input, or was free). A low quantile of these gaps over the profiled steps
-(`undisturbed_estimate`) therefore measures the delay of each kind of edge; edges that never bind
-measure their tightest instance, which keeps the model no faster than the job ever was.
+stage was blocked on that input, or was free). The gaps of the input that arrived last therefore measure
+the delay of each kind of edge. An edge that never bound (a stage's forward to its backward, where the
+stage always waited for the next stage's gradient) holds that wait, the stage's slack, in every gap: it
+gets the least delay measured between its stages, not its least gap, or the plan would find no slack.
 
 Kinds of edges: `(from stage, from kind, to stage, to kind)`, e.g. stage 0's forward to stage 1's forward
 (the activations sent over that link) or stage 1's backward to its own forward (host time in between).
@@ -86,10 +87,12 @@ def measure_edge_delays(
     """The delay of every kind of edge of `dag` from the instructions of the profiled steps.
 
     Each instance of an instruction started after the input it waited for: of its incoming edges, the one
-    whose gap is closest to that kind's floor (the `quantile` of its gaps, `undisturbed_estimate`) is
-    *tight*. A kind's delay is the median of its tight gaps (the typical time of a wait that decided when an
-    instruction started), or its floor when it never was tight. The step overhead is the median over
-    steps.
+    with the least gap (the input that arrived last; between hosts, less their clocks' offset) is *tight*.
+    A kind's delay is the median of its tight gaps (the typical time of a wait that decided when an
+    instruction started). A kind that never was tight only ever had gaps spent waiting for another input
+    (its floor, the `quantile` of its gaps, is that wait: the stage's slack): its delay is the least
+    measured delay between the same two stages, at most its floor (its floor when none was measured).
+    The step overhead is the median over steps.
 
     Args:
         dag: The iteration's DAG (its schedule is the order each stage ran).
@@ -140,13 +143,17 @@ def measure_edge_delays(
         for v in range(len(dag)):
             incoming = [(u, v) for u in dag.predecessors(v)]
             if incoming:
-                edge = min(incoming, key=lambda e: gap[e] - floor[kinds[e]])
+                # The input that arrived last (least gap, less the hosts' clock offset `floor - base`)
+                # decided when `v` started. Not the gap nearest its kind's floor: a stage that always waits
+                # for the next stage's gradient has a floor that is that wait, its slack, not host time.
+                edge = min(incoming, key=lambda e: gap[e] - floor[kinds[e]] + base[kinds[e]])
                 tight.setdefault(kinds[edge], []).append(gap[edge] - floor[kinds[edge]])
     # Tight gaps are taken above the floor, so that an offset between clocks (cancelled in `base`) drops out.
-    delays = {
-        kind: max(0.0, b + (undisturbed_estimate(tight[kind], 0.5) if kind in tight else 0.0))
-        for kind, b in base.items()
-    }
+    delays = {kind: max(0.0, base[kind] + undisturbed_estimate(t, 0.5)) for kind, t in tight.items()}
+    for kind, b in base.items():
+        if kind not in tight:  # never the last input: no more than the least delay seen between its stages
+            seen = [d for k, d in delays.items() if k in tight and (k[0], k[2]) == (kind[0], kind[2])]
+            delays[kind] = max(0.0, min([b, *seen]))
     overhead = undisturbed_estimate(overheads, 0.5) if overheads else 0.0
     logger.debug("Edge delays (s): %s; step overhead %.3g s.", delays, overhead)
     return EdgeDelays(delays, overhead)
