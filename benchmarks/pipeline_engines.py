@@ -11,8 +11,13 @@ Per engine it prints the median and 10th/90th percentiles of the iteration time 
 and of the energy per iteration (all 4 GPUs, one counter window per block), the ratios of the medians and
 the medians of the paired blocks' ratios.
 
-    python benchmarks/pipeline_engines.py                          # every engine, several minutes
+Without options after `--`, the examples run at the sizes of a real model rather than their quick defaults:
+20 ms of simulated kernel per layer's forward (a GPT-3 2.7B layer on 4 x 2048 tokens at half of an A40's
+dense FP16 peak) and an output head of 1.67 layers (`--vocab 640`: GPT-3 2.7B's 50257 / (12 x 2560)).
+
+    python benchmarks/pipeline_engines.py                          # every engine, about 15 minutes
     python benchmarks/pipeline_engines.py --engines megatron-1f1b --blocks 4
+    python benchmarks/pipeline_engines.py -- --kernel-ms 10        # options after `--` replace those sizes
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from pipeline_blocks import add_block_args, example_args, measure_blocks, print_
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|full scope is deprecated).*")
 
 ENGINES = ("megatron-1f1b", "megatron-interleaved", "deepspeed-1f1b")
+# The examples' options when none are given after `--`: a real model's sizes (module docstring).
+REAL_MODEL_SIZES = ["--kernel-ms", "20", "--vocab", "640"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,7 +81,7 @@ def _deepspeed(rank: int, extra: list[str]) -> tuple[Any, Any, Any]:
 
 def measure(rank: int, engine: str, args: argparse.Namespace) -> dict[str, Any]:
     """Profile and plan, then the ABBA blocks; this rank's blocks and the optimizer's report."""
-    extra = example_args(args)
+    extra = example_args(args) or REAL_MODEL_SIZES
     if engine.startswith("megatron"):
         from zeus_callbacks.megatron import instrument_megatron
 
