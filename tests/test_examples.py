@@ -13,7 +13,14 @@ pytestmark = pytest.mark.slow
 
 def test_huggingface_example(run_example) -> None:
     out = run_example("huggingface/train_power_limit.py", spec="a40", env=TOY_STEPS_COUNTER)
-    assert re.search(r"rank 0: chose (\d+) W \(SIMULATED\) after profiling \[300, ", out), out[-2000:]
+    # Outcomes that hold under any load: a limit chosen from those profiled (on a busy host the search may set
+    # every sample of the maximum limit aside, and then says the saving against it was not measured).
+    found = re.search(
+        r"rank 0: chose (\d+) W \(SIMULATED\) after profiling \[([\d, ]+)\] W; (energy saved -?[\d.]+%|energy saved and time lost not measured)",
+        out,
+    )
+    assert found and found.group(1) in found.group(2).split(", "), out[-2000:]
+    assert "nan%" not in out
 
 
 @pytest.mark.parametrize("script", ["lightning/train_power_limit.py", "accelerate/train_power_limit.py"])

@@ -105,11 +105,14 @@ def main() -> None:
 
     report = plo.optimizer.report()
     sim = " (SIMULATED)" if report["simulated"] else ""
+    if "energy_saved_pct" in report:
+        against = f"energy saved {report['energy_saved_pct']:.1f}%, time lost {report['time_lost_pct']:.1f}%"
+    else:  # the search set every sample of the maximum limit aside (a busy host), or never measured it
+        against = "energy saved and time lost not measured"
     print(
         f"rank {trainer.args.process_index}: chose {report['optimal_power_limit_w']} W{sim} after profiling "
-        f"{[r['power_limit_w'] for r in report['power_limits']]} W; energy saved "
-        f"{report.get('energy_saved_pct', float('nan')):.1f}%, time lost {report.get('time_lost_pct', float('nan')):.1f}% "
-        f"against the maximum limit; run energy {trainer.state.log_history[-1]['energy/total_j']:.0f} J{sim}",
+        f"{[r['power_limit_w'] for r in report['power_limits']]} W; {against} against the maximum limit; "
+        f"run energy {trainer.state.log_history[-1]['energy/total_j']:.0f} J{sim}",
         flush=True,
     )
 

@@ -124,7 +124,9 @@ def test_metrics_reach_trackers_before_and_after_and_log_history(node, tmp_path)
         # set aside every sample of the maximum limit on a toy step (a loaded full-suite run did), and then
         # there is nothing to compare with. What holds on any machine: the log says what the report says.
         saved = plo.optimizer.report().get("energy_saved_pct")
-        assert summary.get(f"{OPTIMIZER_PREFIX}energy_saved_pct") == (None if saved is None else pytest.approx(saved))
+        assert summary.get(f"{OPTIMIZER_PREFIX}energy_saved_pct") == (
+            None if saved is None else pytest.approx(saved)
+        )
         assert (
             0 < summary[f"{OPTIMIZER_PREFIX}profiling_energy_j"] < summary[f"{OPTIMIZER_PREFIX}run_energy_j"]
         )
@@ -133,7 +135,11 @@ def test_metrics_reach_trackers_before_and_after_and_log_history(node, tmp_path)
 
 @pytest.mark.system
 def test_checkpoint_resume_keeps_the_choice_without_profiling(node, tmp_path):
-    first = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    """Fails if a resumed run profiles again or forgets the choice. The sweep measures a fixed number of steps
+    per limit (16 here), so the first run finishes profiling on any host (the adaptive search set a loaded
+    host's samples aside and had not chosen after 24 steps in a full-suite run)."""
+    kw = {**PLO_KW, "search": "sweep"}
+    first = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **kw)
     make_trainer(tmp_path, [first], max_steps=24, save_strategy="steps", save_steps=24).train()
     chosen = first.optimizer.optimal_power_limit_w
     assert chosen is not None
@@ -145,7 +151,7 @@ def test_checkpoint_resume_keeps_the_choice_without_profiling(node, tmp_path):
     )
     assert node.gpus[0].power_limit_mw == MAX_W * 1000
 
-    second = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    second = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **kw)
     recorder = Recorder(node)
     trainer = make_trainer(
         tmp_path, [second, recorder], max_steps=30, restore_callback_states_from_checkpoint=True
@@ -418,6 +424,9 @@ def test_report_path_writes_the_run_report_with_the_profile(node, tmp_path):
     assert plo.optimizer.phase == "done"
     (record,) = load_run(run_dir_for(report))
     assert len(record.steps) >= 20 and record.finished and record.simulated
-    assert record.power_limit is not None and record.power_limit.optimal_power_limit_w == plo.optimizer.optimal_power_limit_w
+    assert (
+        record.power_limit is not None
+        and record.power_limit.optimal_power_limit_w == plo.optimizer.optimal_power_limit_w
+    )
     html = report.read_text()
     assert "SIMULATED" in html and "<svg" in html
