@@ -6,7 +6,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow
-from zeus_callbacks.core.pipeline_frequency.recorder import StageSample, StepTimeline
+from zeus_callbacks.core.pipeline_frequency.recorder import StageSample, StepTimeline, split_trace_key
 
 __all__ = ["ClockSweep", "clock_sweep", "passed_valley", "merge_replicas", "stage_clocks"]
 
@@ -89,12 +89,8 @@ def merge_replicas(samples: Iterable[StageSample]) -> dict[int, StageSample]:
 
 def _key_order(key: str | tuple[str, int]) -> tuple[int, str]:
     """Trace keys in order: by model chunk, then kind."""
-    kind, chunk = _kind_and_chunk(key)
+    kind, chunk = split_trace_key(key)
     return (-1 if chunk is None else chunk, kind)
-
-
-def _kind_and_chunk(key: str | tuple[str, int]) -> tuple[str, int | None]:
-    return (key[0], key[1]) if isinstance(key, tuple) else (key, None)
 
 
 class ClockSweep:
@@ -185,7 +181,7 @@ class ClockSweep:
         rows = []
         for stage, kinds in sorted(self._points.items()):
             for key, pts in sorted(kinds.items(), key=lambda kv: _key_order(kv[0])):
-                kind, chunk = _kind_and_chunk(key)
+                kind, chunk = split_trace_key(key)
                 rows += [ProfileRow(stage, kind, f, t, e, virtual_stage=chunk) for f, t, e in pts]
         return rows
 

@@ -182,16 +182,19 @@ def check_options(dag: PipelineDAG, options: OptionTable) -> None:
             opts = options_of(options, inst)
         except KeyError:
             opts = None
-        what = f"stage {inst.stage} {inst.kind}" + (
-            "" if inst.virtual_stage is None else f" of virtual stage {inst.virtual_stage}"
-        )
         if not opts:
-            raise ValueError(f"No profiled options for {what}.")
+            raise ValueError(f"No profiled options for {_type_of(inst)}.")
         for o in opts:
             if not (o.time_s > 0 and o.energy_j >= 0):
                 raise ValueError(
-                    f"{what[0].upper()}{what[1:]}: invalid option {o} (needs time > 0, energy >= 0)."
+                    f"{_type_of(inst).capitalize()}: invalid option {o} (needs time > 0, energy >= 0)."
                 )
+
+
+def _type_of(inst: Instruction) -> str:
+    """The instruction type of `inst` in words: stage and kind, and its model chunk where there is one."""
+    chunk = "" if inst.virtual_stage is None else f" of virtual stage {inst.virtual_stage}"
+    return f"stage {inst.stage} {inst.kind}{chunk}"
 
 
 def make_plan(dag: PipelineDAG, p_blk: Sequence[float], chosen: Sequence[FrequencyOption]) -> Plan:

@@ -24,7 +24,7 @@ from zeus_callbacks.core.pipeline_frequency.frontier import (
     solve,
 )
 from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow
-from zeus_callbacks.core.pipeline_frequency.recorder import StepTimeline
+from zeus_callbacks.core.pipeline_frequency.recorder import StepTimeline, split_trace_key
 
 __all__ = [
     "match_schedule",
@@ -125,7 +125,7 @@ def _check_numbering(sequences: Mapping[int, Sequence[TraceKey]]) -> int:
 
 
 def _kind(key: TraceKey) -> str:
-    return key[0] if isinstance(key, tuple) else key
+    return split_trace_key(key)[0]
 
 
 def _observed(order: Sequence[Instruction], observed: Sequence[TraceKey]) -> list[TraceKey]:
@@ -152,7 +152,7 @@ def options_from_rows(rows: Iterable[ProfileRow]) -> dict[OptionKey, list[Freque
     (noise) is raised to it: otherwise the plan would slow the critical path for a speed-up that is not real.
     """
     out: dict[OptionKey, list[FrequencyOption]] = {}
-    for r in sorted(rows, key=lambda r: (r.stage, r.instruction, _chunk_order(r), -r.frequency_mhz)):
+    for r in sorted(rows, key=lambda r: -r.frequency_mhz):  # each key's options from the highest clock
         opts = out.setdefault(r.key, [])
         time_s = max(r.time_s, opts[-1].time_s) if opts else r.time_s
         opts.append(FrequencyOption(r.frequency_mhz, time_s, r.energy_j))
@@ -193,10 +193,6 @@ def fit_clock_times(rows: Iterable[ProfileRow]) -> list[ProfileRow]:
             energy_j = r.energy_j * time_s / r.time_s if r.time_s > 0 else r.energy_j
             out.append(dataclasses.replace(r, time_s=time_s, energy_j=energy_j))
     return out
-
-
-def _chunk_order(row: ProfileRow) -> int:
-    return -1 if row.virtual_stage is None else row.virtual_stage
 
 
 def _theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

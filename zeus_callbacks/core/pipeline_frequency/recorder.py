@@ -22,6 +22,7 @@ __all__ = [
     "StageSample",
     "StepTimeline",
     "instruction_kind",
+    "split_trace_key",
     "undisturbed_estimate",
 ]
 
@@ -76,6 +77,11 @@ def instruction_kind(name: str) -> tuple[str, str | None]:
             f"Unknown pipeline instruction {name!r}. Expected 'forward' or 'backward' (or, for a split "
             "backward, 'backward_input' and 'backward_weight')."
         ) from None
+
+
+def split_trace_key(key: str | tuple[str, int]) -> tuple[str, int | None]:
+    """`(kind, virtual stage or None)` of an `InstructionRecord.trace_key`."""
+    return (key[0], key[1]) if isinstance(key, tuple) else (key, None)
 
 
 def undisturbed_estimate(values: Sequence[float], quantile: float = 0.1) -> float:
