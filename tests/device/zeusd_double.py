@@ -210,47 +210,52 @@ _WRITES: dict[str, list[tuple[str, str, bool]]] = {
 _READS_05 = ("get_power_limit", "get_power_limit_constraints", "get_persistence_mode")
 
 
+def _reset_locked_clocks(nvml: Any, h: Any) -> None:
+    """nvml.rs `reset_locked_clocks`: both resets run, the first error reported."""
+    errors = []
+    for fn in (nvml.nvmlDeviceResetGpuLockedClocks, nvml.nvmlDeviceResetMemoryLockedClocks):
+        try:
+            fn(h)
+        except nvml.NVMLError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def _power_limit_constraints(nvml: Any, h: Any) -> dict[str, int]:
+    lo, hi = nvml.nvmlDeviceGetPowerManagementLimitConstraints(h)
+    return {"min_power_limit_mw": lo, "max_power_limit_mw": hi}
+
+
+# command -> its NVML calls (`devices/gpu/nvml.rs`), given the module, the handle and the query fields.
+_NVML_CALLS: dict[str, Any] = {
+    "set_persistence_mode": lambda nvml, h, q: nvml.nvmlDeviceSetPersistenceMode(
+        h, nvml.NVML_FEATURE_ENABLED if q["enabled"] else nvml.NVML_FEATURE_DISABLED
+    ),
+    "set_power_limit": lambda nvml, h, q: nvml.nvmlDeviceSetPowerManagementLimit(h, q["power_limit_mw"]),
+    "set_gpu_locked_clocks": lambda nvml, h, q: nvml.nvmlDeviceSetGpuLockedClocks(
+        h, q["min_clock_mhz"], q["max_clock_mhz"]
+    ),
+    "reset_gpu_locked_clocks": lambda nvml, h, q: nvml.nvmlDeviceResetGpuLockedClocks(h),
+    "set_mem_locked_clocks": lambda nvml, h, q: nvml.nvmlDeviceSetMemoryLockedClocks(
+        h, q["min_clock_mhz"], q["max_clock_mhz"]
+    ),
+    "reset_mem_locked_clocks": lambda nvml, h, q: nvml.nvmlDeviceResetMemoryLockedClocks(h),
+    "reset_locked_clocks": lambda nvml, h, q: _reset_locked_clocks(nvml, h),
+    "get_cumulative_energy": lambda nvml, h, q: {"energy_mj": nvml.nvmlDeviceGetTotalEnergyConsumption(h)},
+    "get_power": lambda nvml, h, q: _instant_power_mw(nvml, h),
+    "get_power_limit": lambda nvml, h, q: {"power_limit_mw": nvml.nvmlDeviceGetPowerManagementLimit(h)},
+    "get_power_limit_constraints": lambda nvml, h, q: _power_limit_constraints(nvml, h),
+    "get_persistence_mode": lambda nvml, h, q: {
+        "enabled": nvml.nvmlDeviceGetPersistenceMode(h) == nvml.NVML_FEATURE_ENABLED
+    },
+}
+
+
 def _op(name: str, q: dict[str, Any]) -> Any:
-    """The NVML calls of a command (`devices/gpu/nvml.rs`)."""
-
-    def op(nvml: Any, h: Any) -> Any:
-        if name == "set_persistence_mode":
-            mode = nvml.NVML_FEATURE_ENABLED if q["enabled"] else nvml.NVML_FEATURE_DISABLED
-            return nvml.nvmlDeviceSetPersistenceMode(h, mode)
-        if name == "set_power_limit":
-            return nvml.nvmlDeviceSetPowerManagementLimit(h, q["power_limit_mw"])
-        if name == "set_gpu_locked_clocks":
-            return nvml.nvmlDeviceSetGpuLockedClocks(h, q["min_clock_mhz"], q["max_clock_mhz"])
-        if name == "reset_gpu_locked_clocks":
-            return nvml.nvmlDeviceResetGpuLockedClocks(h)
-        if name == "set_mem_locked_clocks":
-            return nvml.nvmlDeviceSetMemoryLockedClocks(h, q["min_clock_mhz"], q["max_clock_mhz"])
-        if name == "reset_mem_locked_clocks":
-            return nvml.nvmlDeviceResetMemoryLockedClocks(h)
-        if name == "reset_locked_clocks":  # both, the first error reported (nvml.rs `reset_locked_clocks`)
-            errors = []
-            for fn in (nvml.nvmlDeviceResetGpuLockedClocks, nvml.nvmlDeviceResetMemoryLockedClocks):
-                try:
-                    fn(h)
-                except nvml.NVMLError as e:
-                    errors.append(e)
-            if errors:
-                raise errors[0]
-            return None
-        if name == "get_cumulative_energy":
-            return {"energy_mj": nvml.nvmlDeviceGetTotalEnergyConsumption(h)}
-        if name == "get_power":
-            return _instant_power_mw(nvml, h)
-        if name == "get_power_limit":
-            return {"power_limit_mw": nvml.nvmlDeviceGetPowerManagementLimit(h)}
-        if name == "get_power_limit_constraints":
-            lo, hi = nvml.nvmlDeviceGetPowerManagementLimitConstraints(h)
-            return {"min_power_limit_mw": lo, "max_power_limit_mw": hi}
-        if name == "get_persistence_mode":
-            return {"enabled": nvml.nvmlDeviceGetPersistenceMode(h) == nvml.NVML_FEATURE_ENABLED}
-        raise AssertionError(name)
-
-    return op
+    """The NVML calls of a command (`devices/gpu/nvml.rs`), as a function of the module and the handle."""
+    call = _NVML_CALLS[name]
+    return lambda nvml, h: call(nvml, h, q)
 
 
 def _instant_power_mw(nvml: Any, h: Any) -> int:

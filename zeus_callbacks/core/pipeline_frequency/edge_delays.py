@@ -103,7 +103,35 @@ def measure_edge_delays(
     Returns:
         The delays; empty when no step matched.
     """
-    instances: list[dict[tuple[int, int], float]] = []  # per step: edge -> gap (s)
+    instances, overheads, hosts = _gaps_per_step(dag, steps)
+    if not instances:
+        return EdgeDelays()
+    kinds = {(u, v): edge_kind(dag.instructions[u], dag.instructions[v]) for u, v in dag.edges}
+    gaps: dict[EdgeKind, list[float]] = {}
+    for gap in instances:
+        for edge, g in gap.items():
+            gaps.setdefault(kinds[edge], []).append(g)
+    floor = {kind: undisturbed_estimate(values, quantile) for kind, values in gaps.items()}
+    base = dict(floor)
+    _cancel_clock_offsets(base, gaps, hosts, quantile)
+    tight = _tight_gaps(dag, instances, kinds, floor, base)
+    # Tight gaps are taken above the floor, so that an offset between clocks (cancelled in `base`) drops out.
+    delays = {kind: max(0.0, base[kind] + undisturbed_estimate(t, 0.5)) for kind, t in tight.items()}
+    for kind, b in base.items():
+        if kind not in tight:  # never the last input: no more than the least delay seen between its stages
+            seen = [d for k, d in delays.items() if k in tight and (k[0], k[2]) == (kind[0], kind[2])]
+            delays[kind] = max(0.0, min([b, *seen]))
+    overhead = undisturbed_estimate(overheads, 0.5) if overheads else 0.0
+    logger.debug("Edge delays (s): %s; step overhead %.3g s.", delays, overhead)
+    return EdgeDelays(delays, overhead)
+
+
+def _gaps_per_step(
+    dag: PipelineDAG, steps: Sequence[Mapping[int, StepTimeline]]
+) -> tuple[list[dict[tuple[int, int], float]], list[float], dict[int, str]]:
+    """Per step whose timelines match the schedule: each edge's gap (s); each such step's overhead beyond
+    the first stage's span; and each stage's host."""
+    instances: list[dict[tuple[int, int], float]] = []
     overheads: list[float] = []
     hosts: dict[int, str] = {}
     lengths = [len(order) for order in dag.schedule]
@@ -128,35 +156,28 @@ def measure_edge_delays(
         if slowest > 0 and first.starts_s:
             span = first.starts_s[-1] + first.times_s[-1] - first.starts_s[0]
             overheads.append(max(0.0, slowest - span))
-    if not instances:
-        return EdgeDelays()
-    kinds = {(u, v): edge_kind(dag.instructions[u], dag.instructions[v]) for u, v in dag.edges}
-    gaps: dict[EdgeKind, list[float]] = {}
-    for gap in instances:
-        for edge, g in gap.items():
-            gaps.setdefault(kinds[edge], []).append(g)
-    floor = {kind: undisturbed_estimate(values, quantile) for kind, values in gaps.items()}
-    base = dict(floor)
-    _cancel_clock_offsets(base, gaps, hosts, quantile)
+    return instances, overheads, hosts
+
+
+def _tight_gaps(
+    dag: PipelineDAG,
+    instances: Sequence[Mapping[tuple[int, int], float]],
+    kinds: Mapping[tuple[int, int], EdgeKind],
+    floor: Mapping[EdgeKind, float],
+    base: Mapping[EdgeKind, float],
+) -> dict[EdgeKind, list[float]]:
+    """Per kind of edge, the gaps above its floor of the instances where it was the input that arrived
+    last (least gap, less the hosts' clock offset `floor - base`), the one that decided when its
+    instruction started. Not the gap nearest its kind's floor: a stage that always waits for the next
+    stage's gradient has a floor that is that wait, its slack, not host time."""
     tight: dict[EdgeKind, list[float]] = {}
+    incoming = [[(u, v) for u in dag.predecessors(v)] for v in range(len(dag))]
     for gap in instances:
-        for v in range(len(dag)):
-            incoming = [(u, v) for u in dag.predecessors(v)]
-            if incoming:
-                # The input that arrived last (least gap, less the hosts' clock offset `floor - base`)
-                # decided when `v` started. Not the gap nearest its kind's floor: a stage that always waits
-                # for the next stage's gradient has a floor that is that wait, its slack, not host time.
-                edge = min(incoming, key=lambda e: gap[e] - floor[kinds[e]] + base[kinds[e]])
+        for edges in incoming:
+            if edges:
+                edge = min(edges, key=lambda e: gap[e] - floor[kinds[e]] + base[kinds[e]])
                 tight.setdefault(kinds[edge], []).append(gap[edge] - floor[kinds[edge]])
-    # Tight gaps are taken above the floor, so that an offset between clocks (cancelled in `base`) drops out.
-    delays = {kind: max(0.0, base[kind] + undisturbed_estimate(t, 0.5)) for kind, t in tight.items()}
-    for kind, b in base.items():
-        if kind not in tight:  # never the last input: no more than the least delay seen between its stages
-            seen = [d for k, d in delays.items() if k in tight and (k[0], k[2]) == (kind[0], kind[2])]
-            delays[kind] = max(0.0, min([b, *seen]))
-    overhead = undisturbed_estimate(overheads, 0.5) if overheads else 0.0
-    logger.debug("Edge delays (s): %s; step overhead %.3g s.", delays, overhead)
-    return EdgeDelays(delays, overhead)
+    return tight
 
 
 def _cancel_clock_offsets(
