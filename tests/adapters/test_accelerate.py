@@ -120,7 +120,11 @@ def test_helper_logs_to_the_accelerators_trackers(accelerator_factory, burn_cpu)
         > summary["power_limit_optimizer/profiling_energy_j"]
         > 0
     )
-    assert "power_limit_optimizer/energy_saved_pct" in summary
+    # The saving against the maximum limit is logged when the optimizer could measure it: host load can set
+    # aside every sample of the maximum limit on a toy step (as in the HF and Lightning tests), and then there
+    # is nothing to compare with. What holds on any machine: the log says what the report says.
+    saved = plo.optimizer.report().get("energy_saved_pct")
+    assert summary.get("power_limit_optimizer/energy_saved_pct") == (None if saved is None else pytest.approx(saved))
 
 
 @pytest.mark.system

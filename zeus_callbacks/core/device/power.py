@@ -108,13 +108,15 @@ def energy_refresh_period_s(gpu: GPU, clock=time.monotonic) -> float | None:
     return period
 
 
-def _measure(gpu: GPU, clock) -> float | None:
+def _measure(gpu: GPU, clock, sleep=time.sleep) -> float | None:
+    """The median time between the counter's first `_CHANGES` moves, polled every `_POLL_S` for at most
+    `_BUDGET_S` on `clock`; None if it moved fewer than twice, or more slowly than `MAX_REFRESH_PERIOD_S`."""
     try:
         last = gpu.energy_mj()
         changes: list[float] = []
         deadline = clock() + _BUDGET_S
         while len(changes) < _CHANGES and clock() < deadline:
-            time.sleep(_POLL_S)
+            sleep(_POLL_S)
             value = gpu.energy_mj()
             if value != last:
                 changes.append(clock())
