@@ -4,6 +4,7 @@ behind them live in helpers.py."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +32,21 @@ _ISOLATED_ENV = (
     "CUDA_VISIBLE_DEVICES",
     "CUDA_DEVICE_ORDER",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _children_start_with_default_signals()
+
+
+def _children_start_with_default_signals() -> None:
+    """Tests send SIGINT and SIGHUP to their children on purpose. `nohup` starts the suite with SIGHUP ignored,
+    and a shell without job control starts a background job with SIGINT ignored; an ignored signal is
+    inherited through `exec`, so the children would ignore them too and the tests wait for nothing. A Python
+    handler is not inherited: one that does nothing keeps this process ignoring them, as it was asked to,
+    and its children start with the default, as from a terminal."""
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(signum) == signal.SIG_IGN:
+            signal.signal(signum, lambda *_: None)
 
 
 @pytest.fixture(autouse=True)
