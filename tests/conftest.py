@@ -4,6 +4,12 @@ behind them live in helpers.py."""
 from __future__ import annotations
 
 import os
+
+# One intra-op thread for every test and the processes it starts (they inherit the variable; torch reads it
+# when it loads). The models are tiny, and several OpenMP threads per process on a loaded 2-core host spin
+# while waiting for each other: Zeus's train_single.py example took 228 s beside two CPU burners with two
+# threads, 53 s with one (18 s alone). What the tests check does not depend on the thread count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import signal
 import subprocess
 import sys
@@ -36,6 +42,9 @@ _ISOLATED_ENV = (
 
 def pytest_configure(config: pytest.Config) -> None:
     _children_start_with_default_signals()
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch loaded before this file
 
 
 def _children_start_with_default_signals() -> None:

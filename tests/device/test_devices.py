@@ -18,8 +18,8 @@ from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 
 
-def test_identity_and_units(sim_gpus, burn_cpu):
-    system = sim_gpus("2*a40")
+def test_identity(sim_gpus):
+    sim_gpus("2*a40")
     gpus = get_gpus()
     assert len(gpus) == 2 and gpus.simulated and not gpus.virtual_clock
     g = gpus[1]
@@ -28,7 +28,15 @@ def test_identity_and_units(sim_gpus, burn_cpu):
     assert g.label == "GPU 1 (NVIDIA A40, simulated)"
     assert g.supports_energy_counter
     assert g.memory_bytes() == 48 * 1024**3
-    # Energy in mJ: 1 s of work (10 refreshes of the A40's counter) at 300 W on the A40 trace draws ~235 W.
+
+
+@pytest.mark.system  # energy and power read off the real clock
+def test_units(sim_gpus, burn_cpu):
+    """Energy in mJ and power in mW, to the order of magnitude (the exact counter on the virtual clock:
+    tests/sim/test_strict.py::test_energy_counter_moves_only_at_the_drivers_refreshes)."""
+    system = sim_gpus("2*a40")
+    g = get_gpus()[1]
+    # 1 s of work (10 refreshes of the A40's counter) at 300 W on the A40 trace draws ~235 W.
     g.synchronize()
     e0 = g.energy_mj()
     assert isinstance(e0, int)
@@ -37,7 +45,7 @@ def test_identity_and_units(sim_gpus, burn_cpu):
     busy_w, idle_w = system.gpus[1].trace.power(300), system.gpus[1].spec.idle_power_w
     # The GPU idles through the wall time that other processes take from this one on a loaded host.
     expected_j = 1.0 * busy_w + max(0.0, wall - 1.0) * idle_w
-    assert g.energy_mj() - e0 == pytest.approx(expected_j * 1000, rel=0.25)
+    assert expected_j * 1000 / 2 < g.energy_mj() - e0 < expected_j * 1000 * 2  # mJ, not J nor uJ
     # Power in mW: idle when nothing ran for a while, busy right after work.
     assert isinstance(g.power_mw(), int)
     assert 25_000 < g.power_mw() <= 240_000
