@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-from helpers import burn_cpu
-
 from zeus_callbacks import sim
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction, build_schedule
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
@@ -24,23 +22,19 @@ def run_steps(
     kinds: list[str] | list[Instruction],
     until: str | None = None,
     work_s: float = 0.002,
-    queued: bool = False,
 ) -> int:
-    """A fake single-stage schedule: each forward burns `work_s` of CPU (simulated GPU work), a backward twice,
-    and between instructions the stage waits for its peers without computing (a sleep, as a blocking recv).
-    With `queued` the work is queued on simulated GPU 0 instead (`sim.enqueue_work`: no host CPU, so the
-    host's load does not change how much work there is). Instructions (rather than kinds) are reported with
-    their virtual stage."""
+    """A fake single-stage schedule: each forward queues `work_s` of work on simulated GPU 0, a backward twice
+    (`sim.enqueue_work`: no host CPU, so a loaded host does not change how much work each clock measures; with
+    the work burnt on the host, a loaded run once measured every lower clock dearer than the maximum and
+    planned none), and between instructions the stage waits for its peers without computing (a sleep, as a
+    blocking recv). Instructions (rather than kinds) are reported with their virtual stage."""
     for n in range(steps):
         pfo.on_step_begin()
         for item in kinds:
             kind, virtual = (item.kind, item.virtual_stage) if isinstance(item, Instruction) else (item, None)
             pfo.on_instruction_begin(kind, virtual_stage=virtual)
             work = work_s if kind == "forward" else 2 * work_s
-            if queued:
-                sim.enqueue_work(0, work)
-            else:
-                burn_cpu(work)
+            sim.enqueue_work(0, work)
             pfo.on_instruction_end(kind, virtual_stage=virtual)
             time.sleep(work_s / 2)
         pfo.on_step_end()

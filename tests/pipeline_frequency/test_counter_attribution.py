@@ -25,7 +25,7 @@ def _profile(tmp_path, ideal: str) -> tuple[dict[tuple[str, int], float], list[i
         frequency_stride_mhz=300, patience=2,
     )  # fmt: skip
     try:
-        run_steps(pfo, 400, _kinds("1f1b", 4), until="applying", work_s=0.02, queued=True)
+        run_steps(pfo, 400, _kinds("1f1b", 4), until="applying", work_s=0.02)
         assert pfo.phase == "applying"
         rows = {(r.instruction, r.frequency_mhz): r.energy_j for r in pfo.profile_rows()}
         return rows, list(pfo.plan_frequencies_mhz)

@@ -207,9 +207,7 @@ def test_sweep_stops_early_and_applies_plan(node, tmp_path: Path):
         device_id=0, warmup_steps=1, profile_steps=2, frequency_stride_mhz=90, profile_path=csv_path
     )
     kinds = _kinds("1f1b", 4)
-    # The work queued on the simulated GPU, not burnt on the host: a loaded host does not change how much work
-    # each clock measures (with burnt CPU, every lower clock once measured 36% more than the maximum).
-    run_steps(pfo, 80, kinds, until="applying", queued=True)
+    run_steps(pfo, 80, kinds, until="applying")
     assert pfo.phase == "applying"
     sweep = clock_sweep(gpu.spec.supported_sm_clocks_mhz(), 90)
     profiled = sorted({r.frequency_mhz for r in pfo.profile_rows()}, reverse=True)
@@ -229,7 +227,7 @@ def test_sweep_stops_early_and_applies_plan(node, tmp_path: Path):
         1 + 1e-9
     )
     assert sorted(read_profile(csv_path), key=str) == sorted(pfo.profile_rows(), key=str)
-    run_steps(pfo, 2, kinds, queued=True)
+    run_steps(pfo, 2, kinds)
     last = pfo.plan_frequencies_mhz[-1]
     pfo._controller.wait(5)
     assert gpu.locked_sm_clocks_mhz in {(last, last), (pfo.plan_frequencies_mhz[0],) * 2}
