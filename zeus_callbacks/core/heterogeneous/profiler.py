@@ -17,7 +17,7 @@ from zeus_callbacks.core.device.power import energy_refresh_period_s
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.heterogeneous.profile_file import BatchSizeRun, PowerLimitWindow, write_run
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit.search import power_limit_grid
+from zeus_callbacks.core.power_limit.grid import power_limit_grid
 
 __all__ = ["PROFILE_ENV", "PowerLimitWindow", "profile_batch_size", "profile_power_limits"]
 

@@ -15,10 +15,11 @@ from zeus_callbacks.core.arguments import bad_argument, require_monitor, whole_n
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.state_guard import job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.power_limit.grid import power_limit_grid
 from zeus_callbacks.core.power_limit.meter import StepMeter
 from zeus_callbacks.core.power_limit.profile_file import ProfileContext
 from zeus_callbacks.core.power_limit.ranks import JobMembership
-from zeus_callbacks.core.power_limit.search import SEARCHES, power_limit_grid
+from zeus_callbacks.core.power_limit.search import SEARCHES
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector, ZeusCost
 
 __all__ = ["Options", "Option", "Job", "find_job", "profile_context"]

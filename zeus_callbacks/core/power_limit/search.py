@@ -80,6 +80,7 @@ from zeus_callbacks.core.power_limit.costs import (
     valid,
 )
 from zeus_callbacks.core.power_limit.estimates import PowerLimitStats, chunk_steps, pooled_noise, rses
+from zeus_callbacks.core.power_limit.grid import power_limit_grid
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector, select_power_limit
 
 __all__ = [
@@ -416,17 +417,6 @@ class Search:
             "energy_saved_pct": 100 * (1 - best.mean_energy_j / ref.mean_energy_j),
             "time_lost_pct": 100 * (best.mean_time_s / ref.mean_time_s - 1),
         }
-
-
-def power_limit_grid(min_w: float, max_w: float, step_w: int) -> list[int]:
-    """Power limits from the maximum down by `step_w`, always ending at the minimum."""
-    if step_w <= 0:
-        raise ValueError(f"pl_step must be positive, got {step_w!r}.")
-    hi, lo = int(max_w), int(math.ceil(min_w))
-    grid = list(range(hi, lo - 1, -step_w))
-    if grid[-1] != lo:
-        grid.append(lo)
-    return grid
 
 
 def min_measured_steps(profile_steps: int) -> int:
