@@ -29,6 +29,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan", "plan local batch sizes and power limits for heterogeneous GPUs"),
     "pipeline-plan": ("pipeline_plan", "plan per-instruction SM frequencies of a pipeline (Perseus)"),
     "report": ("report", "write a recorded run's report: one self-contained HTML file"),
+    "jobs": ("jobs", "sum energy ledgers per job, user or partition"),
 }
 
 

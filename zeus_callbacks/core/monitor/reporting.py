@@ -8,12 +8,13 @@ import math
 import os
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.accounting.ledger import LEDGER_ENV
 from zeus_callbacks.core.device.errors import GPUError
-from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.monitor.monitor import Measurement, ZeusMonitor
 
 __all__ = [
     "ENERGY_PREFIX",
@@ -43,7 +44,9 @@ J_PER_KWH = 3.6e6
 
 _ids = itertools.count()
 # The reporters reading each monitor's windows, so that one knows when another reports the same energy.
-_reporters: weakref.WeakKeyDictionary[ZeusMonitor, weakref.WeakSet[EnergyReporter]] = weakref.WeakKeyDictionary()
+_reporters: weakref.WeakKeyDictionary[ZeusMonitor, weakref.WeakSet[EnergyReporter]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ class Rates:
     describe: str = ""
 
     @classmethod
-    def resolve(cls, carbon_intensity: float | str | None = None, price_per_kwh: float | str | None = None) -> Rates:
+    def resolve(
+        cls, carbon_intensity: float | str | None = None, price_per_kwh: float | str | None = None
+    ) -> Rates:
         """From arguments, else `$ZEUS_CALLBACKS_CARBON_INTENSITY` / `$ZEUS_CALLBACKS_ELECTRICITY_PRICE`: a
         number, or a region (carbon: `RegionCarbonIntensity`'s codes; price: `RegionElectricityPrice`'s).
 
@@ -107,7 +112,9 @@ def _rate(value: float | str | None, env: str, name: str) -> float | str | None:
     if isinstance(value, str):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise InvalidInputError(f"{where}: expected a number >= 0 per kWh, or a region code (e.g. 'DE', 'US-CA').")
+        raise InvalidInputError(
+            f"{where}: expected a number >= 0 per kWh, or a region code (e.g. 'DE', 'US-CA')."
+        )
     return float(value)
 
 
@@ -154,6 +161,9 @@ class EnergyReporter:
         report_path: Write the run's HTML report there at `stop` (`zeus-callbacks report`'s; its record in
             `<stem>.run/`), with the power timeline, energy per step (`step_begin` / `step_end`) and, given
             to `stop`, the optimizers' profiles.
+        ledger_path: Append this rank's line to the per-job energy ledger there at `stop` (`end`) or when
+            the run fails (`failed`); default `$ZEUS_CALLBACKS_LEDGER`, none when unset
+            (`zeus_callbacks.core.accounting.ledger`, summed by `zeus-callbacks jobs`).
     """
 
     def __init__(
@@ -162,11 +172,13 @@ class EnergyReporter:
         prefix: str = ENERGY_PREFIX,
         rates: Rates | None = None,
         report_path: str | os.PathLike[str] | None = None,
+        ledger_path: str | os.PathLike[str] | None = None,
     ) -> None:
         self.monitor = monitor
         self.prefix = prefix
         self.rates = rates if rates is not None else Rates.resolve()
         self.report_path = report_path
+        self.ledger_path = ledger_path if ledger_path is not None else os.environ.get(LEDGER_ENV) or None
         self._recorder: Any = None
         self.total_energy_j = 0.0
         self.total_time_s = 0.0
@@ -178,7 +190,10 @@ class EnergyReporter:
 
     @classmethod
     def for_power_limit_optimizer(
-        cls, monitor: ZeusMonitor, rates: Rates | None = None, report_path: str | os.PathLike[str] | None = None
+        cls,
+        monitor: ZeusMonitor,
+        rates: Rates | None = None,
+        report_path: str | os.PathLike[str] | None = None,
     ) -> EnergyReporter:
         """The reporter whose names sit with the optimizer's (`power_limit_optimizer/energy_interval_j`)."""
         return cls(monitor, prefix=f"{POWER_LIMIT_PREFIX}energy_", rates=rates, report_path=report_path)
@@ -263,10 +278,46 @@ class EnergyReporter:
         if not self._running:
             return
         self._running = False
-        for window in (self._interval_window, self._total_window):
-            if window in self.monitor.open_windows:
-                self.monitor.end_window(window, sync_execution=False, cancel=True)
+        if self._interval_window in self.monitor.open_windows:
+            self.monitor.end_window(self._interval_window, sync_execution=False, cancel=True)
+        if self._total_window in self.monitor.open_windows:
+            if self.ledger_path is None:
+                self.monitor.end_window(self._total_window, sync_execution=False, cancel=True)
+            else:  # this rank's figures so far, read without a collective or a synchronisation
+                self._account("failed", self._local_total())
         self._finish_report(failed="training failed")
+
+    def _local_total(self) -> Measurement | None:
+        try:
+            return self.monitor.end_window(self._total_window, sync_execution=False)
+        except GPUError:
+            return None
+
+    def _account(self, event: str, m: Measurement | None, optimizers: tuple[Any, ...] = ()) -> None:
+        """Append this rank's line to the ledger (nothing without a ledger or a measurement)."""
+        if self.ledger_path is None or m is None:
+            return
+        from zeus_callbacks.core.accounting.identity import job_identity
+        from zeus_callbacks.core.accounting.ledger import LedgerEntry, append
+
+        job = job_identity()
+        if job.rank is None and dist.is_distributed():
+            job = replace(job, rank=dist.rank())
+        energy = m.total_energy
+        figures = self.rates.figures("", energy)
+        limits = [getattr(o, "optimal_power_limit_w", None) for o in optimizers]
+        entry = LedgerEntry(
+            job=job,
+            event=event,
+            gpus=tuple(self.monitor.gpus[i].uuid for i in m.gpu_energy),
+            energy_j=energy,
+            time_s=m.time,
+            co2eq_g=figures.get("co2eq_g"),
+            cost=figures.get("cost"),
+            power_limit_w=next((float(w) for w in limits if w is not None), None),
+            simulated=m.simulated,
+        )
+        append(self.ledger_path, entry)
 
     def stop(self, optimizers: tuple[Any, ...] = ()) -> dict[str, float]:
         """Close both windows and return the run's totals (at train end); write the report, with
@@ -280,6 +331,7 @@ class EnergyReporter:
             m = self.monitor.end_window(self._total_window)
         except GPUError as e:
             m = self._gpu_failed(e)
+        self._account("end", m, optimizers)
         energy, failed = dist.all_reduce([m.total_energy if m else 0.0, float(m is None)], op="sum")
         if failed:
             return {}

@@ -1,0 +1,264 @@
+"""The per-job energy ledger: one JSON line per rank and run at each checkpoint and at the end, appended to a
+file that many ranks, jobs and hosts share (a shared file system is the normal case), and its sums.
+
+An append never tears or interleaves a line: the writer holds an exclusive POSIX record lock on the file
+(`fcntl.lockf`, which NFS honours through its lock manager, unlike `O_APPEND` alone, which NFS does not make
+atomic across clients), writes the line at the end in one go, and cuts the file back to where it was if the
+write fails half-way (a full disk). A failed append is logged and reported, never raised: accounting must not
+stop training.
+
+A line carries a rank's figures since its run began, so a later line of the same run supersedes an earlier
+one (a checkpoint's, then the end's); `totals` sums the newest line of every (job, run, rank).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import math
+import os
+import stat
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from zeus_callbacks.core.accounting.identity import JobIdentity
+from zeus_callbacks.core.device.errors import InvalidInputError
+
+__all__ = ["LedgerEntry", "append", "read", "totals", "JobTotal", "RUN_ID", "LEDGER_ENV", "GROUPINGS"]
+
+logger = logging.getLogger(__name__)
+
+LEDGER_ENV = "ZEUS_CALLBACKS_LEDGER"
+"""The ledger file every job of a site appends to, unless an argument names another."""
+RUN_ID = uuid.uuid4().hex[:12]
+"""This process's run: a resumed or requeued job is a new run of the same job id."""
+_VERSION = 1
+_EVENTS = ("checkpoint", "end", "failed")
+GROUPINGS = ("job", "user", "partition")
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One rank's figures since its run began.
+
+    Attributes:
+        job: The job as its scheduler names it.
+        event: `checkpoint`, `end`, or `failed` (the run ended with an exception).
+        gpus: The rank's GPUs by UUID.
+        energy_j: GPU energy (J).
+        time_s: Time since the run began (s).
+        energy_bound_j: How far the true energy may lie from `energy_j` (J), None when not known.
+        co2eq_g: Emissions (gCO2eq), None when no carbon intensity is given.
+        cost: Cost in the price's currency, None when no price is given.
+        power_limit_w: The power limit the optimizer chose (W), None without one.
+        simulated: The GPUs were simulated: the figures are a simulation.
+        run: The run (one process start) these figures belong to.
+        written_at: When the line was written (Unix time, s).
+    """
+
+    job: JobIdentity
+    event: str
+    gpus: tuple[str, ...]
+    energy_j: float
+    time_s: float
+    energy_bound_j: float | None = None
+    co2eq_g: float | None = None
+    cost: float | None = None
+    power_limit_w: float | None = None
+    simulated: bool = False
+    run: str = RUN_ID
+    written_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.event not in _EVENTS:
+            raise ValueError(f"LedgerEntry: event must be one of {_EVENTS}, got {self.event!r}.")
+        for name in ("energy_j", "time_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"LedgerEntry: {name} must be a finite number >= 0, got {value!r}.")
+
+    def to_line(self) -> bytes:
+        """The entry as one JSON line (UTF-8, ending in a newline)."""
+        record = asdict(self)
+        record["gpus"] = list(self.gpus)
+        record["version"] = _VERSION
+        return (json.dumps(record, sort_keys=True, allow_nan=False) + "\n").encode()
+
+    @classmethod
+    def from_line(cls, line: str) -> LedgerEntry:
+        """Parse a line written by `to_line`.
+
+        Raises:
+            ValueError: not such a line (torn, of a newer version, or not a ledger line at all).
+        """
+        record = json.loads(line)
+        if not isinstance(record, dict) or record.pop("version", None) != _VERSION:
+            raise ValueError("not a version-1 ledger line")
+        job = record.pop("job")
+        known = {f.name for f in fields(JobIdentity)}
+        if not isinstance(job, dict) or set(job) - known:
+            raise ValueError("the job field is not a job identity")
+        record["gpus"] = tuple(record.get("gpus", ()))
+        return cls(job=JobIdentity(**job), **record)
+
+
+def append(path: str | os.PathLike[str], entry: LedgerEntry) -> bool:
+    """Append `entry` to the ledger at `path` (created private to its owner if new); True once it is there.
+
+    A failure (a full disk, a file system that refuses locks, no permission) is logged at WARNING with what
+    to do and returns False: the line is not in the ledger, and nothing half of it is.
+
+    Raises:
+        InvalidInputError: `path` is not a regular file (a folder, a FIFO, a symlink): it cannot be a ledger.
+    """
+    line = entry.to_line()
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise _not_a_ledger(path, "is a symlink, a folder or a device") from None
+        logger.warning("Energy ledger %s: cannot open it (%s); this line is lost: %s", path, e, line.decode())
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _not_a_ledger(path, "is not a regular file")
+        return _locked_append(fd, path, line)
+    finally:
+        os.close(fd)
+
+
+def _locked_append(fd: int, path: str | os.PathLike[str], line: bytes) -> bool:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        logger.warning("Energy ledger %s: cannot lock it (%s); this line is lost: %s", path, e, line.decode())
+        return False
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            written = 0
+            while written < len(line):
+                written += os.write(fd, line[written:])
+            return True
+        except OSError as e:
+            os.ftruncate(fd, end)  # no half line left behind
+            logger.warning(
+                "Energy ledger %s: the append failed (%s); free space or point %s elsewhere. This line is "
+                "lost: %s",
+                path,
+                e,
+                LEDGER_ENV,
+                line.decode(),
+            )
+            return False
+    finally:
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+
+
+def _not_a_ledger(path: str | os.PathLike[str], why: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"Energy ledger {str(path)!r} {why}: name a regular file (it is created if missing), e.g. "
+        f"{LEDGER_ENV}=$HOME/energy-ledger.jsonl."
+    )
+
+
+@dataclass
+class LedgerContents:
+    """What `read` found: the entries, and how many lines were not ledger lines."""
+
+    entries: list[LedgerEntry]
+    skipped: int = 0
+
+
+def read(paths: Iterable[str | os.PathLike[str]]) -> LedgerContents:
+    """Every entry of the ledgers at `paths`; a line that is not a ledger line is counted, not fatal.
+
+    Raises:
+        InvalidInputError: a path is missing, a folder or not a regular file.
+    """
+    out = LedgerContents([])
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise InvalidInputError(f"Energy ledger {str(p)!r} is not a file: name the file jobs append to.")
+        for line in _lines(p):
+            try:
+                out.entries.append(LedgerEntry.from_line(line))
+            except (ValueError, TypeError, KeyError):
+                out.skipped += 1
+    return out
+
+
+def _lines(path: Path) -> Iterator[str]:
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                yield line
+
+
+@dataclass(frozen=True)
+class JobTotal:
+    """A group's sums (a job, a user or a partition): energy with its bound, GPU time, the runs and ranks.
+
+    `energy_bound_j` is None when any line lacks its bound; `gpu_hours` is each rank's time times its GPUs.
+    """
+
+    key: str
+    jobs: int
+    runs: int
+    ranks: int
+    gpus: int
+    energy_j: float
+    energy_bound_j: float | None
+    gpu_hours: float
+    co2eq_g: float | None
+    cost: float | None
+    simulated: bool
+    failed: bool
+
+
+def totals(entries: Iterable[LedgerEntry], by: str = "job") -> list[JobTotal]:
+    """Sum the newest line of every (job, run, rank, host) per `by` (one of `GROUPINGS`), largest energy first."""
+    if by not in GROUPINGS:
+        raise ValueError(f"totals: by must be one of {GROUPINGS}, got {by!r}.")
+    newest: dict[tuple, LedgerEntry] = {}
+    for e in entries:
+        key = (e.job.scheduler, e.job.job_id, e.run, e.job.rank, e.job.host)
+        if key not in newest or e.written_at >= newest[key].written_at:
+            newest[key] = e
+    groups: dict[str, list[LedgerEntry]] = {}
+    for e in newest.values():
+        name = {"job": e.job.job_id, "user": e.job.user, "partition": e.job.partition or "-"}[by]
+        groups.setdefault(name, []).append(e)
+    result = [_total(name, group) for name, group in groups.items()]
+    return sorted(result, key=lambda t: (-t.energy_j, t.key))
+
+
+def _total(key: str, group: list[LedgerEntry]) -> JobTotal:
+    bounds = [e.energy_bound_j for e in group]
+    return JobTotal(
+        key=key,
+        jobs=len({(e.job.scheduler, e.job.job_id) for e in group}),
+        runs=len({e.run for e in group}),
+        ranks=len(group),
+        gpus=len({uuid for e in group for uuid in e.gpus}),
+        energy_j=sum(e.energy_j for e in group),
+        # Summed, not added in quadrature: a board's gain error is the same sign in every window it measures.
+        energy_bound_j=None if any(b is None for b in bounds) else sum(b for b in bounds if b is not None),
+        gpu_hours=sum(e.time_s * len(e.gpus) for e in group) / 3600,
+        co2eq_g=_sum_known([e.co2eq_g for e in group]),
+        cost=_sum_known([e.cost for e in group]),
+        simulated=any(e.simulated for e in group),
+        failed=any(e.event == "failed" for e in group),
+    )
+
+
+def _sum_known(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
