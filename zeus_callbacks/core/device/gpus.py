@@ -18,6 +18,7 @@ from zeus_callbacks.core.device.backend import (
 )
 from zeus_callbacks.core.device.errors import (
     SIMULATION_HINT,
+    GPUError,
     GPUNoPermissionError,
     GPUNotSupportedError,
     MIGNotSupportedError,
@@ -27,6 +28,11 @@ from zeus_callbacks.core.device.errors import (
 __all__ = ["GPU", "GPUs", "get_gpus", "reset", "SIMULATION_HINT"]
 
 logger = logging.getLogger(__name__)
+
+# nvidia-ml-py's names of the power-limit fields (nvml.h: NVML_FI_DEV_POWER_MIN_LIMIT 187 ... REQUESTED 192).
+_MIN_LIMIT, _MAX_LIMIT = "NVML_FI_DEV_POWER_MIN_LIMIT", "NVML_FI_DEV_POWER_MAX_LIMIT"
+_DEFAULT_LIMIT, _CURRENT_LIMIT = "NVML_FI_DEV_POWER_DEFAULT_LIMIT", "NVML_FI_DEV_POWER_CURRENT_LIMIT"
+_REQUESTED_LIMIT = "NVML_FI_DEV_POWER_REQUESTED_LIMIT"
 
 
 class GPU:
@@ -47,6 +53,7 @@ class GPU:
         self.uuid = uuid
         self.simulated = backend.simulated
         self.provenance: str | None = backend.provenance(uuid)  # e.g. a modelled (not traced) simulated board
+        self._scope: str | None = None  # `power_limit_scope`, once found
         nvml = self.nvml
         try:
             self.handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
@@ -97,25 +104,89 @@ class GPU:
         return int(self._call("Reading memory info", self.nvml.nvmlDeviceGetMemoryInfo).total)
 
     # -- power limits -------------------------------------------------------------------------
-    def power_limit_constraints_mw(self) -> tuple[int, int]:
-        """(minimum, maximum) settable power limit (mW)."""
-        lo, hi = self._call(
-            "Reading power-limit constraints", self.nvml.nvmlDeviceGetPowerManagementLimitConstraints
+    # Where NVML answers NOT_SUPPORTED for the GPU's own power limit, a board may still take a limit on its
+    # module (GPU and CPU, e.g. Grace; nvml.h `NVML_POWER_SCOPE_MODULE`): read with nvmlDeviceGetFieldValues
+    # (`NVML_FI_DEV_POWER_*_LIMIT` with scopeId 1, nvml.h: "1 - Module scope") and set with
+    # nvmlDeviceSetPowerManagementLimit_v2. nvidia-smi shows both scopes (`GPU Power Readings` and
+    # `Module Power Readings`, e.g. thamada/gls's GH200 dump).
+    @property
+    def power_limit_scope(self) -> str:
+        """Which power limit this GPU's settings act on: "gpu" (NVML's GPU scope: nearly every board) or
+        "module" (its module's, where the GPU scope is N/A and the module scope is settable).
+
+        Raises:
+            GPUNotSupportedError: neither scope has a settable power limit (e.g. a GeForce GTX 680: N/A).
+        """
+        if self._scope is None:
+            self._scope = self._find_scope()
+        return self._scope
+
+    def _find_scope(self) -> str:
+        nvml = self.nvml
+        try:
+            nvml.nvmlDeviceGetPowerManagementLimitConstraints(self.handle)
+            return "gpu"
+        except nvml.NVMLError as e:
+            if e.value != nvml.NVML_ERROR_NOT_SUPPORTED:
+                raise nvml_error(nvml, e, "Reading power-limit constraints", self.label) from None
+        if hasattr(nvml, "nvmlDeviceSetPowerManagementLimit_v2"):
+            try:
+                self._module_fields("Reading the module's power-limit range", _MIN_LIMIT, _MAX_LIMIT)
+                return "module"
+            except GPUError:
+                pass
+        raise GPUNotSupportedError(
+            f"A settable power limit is not supported on {self.label}: NVML answers NOT_SUPPORTED for the GPU's "
+            "limit and the module has none (nvidia-smi -q: Power Limit N/A)."
         )
+
+    def _module_fields(self, what: str, *fields: str) -> list[int]:
+        """The module scope's `NVML_FI_DEV_POWER_*` fields (mW), each checked: NVML answers every field in
+        its own `nvmlReturn` while the call succeeds."""
+        nvml = self.nvml
+        ids = [(getattr(nvml, f), nvml.NVML_POWER_SCOPE_MODULE) for f in fields]
+        values = self._call(what, nvml.nvmlDeviceGetFieldValues, ids)
+        for v in values:
+            if v.nvmlReturn != nvml.NVML_SUCCESS:
+                raise nvml_error(nvml, nvml.NVMLError(v.nvmlReturn), what, self.label)
+        return [int(v.value.uiVal) for v in values]
+
+    def power_limit_constraints_mw(self) -> tuple[int, int]:
+        """(minimum, maximum) settable power limit (mW), of the `power_limit_scope`."""
+        what = "Reading power-limit constraints"
+        if self.power_limit_scope == "module":
+            lo, hi = self._module_fields(what, _MIN_LIMIT, _MAX_LIMIT)
+        else:
+            lo, hi = self._call(what, self.nvml.nvmlDeviceGetPowerManagementLimitConstraints)
         return int(lo), int(hi)
 
     def default_power_limit_mw(self) -> int:
-        """The default power limit (mW)."""
-        return int(
-            self._call("Reading the default power limit", self.nvml.nvmlDeviceGetPowerManagementDefaultLimit)
-        )
+        """The default power limit (mW), of the `power_limit_scope`."""
+        what = "Reading the default power limit"
+        if self.power_limit_scope == "module":
+            return self._module_fields(what, _DEFAULT_LIMIT)[0]
+        return int(self._call(what, self.nvml.nvmlDeviceGetPowerManagementDefaultLimit))
 
     def power_limit_mw(self) -> int:
-        """The power limit in force (mW)."""
-        return int(self._call("Reading the power limit", self.nvml.nvmlDeviceGetPowerManagementLimit))
+        """The power limit set (mW; nvidia-smi's `Requested Power Limit`), of the `power_limit_scope`: what
+        a change sets and a restore puts back."""
+        what = "Reading the power limit"
+        if self.power_limit_scope == "module":
+            return self._module_fields(what, _REQUESTED_LIMIT)[0]
+        return int(self._call(what, self.nvml.nvmlDeviceGetPowerManagementLimit))
+
+    def enforced_power_limit_mw(self) -> int:
+        """The power limit in force (mW; nvidia-smi's `Current Power Limit`), of the `power_limit_scope`: the
+        one set, or lower where another limiter holds the board below it (a real GH200 runs at 700 W
+        under a 900 W request)."""
+        what = "Reading the enforced power limit"
+        if self.power_limit_scope == "module":
+            return self._module_fields(what, _CURRENT_LIMIT)[0]
+        return int(self._call(what, self.nvml.nvmlDeviceGetEnforcedPowerLimit))
 
     def set_power_limit_mw(self, value_mw: int) -> None:
-        """Set the power limit (mW), recorded first so that it is restored at the end."""
+        """Set the power limit (mW) of the `power_limit_scope`, recorded first so that it is restored at
+        the end."""
         lo, hi = self.power_limit_constraints_mw()
         if not lo <= value_mw <= hi:
             raise ValueError(

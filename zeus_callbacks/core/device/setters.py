@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from zeus_callbacks.core.device import zeusd
-from zeus_callbacks.core.device.errors import InvalidInputError, nvml_error
+from zeus_callbacks.core.device.errors import GPUNotSupportedError, InvalidInputError, nvml_error
 
 if TYPE_CHECKING:
     from zeus_callbacks.core.device.gpus import GPU
@@ -71,7 +71,22 @@ class NVMLRoute:
             raise nvml_error(gpu.nvml, e, what, gpu.label) from None
 
     def set_power_limit_mw(self, gpu: GPU, value_mw: int, what: str = "Setting the power limit") -> None:
-        self._call(gpu, what, gpu.nvml.nvmlDeviceSetPowerManagementLimit, int(value_mw))
+        if gpu.power_limit_scope != "module":
+            self._call(gpu, what, gpu.nvml.nvmlDeviceSetPowerManagementLimit, int(value_mw))
+            return
+        nvml = gpu.nvml
+        self._call(
+            gpu, what, nvml.nvmlDeviceSetPowerManagementLimit_v2, nvml.NVML_POWER_SCOPE_MODULE, int(value_mw)
+        )
+        # nvidia-ml-py's nvmlDeviceSetPowerManagementLimit_v2 drops NVML's return code (pynvml.py: `ret = fn(...)`,
+        # then `return NVML_SUCCESS`), so a refusal shows only in the limit read back.
+        now = gpu.power_limit_mw()
+        if now != int(value_mw):
+            raise GPUNotSupportedError(
+                f"{what} on {gpu.label} (module scope): NVML did not apply {value_mw / 1000:g} W (the module's "
+                f"limit reads {now / 1000:g} W). Check `nvidia-smi -q -d POWER` and that this process holds "
+                "CAP_SYS_ADMIN."
+            )
 
     def lock_sm_clocks(self, gpu: GPU, min_mhz: int, max_mhz: int, what: str = "Locking SM clocks") -> None:
         self._call(gpu, what, gpu.nvml.nvmlDeviceSetGpuLockedClocks, int(min_mhz), int(max_mhz))

@@ -127,6 +127,13 @@ class GPUStateGuard:
                 self._warn_if_unexplained(gpu, original)
             return True
 
+    def recorded(self, gpu: GPU, knob: str) -> Any:
+        """The value of `knob` this process recorded on `gpu` before its first change (what `restore` puts
+        back), or None when this process has not changed it."""
+        with self._lock:
+            entry = self._entries.get((gpu.uuid, knob))
+        return None if entry is None else entry.original
+
     def _journal_error(self, gpu: GPU, error: OSError) -> GPUStateJournalError:
         where = error.filename or self._dir
         return GPUStateJournalError(

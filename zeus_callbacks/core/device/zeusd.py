@@ -369,7 +369,12 @@ class ZeusdClient:
             raise
 
     def set_power_limit_mw(self, gpu: GPU, value_mw: int, what: str = "Setting the power limit") -> None:
-        """`POST /gpu/set_power_limit` (mW)."""
+        """`POST /gpu/set_power_limit` (mW): the GPU's own limit (zeusd sets no module limit)."""
+        if gpu.power_limit_scope == "module":
+            raise GPUNotSupportedError(
+                f"{what} on {gpu.label}: its power limit is its module's (the GPU's own is N/A), which zeusd "
+                "cannot set; set ZEUS_CALLBACKS_SETTERS=nvml to change it through NVML in this process."
+            )
         self._post(gpu, what, "/gpu/set_power_limit", power_limit_mw=int(value_mw))
 
     def lock_sm_clocks(self, gpu: GPU, min_mhz: int, max_mhz: int, what: str = "Locking SM clocks") -> None:

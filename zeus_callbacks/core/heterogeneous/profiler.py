@@ -8,6 +8,7 @@ rest, measures one window per power limit and writes a `BatchSizeRun` where the 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -135,7 +136,8 @@ def profile_power_limits(
 def _limits(gpu: GPU, power_limits: Sequence[int] | None, pl_step: int) -> list[int]:
     lo, hi = (v / 1000 for v in gpu.power_limit_constraints_mw())
     if power_limits is None:
-        power_limits = power_limit_grid(lo, hi, pl_step)
+        # Whole watts inside a fractional range: the Zeus² profile format keeps integer limits.
+        power_limits = power_limit_grid(math.ceil(lo), math.floor(hi), pl_step)
     limits = sorted({int(p) for p in power_limits}, reverse=True)
     outside = [p for p in limits if not lo <= p <= hi]
     if outside:

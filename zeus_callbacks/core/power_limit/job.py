@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.arguments import bad_argument, require_monitor, whole_number
-from zeus_callbacks.core.device.errors import GPUError
-from zeus_callbacks.core.device.state_guard import job_gpu_overlap
+from zeus_callbacks.core.device.errors import GPUError, InvalidInputError
+from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.grid import power_limit_grid
 from zeus_callbacks.core.power_limit.meter import StepMeter
@@ -22,7 +24,13 @@ from zeus_callbacks.core.power_limit.ranks import JobMembership
 from zeus_callbacks.core.power_limit.search import SEARCHES
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector, ZeusCost
 
-__all__ = ["Options", "Option", "Job", "find_job", "profile_context"]
+if TYPE_CHECKING:
+    from zeus_callbacks.core.device.gpus import GPU
+
+__all__ = ["ALLOW_RAISING_ENV", "Options", "Option", "Job", "find_job", "profile_context"]
+
+ALLOW_RAISING_ENV = "ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 logger = logging.getLogger("zeus_callbacks.core.power_limit.optimizer")
 _T = TypeVar("_T")
@@ -39,6 +47,7 @@ class Options:
     pl_step: int
     profile_path: Path | None
     search: str
+    allow_raising_limit: bool = False  # the argument or `ALLOW_RAISING_ENV`
 
     @classmethod
     def checked(
@@ -51,6 +60,7 @@ class Options:
         pl_step: Any,
         profile_path: Any,
         search: Any,
+        allow_raising_limit: Any = False,
     ) -> Options:
         """The arguments of `GlobalPowerLimitOptimizer(...)`, or a `ValueError`/`TypeError` naming the bad one."""
         owner = "GlobalPowerLimitOptimizer"
@@ -68,6 +78,8 @@ class Options:
             raise bad_argument(
                 owner, "profile_path", profile_path, "must be a path (str or pathlib.Path) or None"
             )
+        if not isinstance(allow_raising_limit, bool):
+            raise bad_argument(owner, "allow_raising_limit", allow_raising_limit, "must be True or False")
         return cls(
             optimum_selector or ZeusCost(eta_knob=0.5),
             wait_steps,
@@ -76,7 +88,23 @@ class Options:
             int(pl_step),
             Path(profile_path) if profile_path is not None else None,
             search,
+            allow_raising_limit or _allowed_by_environment(),
         )
+
+
+def _allowed_by_environment() -> bool:
+    """`ALLOW_RAISING_ENV` as a flag (unset: False).
+
+    Raises:
+        InvalidInputError: a value that is not a yes or a no.
+    """
+    text = os.environ.get(ALLOW_RAISING_ENV, "").strip().lower()
+    if text not in _TRUE + _FALSE:
+        raise InvalidInputError(
+            f"{ALLOW_RAISING_ENV}={os.environ[ALLOW_RAISING_ENV]!r} is neither 1 nor 0: set it to 1 to let the "
+            "power-limit search go above the limit in force when the job started, or unset it."
+        )
+    return text in _TRUE
 
 
 class Option(Generic[_T]):
@@ -93,11 +121,18 @@ class Option(Generic[_T]):
 
 @dataclass(frozen=True)
 class _GridRange:
-    """The GPUs' power-limit range as the job sees it (every rank must profile the same grid)."""
+    """The GPUs' power-limit ranges as the job sees them: every rank profiles the same grid, within the range
+    every GPU accepts (the intersection) and, unless raising is allowed, at most the lowest limit in force."""
 
-    lo_mw: int = field(metadata=dist.reduce_by("min"))
-    hi_mw: int = field(metadata=dist.reduce_by("max"))
-    mixed: bool = field(metadata=dist.reduce_by("max"))  # a rank whose GPUs have different ranges
+    lo_mw: int = field(metadata=dist.reduce_by("max"))  # the intersection: the highest minimum
+    hi_mw: int = field(metadata=dist.reduce_by("min"))  # ... and the lowest maximum
+    union_lo_mw: int = field(metadata=dist.reduce_by("min"))  # the union, to tell whether the ranges differ
+    union_hi_mw: int = field(metadata=dist.reduce_by("max"))
+    in_force_mw: int = field(metadata=dist.reduce_by("min"))  # the lowest limit in force at the start
+    # The GPU model by a hash of its name: ranks of one model have equal lowest and highest hashes.
+    model_lo: int = field(metadata=dist.reduce_by("min"))
+    model_hi: int = field(metadata=dist.reduce_by("max"))
+    models: int = field(metadata=dist.reduce_by("max"))  # a rank's count of GPU models (1 unless mixed)
     unsupported: bool = field(metadata=dist.reduce_by("max"))  # a rank whose GPUs have no power-limit control
 
 
@@ -110,37 +145,87 @@ class _JobSize:
 
 
 @dataclass(frozen=True)
+class _Board:
+    """One GPU's power-limit range and the limit in force when the job started (mW)."""
+
+    label: str
+    lo_mw: int
+    hi_mw: int
+    in_force_mw: int
+
+
+@dataclass(frozen=True)
 class Job:
     """What set-up learned of the job: its GPUs (every rank's), whether every rank may change their power
-    limits, and the `grid` every rank profiles; or why the optimizer stands down (`inactive`)."""
+    limits, and the `grid` every rank profiles (W, highest first); or why the optimizer stands down
+    (`inactive`)."""
 
     num_gpus: int
     may_set: bool = True
-    grid: list[int] = field(default_factory=list)
+    grid: list[float] = field(default_factory=list)
     inactive: str = ""
 
     @property
     def max_power_w(self) -> float:
-        """The job's maximum power: every GPU's maximum limit summed."""
+        """The job's maximum power: the highest limit it profiles, times its GPUs."""
         return self.grid[0] * self.num_gpus if self.grid else 0.0
 
 
-def find_job(meter: StepMeter, membership: JobMembership, pl_step: int) -> Job:
-    """Learn the job (collectives when every rank takes part: `meter.collective` is set here).
+def _boards(gpus: Sequence[GPU]) -> list[_Board]:
+    """Each GPU's range and the limit in force when this process first found it: the one set (or what the
+    state guard recorded before this process changed it), or the enforced one where another limiter holds
+    the board lower (a real GH200: 700 W enforced under a 900 W request).
 
     Raises:
-        ValueError: the ranks' GPUs have different power-limit ranges (mixed GPU models).
+        GPUError: a GPU without power-limit control (NVML: NOT_SUPPORTED), or one that does not answer.
+    """
+    out = []
+    for g in gpus:
+        lo, hi = g.power_limit_constraints_mw()
+        recorded = guard().recorded(g, "power_limit")
+        in_force = (
+            int(recorded) if recorded is not None else min(g.power_limit_mw(), g.enforced_power_limit_mw())
+        )
+        out.append(_Board(g.label, lo, hi, in_force))
+    return out
+
+
+def _model_hash(name: str) -> int:
+    return zlib.crc32(name.encode())  # < 2**32: exact in the float all_reduce carries
+
+
+def find_job(meter: StepMeter, membership: JobMembership, pl_step: int, allow_raising: bool = False) -> Job:
+    """Learn the job (collectives when every rank takes part: `meter.collective` is set here).
+
+    The grid spans the range every GPU of the job accepts (boards of one model may differ: real V100 nodes
+    hold 100 W and 150 W minimums side by side), and tops out at the lowest limit in force when the job
+    started unless `allow_raising`.
+
+    Raises:
+        ValueError: the job mixes GPU models, or its GPUs' ranges have no limit in common.
     """
     gpus = meter.gpus
     meter.collective = dist.is_distributed() and membership.settle()
+    names = {g.name for g in gpus}
     try:
-        constraints = {g.power_limit_constraints_mw() for g in gpus}
+        boards = _boards(gpus)
     except GPUError as e:  # e.g. no power-limit control on this GPU: every rank stands down below
-        logger.warning("GlobalPowerLimitOptimizer: %s Training on without it; energy is still measured.", e)
-        constraints = {(0, 0)}
-    lo, hi = min(c[0] for c in constraints), max(c[1] for c in constraints)
-    # Every rank must profile the same grid: refuse mixed GPU models rather than guess.
-    job_range = meter.reduce(_GridRange(lo, hi, len(constraints) > 1, hi == 0))
+        logger.warning("GlobalPowerLimitOptimizer cannot act: %s Training on; energy is still measured.", e)
+        boards = []
+    hashes = [_model_hash(n) for n in names]
+    job_range = meter.reduce(
+        _GridRange(
+            max((b.lo_mw for b in boards), default=0),
+            min((b.hi_mw for b in boards), default=0),
+            min((b.lo_mw for b in boards), default=0),
+            max((b.hi_mw for b in boards), default=0),
+            min((b.in_force_mw for b in boards), default=0),
+            min(hashes),
+            max(hashes),
+            len(names),
+            not boards,
+        )
+    )
     if job_range.unsupported:
         return Job(len(gpus), inactive="a GPU does not support power-limit control")
     if meter.collective or not dist.is_distributed():
@@ -148,13 +233,71 @@ def find_job(meter: StepMeter, membership: JobMembership, pl_step: int) -> Job:
         if overlap is not None:
             logger.warning("GlobalPowerLimitOptimizer: %s", overlap)
             return Job(len(gpus), inactive="GPUs shared between ranks")
-    if len(constraints) > 1 or job_range.lo_mw != lo or job_range.hi_mw != hi or job_range.mixed:
+    if job_range.models > 1 or job_range.model_lo != job_range.model_hi:
         raise ValueError(
-            "GlobalPowerLimitOptimizer needs GPUs with the same power-limit range on every rank; this job mixes "
-            "GPU models. Plan per-GPU limits with `zeus-callbacks plan` (the heterogeneous planner) instead."
+            "GlobalPowerLimitOptimizer needs one GPU model on every rank; this job mixes GPU models. Plan "
+            "per-GPU limits with `zeus-callbacks plan` (the heterogeneous planner) instead."
         )
+    lo, hi = job_range.lo_mw, job_range.hi_mw
+    if lo > hi:
+        raise ValueError(
+            f"GlobalPowerLimitOptimizer: the job's GPUs have no power limit in common ({_ranges(boards)} on this "
+            "rank; the highest minimum is {lo:g} W, the lowest maximum {hi:g} W). Run it on GPUs whose ranges "
+            "overlap, or plan per-GPU limits with `zeus-callbacks plan` (the heterogeneous planner).".format(
+                lo=lo / 1000, hi=hi / 1000
+            )
+        )
+    if (job_range.union_lo_mw, job_range.union_hi_mw) != (lo, hi):
+        _say_ranges_differ(boards, lo, hi)
+    top = hi if allow_raising else max(lo, min(hi, job_range.in_force_mw))
+    if top < hi:
+        _say_capped(top, hi)
+    if top == lo:
+        why = f"the only power limit {'every GPU accepts' if top == hi else 'not above the one in force'}"
+        logger.warning(
+            "GlobalPowerLimitOptimizer has nothing to choose: %g W is %s. Training on; energy is still measured.",
+            lo / 1000,
+            why,
+        )
+        return Job(len(gpus), inactive=f"{lo / 1000:g} W is {why}")
     size = meter.reduce(_JobSize(len(gpus), int(not all(g.may_change_settings() for g in gpus))))
-    return Job(size.gpus, size.denied_ranks == 0, power_limit_grid(lo / 1000, hi / 1000, pl_step))
+    return Job(size.gpus, size.denied_ranks == 0, power_limit_grid(lo / 1000, top / 1000, pl_step))
+
+
+def _ranges(boards: Sequence[_Board]) -> str:
+    """`GPU 0 (...), GPU 1 (...): 150-300 W; GPU 2 (...): 100-300 W`: the boards grouped by range."""
+    by_range: dict[tuple[int, int], list[str]] = {}
+    for b in boards:
+        by_range.setdefault((b.lo_mw, b.hi_mw), []).append(b.label)
+    return "; ".join(
+        f"{', '.join(labels)}: {lo / 1000:g}-{hi / 1000:g} W" for (lo, hi), labels in by_range.items()
+    )
+
+
+def _say_ranges_differ(boards: Sequence[_Board], lo: int, hi: int) -> None:
+    """One line (rank 0's) naming the boards' ranges and the common one profiled."""
+    if dist.rank() != 0:
+        return
+    where = "" if not dist.is_distributed() else " (this rank's; other ranks' differ)"
+    logger.warning(
+        "GlobalPowerLimitOptimizer: the GPUs' power-limit ranges differ (%s%s); profiling %g-%g W, the range "
+        "every GPU of the job accepts.",
+        _ranges(boards),
+        where,
+        lo / 1000,
+        hi / 1000,
+    )
+
+
+def _say_capped(top: int, hi: int) -> None:
+    if dist.rank() == 0:
+        logger.info(
+            "GlobalPowerLimitOptimizer profiles no power limit above %g W, the one in force when the job "
+            "started (the GPUs allow up to %g W); pass allow_raising_limit=True or set %s=1 to profile up to it.",
+            top / 1000,
+            hi / 1000,
+            ALLOW_RAISING_ENV,
+        )
 
 
 def profile_context(job: Job, meter: StepMeter, pl_step: int) -> ProfileContext:

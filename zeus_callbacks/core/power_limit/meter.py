@@ -20,6 +20,7 @@ from zeus_callbacks.core.device.errors import GPUError, GPULostError
 from zeus_callbacks.core.device.power import MAX_REFRESH_PERIOD_S, energy_refresh_period_s
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
+from zeus_callbacks.core.power_limit.grid import milliwatts
 from zeus_callbacks.core.power_limit.phases import OpenChunk, Profiling
 from zeus_callbacks.core.power_limit.search import Search
 
@@ -182,7 +183,7 @@ class StepMeter:
         if power_limit_w is None or self.failed:
             return False
         try:
-            return any(g.power_limit_mw() != power_limit_w * 1000 for g in self.gpus)
+            return any(g.power_limit_mw() != milliwatts(power_limit_w) for g in self.gpus)
         except GPUError:
             return False
 

@@ -16,6 +16,7 @@ from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.power_limit.grid import milliwatts
 from zeus_callbacks.core.power_limit.job import Options, find_job, profile_context
 from zeus_callbacks.core.power_limit.meter import StepMeter
 from zeus_callbacks.core.power_limit.phases import Done, Inactive, Profiling, Waiting, Warmup
@@ -54,6 +55,14 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
     rank reaches the same decision at the same step. Every change goes through the process's GPU-state
     guard and is undone at `on_train_end`, at exit, on exceptions and on signals.
 
+    Unlike Zeus, which profiles from each GPU's maximum limit down, the search never goes above the limit in
+    force when the job started (a site's cap: real H100 NVL boards run at 310 W of 400 W, a GH200 at 700 W of
+    900 W) unless `allow_raising_limit=True` or `ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT=1`: the grid's top
+    is the lowest limit in force over the job's GPUs, which is also the reference a slowdown bound is judged
+    against. Boards of one model whose ranges differ (a real V100 node: 150 W minimums beside 100 W ones)
+    share the range every one of them accepts, said in one log line; Zeus refuses them as mixed models. A GPU
+    without a settable power limit leaves the optimizer inactive (one log line says why).
+
     A complete profile at `profile_path` is applied at construction, as Zeus does: by `state`, `Done`
     at once. It answers the selector it was searched for; reused with another selector, the limits
     that selector still needs are profiled first (a profile written by Zeus, which measured every
@@ -78,10 +87,14 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
             measured again), "sweep" (every limit for `profile_steps`, as Zeus) or "zeus" (the sweep,
             and the end of an epoch interrupts the limit being profiled: back to the maximum limit, that
             limit profiled again from its warm-up in the next epoch, exactly as Zeus).
+        allow_raising_limit: Let the search profile limits above the one in force when the job started, up
+            to the GPUs' maximum (as Zeus does). Also allowed by `ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT=1`.
+            Either way the GPUs get back the limit in force at the start when training ends.
 
     Raises:
         ValueError: a bad argument, or a `profile_path` that is unreadable or was measured on other
-            GPUs; the message names it.
+            GPUs; the message names it. At set-up (construction, or the first step under
+            torch.distributed): GPUs of different models, or whose power-limit ranges do not overlap.
 
     Example::
 
@@ -107,9 +120,18 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         pl_step: int = 25,
         profile_path: str | Path | None = None,
         search: str = "adaptive",
+        allow_raising_limit: bool = False,
     ) -> None:
         self._options = Options.checked(
-            monitor, optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search
+            monitor,
+            optimum_selector,
+            wait_steps,
+            warmup_steps,
+            profile_steps,
+            pl_step,
+            profile_path,
+            search,
+            allow_raising_limit,
         )
         self.monitor = monitor
         self._meter = StepMeter(monitor, [monitor.gpus[i] for i in monitor.gpu_indices], self._gpu_failed)
@@ -192,7 +214,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         if self.search != "zeus" or not self._started or not isinstance(phase, (Warmup, Profiling)):
             return
         logger.info(
-            "%s at %d W interrupted by the end of an epoch; it is profiled again from its warm-up.",
+            "%s at %g W interrupted by the end of an epoch; it is profiled again from its warm-up.",
             "Warm-up" if isinstance(phase, Warmup) else "Profiling",
             phase.power_limit_w,
         )
@@ -234,7 +256,9 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
     def _setup(self) -> None:
         """Learn the job (`find_job`) and start the search over its grid; load a saved profile: a
         complete one is applied now."""
-        self._job = job = find_job(self._meter, self._membership, self.pl_step)
+        self._job = job = find_job(
+            self._meter, self._membership, self.pl_step, self._options.allow_raising_limit
+        )
         if job.inactive:
             self._phase = Inactive(job.inactive)
             return
@@ -314,7 +338,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         if outside:
             logger.warning(
                 "GlobalPowerLimitOptimizer: the saved state holds power limits %s W outside this job's range "
-                "%d-%d W (saved on other GPUs); it is not used and profiling starts afresh.",
+                "%g-%g W (saved on other GPUs); it is not used and profiling starts afresh.",
                 outside,
                 lo,
                 hi,
@@ -326,7 +350,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         if state.optimal_power_limit_w is not None:
             self._settle(state.optimal_power_limit_w)
             logger.info(
-                "Resumed with the optimal power limit %d W without profiling again.",
+                "Resumed with the optimal power limit %g W without profiling again.",
                 self._phase.power_limit_w,
             )
 
@@ -340,7 +364,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
             return
         if not self._set_power_limit(pl):
             return
-        logger.info("Profiling power limit %d W%s.", pl, " again" if pl in search.stats else "")
+        logger.info("Profiling power limit %g W%s.", pl, " again" if pl in search.stats else "")
         # A revisit (the adaptive search's refinement) adds to the samples of the earlier visits.
         stats, warmup = search.begin_visit(pl, self.energy_refresh_s or 0.0)
         if warmup > 0:
@@ -373,7 +397,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
             # (and the chunk it ends) ran at another limit: it is not a measurement of this one.
             logger.warning(
                 "GlobalPowerLimitOptimizer: the power limit was changed outside the optimizer during "
-                "profiling at %d W (restored on a signal?); that step is not counted and profiling stops.",
+                "profiling at %g W (restored on a signal?); that step is not counted and profiling stops.",
                 phase.power_limit_w,
             )
             self._deactivate("the power limit was changed outside the optimizer (restored on a signal?)")
@@ -387,7 +411,10 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
     def _finish(self, save: bool = True) -> None:
         assert self._search is not None
         try:
-            pl = self._search.choose()
+            # A Zeus-style selector answers whole watts: the profiled limit it means, a board's fractional
+            # end included (137 -> 137.5).
+            chosen = self._search.choose()
+            pl = min(self.grid, key=lambda g: abs(g - chosen))
         except ValueError:
             logger.warning(
                 "GlobalPowerLimitOptimizer: no power limit could be measured; leaving the GPU as it was."
@@ -400,7 +427,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         # Applied: at WARNING, the level the frameworks' default logging shows (not applied: said above).
         logger.log(
             logging.WARNING if isinstance(self._phase, Done) else logging.INFO,
-            "GlobalPowerLimitOptimizer chose the power limit %d W (%s, %d limits profiled%s).",
+            "GlobalPowerLimitOptimizer chose the power limit %g W (%s, %d limits profiled%s).",
             pl,
             self.optimum_selector,
             len(self.stats),
@@ -416,7 +443,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         self._phase = Inactive("no permission to change power limits", pl)
         logger.warning(
             "GlobalPowerLimitOptimizer: this process may not change GPU power limits (needs root or CAP_SYS_ADMIN); "
-            "it would apply %d W. Energy is still measured.",
+            "it would apply %g W. Energy is still measured.",
             pl,
         )
 
@@ -435,7 +462,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
     def _set_power_limit(self, pl: int) -> bool:
         try:
             for g in self._meter.gpus:
-                g.set_power_limit_mw(pl * 1000)
+                g.set_power_limit_mw(milliwatts(pl))
         except GPUError as e:
             self._gpu_failed(e)
             # Under torch.distributed the other ranks carry on until the next decision, which deactivates

@@ -36,7 +36,7 @@ class ProfileContext:
     """What a profile was measured on; a profile is only reused on the same."""
 
     gpu_model: str
-    power_limit_range_w: tuple[int, int]
+    power_limit_range_w: tuple[float, float]  # the grid's ends (W; a board's may be fractional)
     pl_step_w: int
     num_gpus: int
     simulated: bool
@@ -45,7 +45,7 @@ class ProfileContext:
     def describe(self) -> str:
         sim = " (simulated)" if self.simulated else ""
         lo, hi = self.power_limit_range_w
-        return f"{self.num_gpus} x {self.gpu_model}{sim}, {lo}-{hi} W in {self.pl_step_w} W steps"
+        return f"{self.num_gpus} x {self.gpu_model}{sim}, {lo:g}-{hi:g} W in {self.pl_step_w} W steps"
 
 
 @dataclass
@@ -60,7 +60,7 @@ class SavedProfile:
         written_by_zeus: A Zeus profile: every limit measured fully, the GPU it was measured on unknown.
     """
 
-    stats: dict[int, PowerLimitStats]
+    stats: dict[float, PowerLimitStats]
     complete: bool
     selector: str | None
     search: str
@@ -70,7 +70,7 @@ class SavedProfile:
 def save_profile(
     path: Path,
     context: ProfileContext,
-    stats: dict[int, PowerLimitStats],
+    stats: dict[float, PowerLimitStats],
     complete: bool,
     selector: str = "",
     search: str = "adaptive",
@@ -149,7 +149,7 @@ def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -
         if outside:
             raise ValueError(
                 f"The Zeus profile {str(path)!r} has power limits {outside} W outside this job's range "
-                f"{lo}-{hi} W ({context.describe()}): it was measured on another GPU. Pass another "
+                f"{lo:g}-{hi:g} W ({context.describe()}): it was measured on another GPU. Pass another "
                 "profile_path, or delete the file to profile again."
             )
         return SavedProfile(stats, True, None, "zeus", written_by_zeus=True)
@@ -168,7 +168,7 @@ def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -
         raw = dict(data["context"])
         raw["power_limit_range_w"] = tuple(raw["power_limit_range_w"])
         saved = ProfileContext(**raw)
-        stats = {int(m["power_limit_w"]): stats_from_saved(m, version) for m in data["measurements"]}
+        measurements = [(m, stats_from_saved(m, version)) for m in data["measurements"]]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(
             f"The power-limit profile {str(path)!r} is corrupted ({type(e).__name__}: {e}). Delete it to profile again."
@@ -178,8 +178,9 @@ def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -
             f"The power-limit profile {str(path)!r} was measured on {saved.describe()}, but this job runs on "
             f"{context.describe()}. Pass another profile_path, or delete the file to profile again."
         )
-    for entry in data["measurements"]:
-        _check_measurement(path, stats[int(entry["power_limit_w"])], context.power_limit_range_w, entry)
+    for entry, s in measurements:
+        _check_measurement(path, s, context.power_limit_range_w, entry)
+    stats = {s.power_limit_w: s for _, s in measurements}
     # Files written before the selector was recorded: valid for no selector in particular.
     return SavedProfile(
         stats, bool(data.get("complete")), data.get("selector"), str(data.get("search", "adaptive"))

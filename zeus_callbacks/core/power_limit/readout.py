@@ -13,6 +13,7 @@ from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit import states
 from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
+from zeus_callbacks.core.power_limit.grid import milliwatts
 from zeus_callbacks.core.power_limit.job import Job, Option, Options
 from zeus_callbacks.core.power_limit.meter import StepMeter
 from zeus_callbacks.core.power_limit.phases import Done, Inactive, Phase, Profiling, Warmup
@@ -45,6 +46,7 @@ class PowerLimitReadout(Callback):
     pl_step: Option[int] = Option()  # stride between profiled power limits (W)
     profile_path: Option[Path | None] = Option()  # the profile's JSON file, if any
     search: Option[str] = Option()  # "adaptive", "sweep" or "zeus"
+    allow_raising_limit: Option[bool] = Option()  # may profile above the limit in force at the start
 
     @property
     def min_steps(self) -> int:
@@ -104,14 +106,14 @@ class PowerLimitReadout(Callback):
         power limits in mW as in Zeus. A snapshot: changing it changes nothing."""
         p = self._phase
         if isinstance(p, Warmup):
-            return states.Warmup(current_power_limit=p.power_limit_w * 1000, steps=p.steps_left)
+            return states.Warmup(current_power_limit=milliwatts(p.power_limit_w), steps=p.steps_left)
         if isinstance(p, Profiling):
             left = max(0, self.profile_steps - p.stats.steps)
-            return states.Profiling(current_power_limit=p.power_limit_w * 1000, steps=left)
+            return states.Profiling(current_power_limit=milliwatts(p.power_limit_w), steps=left)
         if isinstance(p, Done):
-            return states.Done(optimal_power_limit=p.power_limit_w * 1000)
+            return states.Done(optimal_power_limit=milliwatts(p.power_limit_w))
         if isinstance(p, Inactive):
-            return states.Inactive(p.reason, None if p.power_limit_w is None else p.power_limit_w * 1000)
+            return states.Inactive(p.reason, None if p.power_limit_w is None else milliwatts(p.power_limit_w))
         nxt = self._search.next_power_limit() if self._search is not None else None
         return states.Ready(next_power_limit=None if nxt is None else nxt * 1000, steps=p.steps_left)
 

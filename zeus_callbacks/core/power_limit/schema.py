@@ -54,14 +54,14 @@ def stats_from_saved(entry: Any, version: int) -> PowerLimitStats:
 
 
 def measurement_problem(
-    s: PowerLimitStats, range_w: tuple[int, int] | None, saved: Mapping[str, Any] | None = None
+    s: PowerLimitStats, range_w: tuple[float, float] | None, saved: Mapping[str, Any] | None = None
 ) -> str | None:
     """What makes one limit's saved measurement unusable (a limit outside `range_w` when given, no count of
     steps, a sum that is not finite and non-negative), or None; shared by profile files and checkpoints.
     `saved` is the entry as read: the sums are checked as written too, since `PowerLimitStats` recounts
     them from its chunks."""
-    if not isinstance(s.power_limit_w, int) or isinstance(s.power_limit_w, bool):
-        return f"power limit {s.power_limit_w!r} is not a whole number of watts"
+    if not _power_limit(s.power_limit_w):
+        return f"power limit {s.power_limit_w!r} is not a power limit in watts (whole milliwatts, > 0)"
     if range_w is not None and not range_w[0] <= s.power_limit_w <= range_w[1]:
         return f"power limit {s.power_limit_w} W is outside the GPU's range {range_w[0]}-{range_w[1]} W"
     for values in ([saved] if saved is not None else []) + [asdict(s)]:
@@ -71,11 +71,19 @@ def measurement_problem(
     return None
 
 
+def _power_limit(value: Any) -> bool:
+    """Whether `value` is a power limit in W as the grid holds them: whole watts (`int`), or a board's
+    fractional end (`float`, whole milliwatts: NVML's unit)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value > 0
+    return _finite(value) and value > 0 and abs(value * 1000 - round(value * 1000)) < 1e-6
+
+
 def _finite(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _sums_problem(power_limit_w: int, values: Mapping[str, Any], pruned: bool) -> str | None:
+def _sums_problem(power_limit_w: float, values: Mapping[str, Any], pruned: bool) -> str | None:
     steps = values.get("steps", 0)
     if (
         not isinstance(steps, int)
@@ -110,14 +118,14 @@ class CorruptedStateError(InvalidInputError):
 class SavedState:
     """A checked `state_dict()`."""
 
-    stats: dict[int, PowerLimitStats]
-    optimal_power_limit_w: int | None
+    stats: dict[float, PowerLimitStats]
+    optimal_power_limit_w: float | None
     profiling_steps: int | None  # None: a state saved before the counters were (keep the current ones)
     profiling_energy_j: float
 
 
 def state_dict(
-    stats: dict[int, PowerLimitStats], optimal_power_limit_w: int | None, steps: int, energy_j: float
+    stats: dict[float, PowerLimitStats], optimal_power_limit_w: float | None, steps: int, energy_j: float
 ) -> dict[str, Any]:
     """The optimizer's checkpoint state (`SCHEMA_VERSION`): plain numbers and strings."""
     return {
@@ -129,10 +137,10 @@ def state_dict(
     }
 
 
-def _parse_stats(entries: Any, version: int) -> dict[int, PowerLimitStats]:
+def _parse_stats(entries: Any, version: int) -> dict[float, PowerLimitStats]:
     if not isinstance(entries, list):
         raise CorruptedStateError(f"stats is {type(entries).__name__}, not a list")
-    stats: dict[int, PowerLimitStats] = {}
+    stats: dict[float, PowerLimitStats] = {}
     for i, entry in enumerate(entries):
         try:
             s = stats_from_saved(entry, version)
@@ -161,7 +169,7 @@ def parse_state(state: Any) -> SavedState:
         raise CorruptedStateError(f"no {', '.join(missing)}")
     stats = _parse_stats(state["stats"], state["version"])
     optimal = state["optimal_power_limit_w"]
-    if optimal is not None and (not _whole(optimal) or optimal <= 0):
+    if optimal is not None and not _power_limit(optimal):
         raise CorruptedStateError(f"optimal_power_limit_w={optimal!r} is not a power limit in watts")
     steps, energy = state.get("profiling_steps"), state.get("profiling_energy_j", 0.0)
     if steps is None:
