@@ -58,13 +58,15 @@ def world_size() -> int:
 
 
 def local_rank() -> int:
-    """This process's rank on its node: `LOCAL_RANK` (torchrun, accelerate, Lightning), else 0."""
-    value = os.environ.get("LOCAL_RANK", "")
+    """This process's rank on its node: `LOCAL_RANK` (torchrun, accelerate, Lightning), else `SLURM_LOCALID`
+    (a task started by `srun`), else 0."""
+    name = "LOCAL_RANK" if os.environ.get("LOCAL_RANK") else "SLURM_LOCALID"
+    value = os.environ.get(name, "")
     try:
         return int(value) if value else 0
     except ValueError:
         raise ValueError(
-            f"LOCAL_RANK={value!r} is not an integer; unset it or set the rank on this node."
+            f"{name}={value!r} is not an integer; unset it or set the rank on this node."
         ) from None
 
 
