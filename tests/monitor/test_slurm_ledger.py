@@ -55,7 +55,6 @@ def test_two_task_job_lands_in_the_ledger(slurm, tmp_path):
         "ZEUS_CALLBACKS_SIMULATE": "2*a40",
         "ZEUS_CALLBACKS_SIM_STATE_DIR": str(tmp_path / "gpus"),
         "ZEUS_CALLBACKS_LEDGER": str(ledger),
-        
     }
     port = str(slurm_cluster._free_port())
     result = slurm.srun("-n", "2", "-p", "gpu", sys.executable, str(script), port, env=env)
