@@ -1,4 +1,5 @@
-"""`zeus-callbacks simulate`: run the power-limit optimizer on a simulated GPU built from a profile file."""
+"""`zeus-callbacks simulate`: run the power-limit optimizer on a simulated GPU built from a profile file, or on
+the simulated node an `nvidia-smi -q` dump describes (`--from FILE`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--trace",
         metavar="FILE",
         help="profile file (NSDI'23 summary CSV, Zeus² JSON or Zeus monitor CSV); default: the shipped one of --gpu",
+    )
+    parser.add_argument(
+        "--from",
+        dest="dump",
+        metavar="FILE",
+        help="build the node a saved `nvidia-smi -q` output describes (a path, or a shipped dump's name such "
+        "as A10 or V100_x8): its GPUs, ranges and limits in force, timing from the nearest traced GPU",
     )
     parser.add_argument(
         "--workload", metavar="KEY", help="workload key in the file (e.g. imagenet/resnet50/256)"
@@ -81,20 +89,11 @@ def simulate_run(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.pl_step <= 0:
         raise _Error(f"--pl-step {args.pl_step!r} must be a positive number of watts")
-    kind = args.gpu or _guess_gpu(args.trace)
-    if args.trace is not None:
-        path = Path(args.trace)
-        if not path.is_file():
-            raise _Error(f"trace file {args.trace!r} does not exist. {sim.DATA_FORMATS_HELP}")
-        if any(c in str(path) for c in ",@"):
-            raise _Error(f"trace file name {args.trace!r} may not contain ',' or '@'")
-        trace = sim.load_trace(path, args.workload or "", gpu_model=kind)
-        spec = f"{kind}:{args.workload or ''}@{path.resolve()}"
-    else:
-        trace = sim.shipped_trace(kind, args.workload)
-        spec = f"{kind}:{args.workload}" if args.workload else kind
+    spec = _spec(args)
     selector = objective_from_args(args)
     system = sim.simulate(spec, noise=args.noise, seed=args.seed, virtual_clock=True)
+    trace = system.gpus[0].trace  # the dump's first board's, or the one GPU's
+    kind = _node_label(system) if system.dump is not None else args.gpu or _guess_gpu(args.trace)
     try:
         opt = GlobalPowerLimitOptimizer(
             ZeusMonitor(),
@@ -130,6 +129,7 @@ def simulate_run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "simulated": True,
         "gpu": kind,
+        **({} if system.dump is None else {"node": _node(system)}),
         "trace": trace.source,
         "workload": trace.workload,
         "selector": repr(selector),
@@ -149,9 +149,58 @@ def simulate_run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _spec(args: argparse.Namespace) -> str:
+    """The simulation spec the arguments ask for (see `zeus_callbacks.sim`)."""
+    from zeus_callbacks import sim
+
+    if args.dump is not None:
+        if args.trace is not None or args.gpu is not None:
+            raise _Error("--from builds the whole node from the dump: leave out --trace and --gpu")
+        path = Path(args.dump)
+        target = str(path.resolve()) if path.is_file() else args.dump  # else a shipped dump's name
+        return f"nvidia-smi:{target}" + (f":{args.workload}" if args.workload else "")
+    kind = args.gpu or _guess_gpu(args.trace)
+    if args.trace is None:
+        return f"{kind}:{args.workload}" if args.workload else kind
+    path = Path(args.trace)
+    if not path.is_file():
+        raise _Error(f"trace file {args.trace!r} does not exist. {sim.DATA_FORMATS_HELP}")
+    if any(c in str(path) for c in ",@"):
+        raise _Error(f"trace file name {args.trace!r} may not contain ',' or '@'")
+    return f"{kind}:{args.workload or ''}@{path.resolve()}"
+
+
+def _node_label(system: Any) -> str:
+    """ "8 x Tesla V100-SXM2-16GB" (with each model's count)."""
+    names: dict[str, int] = {}
+    for gpu in system.gpus:
+        names[gpu.spec.name] = names.get(gpu.spec.name, 0) + 1
+    return ", ".join(f"{n} x {name}" for name, n in names.items())
+
+
+def _node(system: Any) -> dict[str, Any]:
+    """What the node built from a dump is: its file, driver, and each GPU's range and limit in force."""
+    return {
+        "dump": system.dump.dump.source,
+        "driver_version": system.driver_version,
+        "provenance": system.gpus[0].provenance,
+        "gpus": [
+            {
+                "name": g.spec.name,
+                "uuid": g.uuid,
+                "power_limit_range_w": [g.min_power_limit_mw / 1000, g.max_power_limit_mw / 1000],
+                "power_limit_in_force_w": g.enforced_power_limit_mw / 1000,
+            }
+            for g in system.gpus
+        ],
+    }
+
+
 def _text(r: dict[str, Any]) -> str:
+    node = r.get("node")
+    what = f"node of {r['gpu']} from {node['dump']} ({node['provenance']})" if node else f"{r['gpu']} GPU"
     lines = [
-        f"SIMULATED {r['gpu']} GPU, {r['workload']} ({r['trace']}), noise {r['noise']:g}, seed {r['seed']}",
+        f"SIMULATED {what}, {r['workload']} ({r['trace']}), noise {r['noise']:g}, seed {r['seed']}",
         f"{r['selector']}, {r['search']} search over {r['power_limit_range_w'][0]}-{r['power_limit_range_w'][1]} W",
         f"{'limit (W)':>10}{'time/step (s)':>15}{'energy/step (J)':>17}{'steps':>7}  note",
     ]

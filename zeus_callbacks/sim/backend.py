@@ -45,7 +45,9 @@ class SimulatedBackend(NVMLBackend):
     def reachable_from_other_processes(self) -> bool:
         """True for a wall-clock node whose state lives in files and whose settings are exported to the
         environment (`simulate(export_env=True)`, the default): a child process simulates the same node."""
-        return self.system.clock is None and self.system.state_path() is not None and sim.exported(self.system)
+        return (
+            self.system.clock is None and self.system.state_path() is not None and sim.exported(self.system)
+        )
 
     # `handle` is a pynvml `c_nvmlDevice_t` that the simulated library handed out.
     def gpu(self, handle: Any) -> SimulatedGPU:

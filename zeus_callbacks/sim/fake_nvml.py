@@ -89,7 +89,8 @@ def nvmlShutdown() -> None:  # noqa: N802
 
 
 def nvmlSystemGetDriverVersion() -> str:  # noqa: N802
-    return "simulated"
+    """A dump's driver version (`Driver Version`), else "simulated"."""
+    return "simulated" if _system is None else _system.driver_version
 
 
 def nvmlDeviceGetCount() -> int:  # noqa: N802
@@ -145,7 +146,9 @@ def nvmlDeviceGetIndex(handle) -> int:  # noqa: N802
 
 def nvmlDeviceGetArchitecture(handle) -> int:  # noqa: N802
     g = _gpu(handle, call="nvmlDeviceGetArchitecture")
-    return _real.NVML_DEVICE_ARCH_PASCAL if g.faults.no_energy_counter else g.spec.architecture
+    if g.faults.no_energy_counter:  # a board without the counter is older than Volta
+        return min(_real.NVML_DEVICE_ARCH_PASCAL, g.spec.architecture)
+    return g.spec.architecture
 
 
 def nvmlDeviceGetPciInfo_v3(handle) -> _real.nvmlPciInfo_t:  # noqa: N802
@@ -161,7 +164,10 @@ nvmlDeviceGetPciInfo = nvmlDeviceGetPciInfo_v3
 
 
 def nvmlDeviceGetMigMode(handle) -> list[int]:  # noqa: N802
-    on = _gpu(handle).faults.mig
+    g = _gpu(handle)
+    if g.board is not None and g.board.mig is None:  # the dump's `MIG Mode : N/A`: a board without MIG
+        raise _err(_real.NVML_ERROR_NOT_SUPPORTED)
+    on = g.faults.mig
     mode = _real.NVML_DEVICE_MIG_ENABLE if on else _real.NVML_DEVICE_MIG_DISABLE
     return [mode, mode]
 
@@ -189,38 +195,76 @@ def nvmlDeviceGetTotalEnergyConsumption(handle) -> int:  # noqa: N802
 def nvmlDeviceGetPowerUsage(handle) -> int:  # noqa: N802
     """A 1-second moving average on Ampere (except GA100, the A100) and newer boards; else the instant reading
     (nvml.h, nvmlDeviceGetPowerUsage; `GPUSpec.power_usage_averaged`)."""
-    g = _gpu(handle)
+    g = _gpu(handle, feature="power_draw")
     return int(g.average_power_mw() if g.power_usage_averaged else g.power_mw())
+
+
+def _limit(read):  # type: ignore[no-untyped-def]
+    """A power-limit field: NOT_SUPPORTED (None) where the board's limits are (the dump's N/A, or a fault)."""
+    return lambda g: None if "power" in g.faults.not_supported else read(g)
+
+
+def _draw(read):  # type: ignore[no-untyped-def]
+    """A power-draw field: NOT_SUPPORTED (None) where the board reads no power (the dump's `Power Draw : N/A`)."""
+    return lambda g: None if "power_draw" in g.faults.not_supported else read(g)
 
 
 _POWER_FIELDS = {
     # nvml.h: "supported on Ampere (except GA100) or newer architectures"; elsewhere NOT_SUPPORTED (None).
-    _real.NVML_FI_DEV_POWER_AVERAGE: lambda g: (
-        g.average_power_mw() if g.spec.has_power_average_field else None
+    _real.NVML_FI_DEV_POWER_AVERAGE: _draw(
+        lambda g: g.average_power_mw() if g.spec.has_power_average_field else None
     ),
-    _real.NVML_FI_DEV_POWER_INSTANT: lambda g: g.power_mw(),
-    _real.NVML_FI_DEV_POWER_DEFAULT_LIMIT: lambda g: g.default_power_limit_mw,
-    _real.NVML_FI_DEV_POWER_CURRENT_LIMIT: lambda g: g.power_limit_mw,
-    _real.NVML_FI_DEV_POWER_MIN_LIMIT: lambda g: g.trace.min_power_limit_w * 1000,
-    _real.NVML_FI_DEV_POWER_MAX_LIMIT: lambda g: g.trace.max_power_limit_w * 1000,
+    _real.NVML_FI_DEV_POWER_INSTANT: _draw(lambda g: g.power_mw()),
+    _real.NVML_FI_DEV_POWER_DEFAULT_LIMIT: _limit(lambda g: g.default_power_limit_mw),
+    # nvml.h: CURRENT_LIMIT is the "limit currently enforced" (other limiters included), REQUESTED_LIMIT the
+    # one "requested by NVML or any other userspace client".
+    _real.NVML_FI_DEV_POWER_CURRENT_LIMIT: _limit(lambda g: g.enforced_power_limit_mw),
+    _real.NVML_FI_DEV_POWER_REQUESTED_LIMIT: _limit(lambda g: g.power_limit_mw),
+    _real.NVML_FI_DEV_POWER_MIN_LIMIT: _limit(lambda g: g.min_power_limit_mw),
+    _real.NVML_FI_DEV_POWER_MAX_LIMIT: _limit(lambda g: g.max_power_limit_mw),
 }
 
 
 # Memory power (`NVML_POWER_SCOPE_MEMORY`, nvml.h: "Targets the GPU Memory"): nvidia-smi reads it, nvml.h
 # documents no board list. Zeus finds it answered on the H100 and NOT_SUPPORTED on the A40
 # (zeus/device/gpu/nvidia.py, `get_average_memory_power_usage`), so Hopper boards answer and older ones do
-# not. Its value is ASSUMED: a fixed share of the board's 1-second average (no per-board split is published).
+# not; a board from a dump answers where its `GPU Memory Power Readings` show a draw (not the H100 NVL's).
+# Its value is ASSUMED: a fixed share of the board's 1-second average (no per-board split is published).
 MEMORY_POWER_SHARE = 0.15
-_MEMORY_POWER_FIELDS = {
-    _real.NVML_FI_DEV_POWER_AVERAGE: lambda g: (
-        g.average_power_mw() * MEMORY_POWER_SHARE
-        if g.spec.architecture >= _real.NVML_DEVICE_ARCH_HOPPER and g.spec.has_power_average_field
-        else None
+
+
+def _memory_power(g: SimulatedGPU) -> float | None:
+    if g.board is not None:
+        answers = g.board.memory_power
+    else:
+        answers = g.spec.architecture >= _real.NVML_DEVICE_ARCH_HOPPER and g.spec.has_power_average_field
+    return g.average_power_mw() * MEMORY_POWER_SHARE if answers else None
+
+
+# Module power (`NVML_POWER_SCOPE_MODULE`, nvml.h: "Metrics for the module (e.g. CPU + GPU) are retrieved";
+# "CPU here refers to NVIDIA CPU (e.g. Grace)"): answered on a board whose dump shows `Module Power Readings`
+# (GH200). Its draw is ASSUMED to be the GPU's plus the rest of the module's as the dump shows it.
+def _module(read):  # type: ignore[no-untyped-def]
+    return lambda g: (
+        None if g.board is None or g.board.module_limits is None else read(g, g.board.module_limits)
+    )
+
+
+_MODULE_FIELDS = {
+    _real.NVML_FI_DEV_POWER_INSTANT: _module(lambda g, m: g.power_mw() + g.board.module_other_w * 1000),
+    _real.NVML_FI_DEV_POWER_AVERAGE: _module(
+        lambda g, m: g.average_power_mw() + g.board.module_other_w * 1000
     ),
+    _real.NVML_FI_DEV_POWER_MIN_LIMIT: _module(lambda g, m: m.min_mw),
+    _real.NVML_FI_DEV_POWER_MAX_LIMIT: _module(lambda g, m: m.max_mw),
+    _real.NVML_FI_DEV_POWER_DEFAULT_LIMIT: _module(lambda g, m: m.default_mw),
+    _real.NVML_FI_DEV_POWER_CURRENT_LIMIT: _module(lambda g, m: g.module_limit_mw),
+    _real.NVML_FI_DEV_POWER_REQUESTED_LIMIT: _module(lambda g, m: g.module_limit_mw),
 }
 _FIELDS_BY_SCOPE = {
     _real.NVML_POWER_SCOPE_GPU: _POWER_FIELDS,
-    _real.NVML_POWER_SCOPE_MEMORY: _MEMORY_POWER_FIELDS,
+    _real.NVML_POWER_SCOPE_MODULE: _MODULE_FIELDS,
+    _real.NVML_POWER_SCOPE_MEMORY: {_real.NVML_FI_DEV_POWER_AVERAGE: _memory_power},
 }
 
 
@@ -245,8 +289,8 @@ def nvmlDeviceGetFieldValues(handle, fieldIds: list) -> ctypes.Array:  # noqa: N
 
 
 def nvmlDeviceGetPowerManagementLimitConstraints(handle) -> list[int]:  # noqa: N802
-    tr = _gpu(handle, feature="power").trace
-    return [int(tr.min_power_limit_w * 1000), int(tr.max_power_limit_w * 1000)]
+    g = _gpu(handle, feature="power")
+    return [g.min_power_limit_mw, g.max_power_limit_mw]
 
 
 def nvmlDeviceGetPowerManagementDefaultLimit(handle) -> int:  # noqa: N802
@@ -254,18 +298,44 @@ def nvmlDeviceGetPowerManagementDefaultLimit(handle) -> int:  # noqa: N802
 
 
 def nvmlDeviceGetPowerManagementLimit(handle) -> int:  # noqa: N802
+    """The limit software requested (nvidia-smi's `Requested Power Limit`, older drivers' `Power Limit`)."""
     return _gpu(handle, feature="power").power_limit_mw
 
 
-nvmlDeviceGetEnforcedPowerLimit = nvmlDeviceGetPowerManagementLimit
+def nvmlDeviceGetEnforcedPowerLimit(handle) -> int:  # noqa: N802
+    """nvml.h: "the effective power limit that the driver enforces after taking into account all limiters ...
+    can be different from nvmlDeviceGetPowerManagementLimit if other limits are set elsewhere" (nvidia-smi's
+    `Current Power Limit`, older drivers' `Enforced Power Limit`; a GH200 dump: 700 W of 900 W requested)."""
+    return _gpu(handle, feature="power").enforced_power_limit_mw
 
 
 def nvmlDeviceSetPowerManagementLimit(handle, limit: int) -> None:  # noqa: N802
     g = _gpu(handle, feature="power", setter=True)
-    lo, hi = g.trace.min_power_limit_w * 1000, g.trace.max_power_limit_w * 1000
-    if not lo <= int(limit) <= hi:
+    if not g.min_power_limit_mw <= int(limit) <= g.max_power_limit_mw:
         raise _err(_real.NVML_ERROR_INVALID_ARGUMENT)
     g.set_power_limit_mw(int(limit))
+
+
+def nvmlDeviceSetPowerManagementLimit_v2(handle, scope: int, limit: int, version: int) -> None:  # noqa: N802
+    """nvml.h's `nvmlDeviceSetPowerManagementLimit_v2(device, nvmlPowerValue_v2_t *)`: "a drop-in replacement"
+    of the setter above for `powerScope` NVML_POWER_SCOPE_GPU, and the module's limit ("GPU or Total Module")
+    for NVML_POWER_SCOPE_MODULE. INVALID_ARGUMENT where the value "contains invalid values" (another scope, a
+    limit out of range), NOT_SUPPORTED where the board lacks the scope, ARGUMENT_VERSION_MISMATCH for a version
+    other than `nvmlPowerValue_v2` (nvml.h: "The provided version is invalid/unsupported")."""
+    if version != _real.nvmlPowerValue_v2:
+        _gpu(handle)
+        raise _err(_real.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+    if scope == _real.NVML_POWER_SCOPE_GPU:
+        return nvmlDeviceSetPowerManagementLimit(handle, limit)
+    g = _gpu(handle, setter=True)
+    if scope != _real.NVML_POWER_SCOPE_MODULE:
+        raise _err(_real.NVML_ERROR_INVALID_ARGUMENT)
+    module = None if g.board is None else g.board.module_limits
+    if module is None:
+        raise _err(_real.NVML_ERROR_NOT_SUPPORTED)
+    if not module.min_mw <= int(limit) <= module.max_mw:
+        raise _err(_real.NVML_ERROR_INVALID_ARGUMENT)
+    g.set_module_limit_mw(int(limit))
 
 
 # -- persistence ----------------------------------------------------------------------------------
@@ -292,12 +362,12 @@ def nvmlDeviceGetSupportedGraphicsClocks(handle, memoryClockMHz: int) -> list[in
 
 
 def nvmlDeviceGetMaxClockInfo(handle, clock_type: int) -> int:  # noqa: N802
-    g = _gpu(handle)
+    g = _gpu(handle, feature="clock_info")
     return g.spec.max_sm_clock_mhz if clock_type != _real.NVML_CLOCK_MEM else g.spec.memory_clocks_mhz[0]
 
 
 def nvmlDeviceGetClockInfo(handle, clock_type: int) -> int:  # noqa: N802
-    g = _gpu(handle)
+    g = _gpu(handle, feature="clock_info")
     if clock_type == _real.NVML_CLOCK_MEM:
         return g.spec.memory_clocks_mhz[0]
     rel, _ = g.operating_point()

@@ -11,8 +11,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from zeus_callbacks.sim.gpu_state import (
     ENERGY_OFFSET,
@@ -27,7 +26,10 @@ from zeus_callbacks.sim.gpu_state import (
 from zeus_callbacks.sim.host import DEFERRED_SIGNALS, HOST_WAIT, VirtualClock, busy_power_w, process_cpu_s
 from zeus_callbacks.sim.node_spec import Faults
 from zeus_callbacks.sim.specs import GPUSpec
-from zeus_callbacks.sim.traces import Trace, provenance
+from zeus_callbacks.sim.traces import Trace, operating_point, provenance
+
+if TYPE_CHECKING:
+    from zeus_callbacks.sim.dump_node import DumpBoardModel
 
 
 class SimulatedGPU:
@@ -35,7 +37,8 @@ class SimulatedGPU:
 
     Speed: the host's CPU time between two synchronisation points stands for the GPU's work at the
     maximum power limit; at the synchronisation the GPU "catches up" by sleeping so that the work takes
-    `relative_time` as long, so any timer sees the slowdown. Energy: busy time at the traced power,
+    `relative_time` as long, so any timer sees the slowdown. Work queued as kernels (`enqueue`) runs from
+    its launch instead, and the host's CPU time beside it is not GPU work. Energy: busy time at the traced power,
     the rest at idle power, accumulated in a counter that persists across processes.
     """
 
@@ -57,6 +60,7 @@ class SimulatedGPU:
         bursts: bool = False,
         power_update_s: float = 0.0,
         power_window_s: float = 0.0,
+        board: DumpBoardModel | None = None,
     ) -> None:
         self.index = index
         self.bursts = bursts  # stalls and bursts between and within steps (virtual clock), seeded
@@ -93,13 +97,23 @@ class SimulatedGPU:
             and not faults.no_energy_counter
             and not (faults.missing or faults.unknown)
         )
-        default_w = trace.max_power_limit_w if faults.default_limit_w is None else faults.default_limit_w
-        self.default_power_limit_mw = int(default_w * 1000)
+        # A board from a dump has its own settable range, default and requested limits; others the trace's.
+        self.board = board
+        limits = None if board is None else board.gpu_limits
+        self.min_power_limit_mw = limits.min_mw if limits else int(trace.min_power_limit_w * 1000)
+        self.max_power_limit_mw = limits.max_mw if limits else int(trace.max_power_limit_w * 1000)
+        default_mw = limits.default_mw if limits else int(trace.max_power_limit_w * 1000)
+        if faults.default_limit_w is not None:
+            default_mw = int(faults.default_limit_w * 1000)
+        self.default_power_limit_mw = default_mw
+        in_force = limits.requested_mw if limits and faults.default_limit_w is None else default_mw
+        module = None if board is None else board.module_limits
         self._state = GPUState(
             state_path,
             {
-                "power_limit_mw": self.default_power_limit_mw,
-                "persistence": 0.0,
+                "power_limit_mw": in_force,
+                "module_limit_mw": module.requested_mw if module else 0.0,
+                "persistence": float(bool(board and board.persistence)),
                 "energy_mj": 0.0,
                 "updated_at": self.now(),
                 "refreshed_mj": 0.0,  # the last refresh before the state began, as if nothing was drawn yet
@@ -108,6 +122,7 @@ class SimulatedGPU:
         )
         self._buf = self._state._buf
         self._queued_s = 0.0  # work enqueued without host CPU (simulated kernels), at the maximum clock
+        self._kernels_end = 0.0  # when the GPU ends the queued kernels (wall clock, noiseless)
         self._op_version = -1.0
         self._op = (1.0, trace.power(trace.max_power_limit_w))
         self._last_sync = self.now()
@@ -147,6 +162,36 @@ class SimulatedGPU:
         self._changes += 1
         with self._state.lock():
             self._state.set("power_limit_mw", value)
+            self._state.set("version", self._state.get("version") + 1)
+
+    @property
+    def enforced_power_limit_mw(self) -> int:
+        """The limit the driver enforces after every limiter (`nvmlDeviceGetEnforcedPowerLimit`): the requested
+        one, held lower by a dump's out-of-band cap and by the share of the module limit left to the GPU."""
+        limit = self.power_limit_mw
+        board = self.board
+        if board is None:
+            return limit
+        if board.gpu_limits is not None and board.gpu_limits.cap_mw is not None:
+            limit = min(limit, board.gpu_limits.cap_mw)
+        if board.module_limits is not None:
+            # ASSUMED: the module's draw beside the GPU (Grace CPU, memory) stays what the dump shows, so
+            # the GPU gets the rest of the module limit, no less than its own minimum.
+            share = int(self.module_limit_mw - board.module_other_w * 1000)
+            limit = min(limit, max(share, self.min_power_limit_mw))
+        return limit
+
+    @property
+    def module_limit_mw(self) -> int:
+        """The module-scope limit requested (mW; 0 on a board without a module scope)."""
+        return int(self._state.get("module_limit_mw"))
+
+    def set_module_limit_mw(self, value: int) -> None:
+        """Change the module-scope limit (already validated by the NVML layer)."""
+        self._account_idle()
+        self._changes += 1
+        with self._state.lock():
+            self._state.set("module_limit_mw", value)
             self._state.set("version", self._state.get("version") + 1)
 
     @property
@@ -191,39 +236,13 @@ class SimulatedGPU:
         """(relative time of work vs the maximum limit, busy power in W) for the current state."""
         version = self._state.get("version")
         if version != self._op_version:
-            self._op = self._compute_operating_point(self.power_limit_mw / 1000, self.locked_sm_clocks_mhz)
+            pl_w = self.enforced_power_limit_mw / 1000
+            self._op = self._compute_operating_point(pl_w, self.locked_sm_clocks_mhz)
             self._op_version = version
         return self._op
 
     def _compute_operating_point(self, pl_w: float, locked: tuple[int, int] | None) -> tuple[float, float]:
-        tr = self.trace
-        rel = tr.relative_time(pl_w)
-        power = tr.power(pl_w)
-        if locked is None:
-            return rel, power
-        # A clock cap moves the GPU along the same time/power curve a power cap does: time scales as
-        # 1/f, and each traced limit corresponds to the clock f_max / relative_time it achieves.
-        f_max = self.spec.max_sm_clock_mhz
-        mono = tr.monotone_relative_time()
-        f_pl = f_max / float(np.interp(pl_w, tr.power_limits_w, mono))
-        f = min(float(locked[1]), f_pl)
-        if f >= f_pl:
-            return rel, power
-        f_low = f_max / float(mono[0])
-        if f >= f_low:
-            # Find the lowest traced limit that runs at clock f (mono is non-increasing in the limit).
-            eq_pl = float(np.interp(f_max / f, mono[::-1], tr.power_limits_w[::-1]))
-            return f_max / f, tr.power(eq_pl)
-        # Below every traced limit: continue the traced power-vs-clock line of the two lowest limits
-        # (never below idle), so energy per unit of work keeps the trend the trace shows there instead
-        # of a model the data does not support.
-        p_low = tr.power(tr.min_power_limit_w)
-        slope = 0.0
-        if len(mono) > 1:
-            f_next = f_max / float(mono[1])
-            if f_next > f_low:
-                slope = max(0.0, (tr.power(float(tr.power_limits_w[1])) - p_low) / (f_next - f_low))
-        return f_max / f, max(self.spec.idle_power_w, p_low - slope * (f_low - f))
+        return operating_point(self.trace, self.spec, pl_w, locked)
 
     def _noisy(self, value: float) -> float:
         if self.noise <= 0:
@@ -307,13 +326,18 @@ class SimulatedGPU:
         # Another process's recent work (this process's own syncs are covered by the local estimate).
         shared = st.get("last_power_w") if now - last_at < 0.5 and last_at > self._last_sync else idle
         _, busy_power = self.operating_point()
-        if now < self._busy_until or self._queued_s > 0:  # catching up, or kernels queued and running
+        if now < self._busy_until:  # catching up
             return busy_power * 1000
-        local = (
-            busy_power_w(idle, busy_power, time.process_time() - self._last_cpu, now - self._last_sync)
-            if self._issued_work
-            else idle
-        )
+        if self._queued_s > 0:  # kernels queued: busy while they run; the host's CPU time is not GPU work
+            if now < self._kernels_end:
+                return busy_power * 1000
+            local = idle
+        else:
+            local = (
+                busy_power_w(idle, busy_power, time.process_time() - self._last_cpu, now - self._last_sync)
+                if self._issued_work
+                else idle
+            )
         worker = int(st.get("worker_pid"))
         if worker and worker != os.getpid():
             cpu = process_cpu_s(worker)
@@ -406,12 +430,18 @@ class SimulatedGPU:
             now = time.time()
             cpu = time.process_time()
             busy = min(max(0.0, cpu - self._last_cpu), max(0.0, now - start))
-            rel, power = self.operating_point()
-            rel, power = self._noisy(rel), self._noisy(power)
+            rel0, power = self.operating_point()
+            rel, power = self._noisy(rel0), self._noisy(power)
             queued, self._queued_s = self._queued_s, 0.0
-            gpu_busy = (busy + queued) * rel
-            # Time the host already spent waiting for other GPUs counts: this GPU worked meanwhile.
-            extra = gpu_busy - busy - HOST_WAIT.credit(cpu, self.index)
+            if queued > 0:
+                # Queued kernels ran from their launch, beside the host's own work, which is not GPU work: the
+                # host's speed and load move neither their time nor their energy (unless the host is slower).
+                gpu_busy = queued * rel
+                extra = self._kernels_end + queued * (rel - rel0) - now
+            else:
+                gpu_busy = busy * rel
+                # Time the host already spent waiting for other GPUs counts: this GPU worked meanwhile.
+                extra = gpu_busy - busy - HOST_WAIT.credit(cpu, self.index)
             if extra > 0:
                 self._busy_until = now + extra
                 self._wait(extra)
@@ -440,12 +470,17 @@ class SimulatedGPU:
 
     def enqueue(self, work_s: float) -> None:
         """Queue `work_s` seconds of work (at the maximum limit and clock) that uses no host CPU: a stand-in
-        for a CUDA kernel. The next synchronisation waits for it at the operating point in force then."""
+        for a CUDA kernel. It runs from its launch (once the kernels queued before it are done), at the
+        operating point in force then, beside the host's own work; the next synchronisation waits for it.
+        Between two synchronisations with kernels queued, the host's CPU time is not GPU work."""
         if work_s < 0:
             raise ValueError(f"Simulated work must be >= 0 s, got {work_s!r}.")
         with self._mutex:
             self._issued_work = True
             self._queued_s += work_s
+            if not self.virtual:  # it runs once the GPU is done with the kernels before it
+                rel, _ = self.operating_point()
+                self._kernels_end = max(self._kernels_end, time.time()) + work_s * rel
 
     def busy_time(self, work_s: float) -> tuple[float, float]:
         """(time, power) of `work_s` seconds of work-at-maximum-limit at the current state, with noise

@@ -21,6 +21,7 @@ RING_SLOTS = 12
 RING_TICK_S = 0.1
 _FIELDS = (
     "power_limit_mw",
+    "module_limit_mw",
     "sm_lock_min_mhz",
     "sm_lock_max_mhz",
     "persistence",

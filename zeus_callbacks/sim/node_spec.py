@@ -20,7 +20,7 @@ class Faults:
     """Faults injected into one simulated GPU."""
 
     no_permission: bool = False
-    not_supported: frozenset[str] = frozenset()  # subset of {"power", "clocks", "persistence"}
+    not_supported: frozenset[str] = frozenset()  # subset of _UNSUPPORTABLE
     lost_after_calls: int | None = None
     lost_after_changes: int | None = None  # lost once this process has changed a setting this many times
     no_energy_counter: bool = False
@@ -91,7 +91,8 @@ def parse_faults(text: str) -> dict[int | None, Faults]:
     """Parse `ZEUS_CALLBACKS_SIM_FAULTS`: `;`-separated `NAME[=VALUE][@GPU_INDEX]`.
 
     Names: `no_permission` (a user without the right to change settings), `no_cap_sys_admin` (root in a
-    container without CAP_SYS_ADMIN), `not_supported=power|clocks|persistence` (repeatable),
+    container without CAP_SYS_ADMIN), `not_supported=power|clocks|persistence|power_draw|clock_info`
+    (repeatable),
     `lost_after=N` (NVML calls), `lost_after_changes=N` (lost once this process has changed the power limit
     or SM clocks N times), `no_energy_counter`, `mig`, `hidden` (NVML counts the GPU but the job's
     cgroup does not grant it: opening it raises NO_PERMISSION), `empty_clocks` (no supported graphics
@@ -130,7 +131,9 @@ def parse_faults(text: str) -> dict[int | None, Faults]:
     return out
 
 
-_UNSUPPORTABLE = ("power", "clocks", "persistence")
+# power: the power-limit calls; clocks: clock lists and locks; power_draw: power readings; clock_info: the
+# current and maximum clocks (a dump's N/A: GTX680.nvidia-smi-a.txt); persistence: persistence mode.
+_UNSUPPORTABLE = ("power", "clocks", "persistence", "power_draw", "clock_info")
 # NVML functions the `missing=` and `unknown=` faults may name (the simulated NVML checks these).
 FAULTABLE_CALLS = (
     "nvmlDeviceGetArchitecture",
@@ -140,7 +143,8 @@ FAULTABLE_CALLS = (
 FAULTS_INPUT = "Simulated faults (ZEUS_CALLBACKS_SIM_FAULTS, or simulate(faults=...))"
 SPEC_INPUT = "Simulated GPUs (ZEUS_CALLBACKS_SIMULATE, or simulate(spec))"
 _FAULTS_KNOWN = (
-    "Known: no_permission, no_cap_sys_admin, not_supported=power|clocks|persistence, lost_after=N, "
+    "Known: no_permission, no_cap_sys_admin, not_supported=power|clocks|persistence|power_draw|clock_info, "
+    "lost_after=N, "
     "lost_after_changes=N, no_energy_counter, mig, hidden, empty_clocks, empty_memory_clocks, default_limit_w=W, "
     "missing=FUNCTION, unknown=FUNCTION, each optionally @GPU_INDEX."
 )

@@ -362,6 +362,19 @@ def _limit_constraints(lib: SimulatedNVMLLibrary, h: int, low: Any, high: Any) -
     low[0], high[0] = lo, hi
 
 
+@_c("nvmlDeviceSetPowerManagementLimit_v2", _HANDLE, POINTER(pynvml.c_nvmlPowerValue_v2_t))
+def _set_limit_v2(lib: SimulatedNVMLLibrary, h: int, value: Any) -> None:
+    """nvml.h declares `powerScope` an `unsigned char` followed by padding, nvidia-ml-py a `c_uint`: only the
+    scope's byte is read. (nvidia-ml-py 13.615's wrapper drops this function's return code.)"""
+    if not value:
+        fake_nvml.nvmlDeviceGetName(lib._gpu(h))  # a bad handle or uninitialised library answers first
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    v = value[0]
+    fake_nvml.nvmlDeviceSetPowerManagementLimit_v2(
+        lib._gpu(h), v.powerScope & 0xFF, v.powerValueMw, v.version
+    )
+
+
 # -- clocks ---------------------------------------------------------------------------------------
 @_c("nvmlDeviceGetSupportedMemoryClocks", _HANDLE, _UINT, _UINT)
 def _memory_clocks(lib: SimulatedNVMLLibrary, h: int, count: Any, clocks: Any) -> int | None:

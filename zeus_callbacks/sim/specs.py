@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pynvml
 
-__all__ = ["GPUSpec", "SPECS", "spec_for", "PART_TIME_POWER"]
+__all__ = ["GPUSpec", "SPECS", "spec_for", "PART_TIME_POWER", "UPDATE_TIMING"]
 
 PART_TIME_POWER = (
     'Yang, Adamek, Armour, "Accurate and Convenient Energy Measurements for GPUs: A Detailed Study of NVIDIA '
@@ -25,7 +25,8 @@ class GPUSpec:
     each update period that reading averages over (the rest of the period is unseen); `energy_refresh_ms`
     is how often the driver refreshes the energy counter. `has_power_average_field` says whether NVML
     offers `NVML_FI_DEV_POWER_AVERAGE` (Ampere and newer except GA100, the A100). `scaled_from` names the
-    traced GPU whose power-limit behaviour a modelled board borrows (None: the board itself is traced).
+    traced GPU whose power-limit behaviour a modelled board borrows (None: the board itself is traced);
+    `origin` says where a board described elsewhere comes from (e.g. "an nvidia-smi dump", `sim/dump_node.py`).
     """
 
     kind: str
@@ -45,6 +46,7 @@ class GPUSpec:
     scaled_from: str | None = None
     min_power_limit_w: float | None = None  # modelled boards: the settable range the traces are scaled to
     max_power_limit_w: float | None = None
+    origin: str | None = None
 
     @property
     def power_usage_averaged(self) -> bool:
@@ -62,6 +64,8 @@ class GPUSpec:
         """How a modelled board's figures arise, for labels (None for a board whose traces it replays)."""
         if self.scaled_from is None:
             return None
+        if self.origin is not None:
+            return f"{self.name} from {self.origin}; timing modelled from {self.scaled_from.upper()} traces"
         return f"modelled {self.kind.upper()}, scaled from the {self.scaled_from.upper()} traces"
 
     def supported_sm_clocks_mhz(self) -> list[int]:
@@ -82,6 +86,8 @@ _MiB = 1024**2
 _VOLTA = {"power_update_ms": 20.0, "power_window_ms": 10.0, "energy_refresh_ms": 20.0}
 _TURING_GA102 = {"power_update_ms": 100.0, "power_window_ms": 100.0, "energy_refresh_ms": 100.0}
 _GA100_GH100 = {"power_update_ms": 100.0, "power_window_ms": 25.0, "energy_refresh_ms": 100.0}
+UPDATE_TIMING = {"volta": _VOLTA, "turing_ga102": _TURING_GA102, "ga100_gh100": _GA100_GH100}
+"""The power update period and window and the energy refresh of each family PART_TIME_POWER measured."""
 SPECS: dict[str, GPUSpec] = {
     "a40": GPUSpec(
         "a40",

@@ -7,9 +7,11 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from zeus_callbacks.core.device.backend import cuda_visible_uuids
 from zeus_callbacks.core.device.errors import InvalidInputError
+from zeus_callbacks.sim.dump_node import DumpBoardModel, DumpNode, dump_node, is_dump_spec
 from zeus_callbacks.sim.gpu import SimulatedGPU
 from zeus_callbacks.sim.host import VirtualClock
 from zeus_callbacks.sim.node_spec import (
@@ -19,7 +21,7 @@ from zeus_callbacks.sim.node_spec import (
     parse_ideal,
     parse_spec,
 )
-from zeus_callbacks.sim.specs import spec_for
+from zeus_callbacks.sim.specs import GPUSpec, spec_for
 from zeus_callbacks.sim.traces import Trace
 
 __all__ = [
@@ -33,6 +35,25 @@ __all__ = [
     "IDEAL_BEHAVIOURS",
 ]
 from zeus_callbacks.sim.node_spec import FAULTS_INPUT, SPEC_INPUT, merge_faults, pci_bus_id, uuid_for
+
+
+class _Board(NamedTuple):
+    """One board of a node before it is built: its place in the spec, model, trace, identity and dump facts."""
+
+    slot: int  # place in the spec string (its state file and, for a spec, its UUID)
+    spec: GPUSpec
+    trace: Trace
+    uuid: str
+    pci_bus_id: str
+    board: DumpBoardModel | None
+    faults: Faults  # what the dump says is N/A, as the faults NVML would answer it with
+
+    @property
+    def limits_w(self) -> tuple[float, float]:
+        gpu = None if self.board is None else self.board.gpu_limits
+        if gpu is None:
+            return self.trace.min_power_limit_w, self.trace.max_power_limit_w
+        return gpu.min_mw / 1000, gpu.max_mw / 1000
 
 
 @dataclass
@@ -58,12 +79,51 @@ class SimulatedSystem:
     clock: VirtualClock | None = field(init=False)
 
     def __post_init__(self) -> None:
-        groups = parse_spec(self.spec)
         faults = parse_faults(self.faults)
         self.ideal_behaviours = parse_ideal(self.ideal)
         self._check_numbers()
         self.clock = VirtualClock() if self.virtual_clock else None
+        # A node from an nvidia-smi dump (`nvidia-smi:FILE`) answers with the dump's driver version.
+        self.dump: DumpNode | None = dump_node(self.spec) if is_dump_spec(self.spec) else None
+        self.driver_version = "simulated" if self.dump is None else self.dump.dump.driver_version
         directory = self.state_path()
+        boards = self._spec_boards(directory) if self.dump is None else self._dump_boards()
+        self._check_faults(faults, [b.limits_w for b in boards])
+        self.gpus = []
+        for i, b in enumerate(boards):
+            refresh_ms = (
+                b.spec.energy_refresh_ms if self.energy_refresh_ms is None else self.energy_refresh_ms
+            )
+            update_s = b.spec.power_update_ms / 1000
+            self.gpus.append(
+                SimulatedGPU(
+                    index=i,
+                    spec=b.spec,
+                    trace=b.trace,
+                    uuid=b.uuid,
+                    state_path=None if directory is None else directory / f"gpu{b.slot}.state",
+                    clock=self.clock,
+                    noise=self.noise,
+                    seed=self.seed,
+                    faults=merge_faults(merge_faults(b.faults, faults.get(None)), faults.get(i)),
+                    energy_refresh_s=0.0 if "energy_counter" in self.ideal_behaviours else refresh_ms / 1000,
+                    power_usage_averaged=b.spec.power_usage_averaged
+                    and "power_average" not in self.ideal_behaviours,
+                    blocking_sync="interruptible_sync" not in self.ideal_behaviours,
+                    pci_bus_id=b.pci_bus_id,
+                    bursts=self.bursts,
+                    # Power update period and window per board: sim/specs.py (Yang et al., SC'24).
+                    power_update_s=0.0 if "power_window" in self.ideal_behaviours else update_s,
+                    power_window_s=b.spec.power_window_ms / 1000,
+                    board=b.board,
+                )
+            )
+        self._cuda_cache: tuple[tuple[str | None, str | None], list[SimulatedGPU]] | None = None
+
+    def _spec_boards(self, directory: Path | None) -> list[_Board]:
+        """The boards of a `[COUNT*]KIND...` spec in NVML's order: unless `device_order` is ideal, slower models on
+        the lower PCI buses (stable: the spec's order among equals)."""
+        groups = parse_spec(self.spec)
         # A node's GPUs have UUIDs of their own: two simulated nodes (two state directories) never share one.
         node = "" if directory is None else str(directory.resolve())
         system_id = hashlib.sha1(f"{self.spec}|{node}".encode()).hexdigest()[:12]
@@ -74,36 +134,29 @@ class SimulatedSystem:
         models = [(spec_for(g.kind), t) for g, t in zip(groups, traces, strict=True) for _ in range(g.count)]
         slots = list(range(len(models)))  # place in the spec string
         if "device_order" not in self.ideal_behaviours:
-            slots.sort(key=lambda s: models[s][0].fp32_tflops)  # stable: the spec's order among equals
-        self._check_faults(faults, [models[slot][1] for slot in slots])
-        self.gpus = []
-        for i, slot in enumerate(slots):
-            spec, trace = models[slot]
-            refresh_ms = spec.energy_refresh_ms if self.energy_refresh_ms is None else self.energy_refresh_ms
-            update_s = spec.power_update_ms / 1000
-            self.gpus.append(
-                SimulatedGPU(
-                    index=i,
-                    spec=spec,
-                    trace=trace,
-                    uuid=uuid_for(system_id, slot),
-                    state_path=None if directory is None else directory / f"gpu{slot}.state",
-                    clock=self.clock,
-                    noise=self.noise,
-                    seed=self.seed,
-                    faults=merge_faults(faults.get(None), faults.get(i)),
-                    energy_refresh_s=0.0 if "energy_counter" in self.ideal_behaviours else refresh_ms / 1000,
-                    power_usage_averaged=spec.power_usage_averaged
-                    and "power_average" not in self.ideal_behaviours,
-                    blocking_sync="interruptible_sync" not in self.ideal_behaviours,
-                    pci_bus_id=pci_bus_id(i),
-                    bursts=self.bursts,
-                    # Power update period and window per board: sim/specs.py (Yang et al., SC'24).
-                    power_update_s=0.0 if "power_window" in self.ideal_behaviours else update_s,
-                    power_window_s=spec.power_window_ms / 1000,
-                )
+            slots.sort(key=lambda s: models[s][0].fp32_tflops)
+        return [
+            _Board(slot, *models[slot], uuid_for(system_id, slot), pci_bus_id(i), None, Faults())
+            for i, slot in enumerate(slots)
+        ]
+
+    def _dump_boards(self) -> list[_Board]:
+        """The boards of an `nvidia-smi:FILE` spec in the dump's order (nvidia-smi's: by PCI bus, as NVML's)."""
+        assert self.dump is not None
+        return [
+            _Board(
+                i,
+                b.spec,
+                b.trace,
+                b.uuid,
+                b.pci_bus_id,
+                b,
+                Faults(
+                    not_supported=b.not_supported, no_energy_counter=not b.energy_counter, mig=bool(b.mig)
+                ),
             )
-        self._cuda_cache: tuple[tuple[str | None, str | None], list[SimulatedGPU]] | None = None
+            for i, b in enumerate(self.dump.boards)
+        ]
 
     def _check_numbers(self) -> None:
         if (
@@ -128,20 +181,21 @@ class SimulatedSystem:
                 "exact); unset it for each model's own."
             )
 
-    def _check_faults(self, faults: dict[int | None, Faults], traces: list[Trace]) -> None:
-        """Faults must name GPUs of this node (`traces` in NVML order) and limits within their range."""
-        missing = sorted(i for i in faults if i is not None and i >= len(traces))
+    def _check_faults(self, faults: dict[int | None, Faults], ranges_w: list[tuple[float, float]]) -> None:
+        """Faults must name GPUs of this node (`ranges_w`, their power-limit ranges, in NVML order) and limits
+        within their range."""
+        missing = sorted(i for i in faults if i is not None and i >= len(ranges_w))
         if missing:
             raise InvalidInputError(
                 f"{FAULTS_INPUT} {self.faults!r} target GPU {missing[0]}, but {self.spec!r} has "
-                f"{len(traces)} GPU(s) (NVML indices 0-{len(traces) - 1})."
+                f"{len(ranges_w)} GPU(s) (NVML indices 0-{len(ranges_w) - 1})."
             )
-        for i, trace in enumerate(traces):
+        for i, (lo, hi) in enumerate(ranges_w):
             w = merge_faults(faults.get(None), faults.get(i)).default_limit_w
-            if w is not None and not trace.min_power_limit_w <= w <= trace.max_power_limit_w:
+            if w is not None and not lo <= w <= hi:
                 raise InvalidInputError(
                     f"{FAULTS_INPUT} {self.faults!r}: default_limit_w={w:g} is outside GPU {i}'s power-limit "
-                    f"range {trace.min_power_limit_w:g}-{trace.max_power_limit_w:g} W."
+                    f"range {lo:g}-{hi:g} W."
                 )
 
     def cuda_gpus(self) -> list[SimulatedGPU]:
@@ -171,7 +225,9 @@ class SimulatedSystem:
             if self.state_dir
             else Path(tempfile.gettempdir()) / f"zeus_callbacks-sim-{os.getuid()}"
         )
-        return base / hashlib.sha1(self.spec.encode()).hexdigest()[:12]
+        # A dump's node keys on the dump's text too: two dumps (or one edited) never share a state.
+        key = self.spec if self.dump is None else f"{self.spec}|{self.dump.dump.digest}"
+        return base / hashlib.sha1(key.encode()).hexdigest()[:12]
 
     def run_step(self, work_s: float | dict[int, float]) -> float:
         """Virtual clock only: run one synchronous step of work on every GPU; returns its duration (s).

@@ -15,7 +15,15 @@ import numpy as np
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.sim.specs import GPUSpec, spec_for
 
-__all__ = ["Trace", "load_trace", "scaled_trace", "provenance", "shipped_workloads", "DATA_FORMATS_HELP"]
+__all__ = [
+    "Trace",
+    "load_trace",
+    "scaled_trace",
+    "operating_point",
+    "provenance",
+    "shipped_workloads",
+    "DATA_FORMATS_HELP",
+]
 
 DATA_FORMATS_HELP = (
     "Supported trace files: Zeus NSDI'23 summary CSV (dataset,network,batch_size,optimizer,power_limit,"
@@ -282,6 +290,40 @@ def scaled_trace(trace: Trace, gpu_model: str, min_limit_w: float, max_limit_w: 
         power_w=np.maximum(min_limit_w + (trace.power_w - lo) * scale, 1.0),
         scaled_from=trace.gpu_model,
     )
+
+
+def operating_point(
+    trace: Trace, spec: GPUSpec, pl_w: float, locked: tuple[int, int] | None
+) -> tuple[float, float]:
+    """(time of work relative to the maximum limit, busy power in W) at limit `pl_w` and SM clock lock `locked`.
+
+    A clock cap moves the GPU along the same time/power curve a power cap does: time scales as 1/f, and each
+    traced limit corresponds to the clock f_max / relative_time it achieves.
+    """
+    rel, power = trace.relative_time(pl_w), trace.power(pl_w)
+    if locked is None:
+        return rel, power
+    f_max = spec.max_sm_clock_mhz
+    mono = trace.monotone_relative_time()
+    f_pl = f_max / float(np.interp(pl_w, trace.power_limits_w, mono))
+    f = min(float(locked[1]), f_pl)
+    if f >= f_pl:
+        return rel, power
+    f_low = f_max / float(mono[0])
+    if f >= f_low:
+        # Find the lowest traced limit that runs at clock f (mono is non-increasing in the limit).
+        eq_pl = float(np.interp(f_max / f, mono[::-1], trace.power_limits_w[::-1]))
+        return f_max / f, trace.power(eq_pl)
+    # Below every traced limit: continue the traced power-vs-clock line of the two lowest limits (never below
+    # idle), so energy per unit of work keeps the trend the trace shows there instead of a model the data does
+    # not support.
+    p_low = trace.power(trace.min_power_limit_w)
+    slope = 0.0
+    if len(mono) > 1:
+        f_next = f_max / float(mono[1])
+        if f_next > f_low:
+            slope = max(0.0, (trace.power(float(trace.power_limits_w[1])) - p_low) / (f_next - f_low))
+    return f_max / f, max(spec.idle_power_w, p_low - slope * (f_low - f))
 
 
 def provenance(spec: GPUSpec, trace: Trace) -> str | None:
