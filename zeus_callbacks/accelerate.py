@@ -58,7 +58,7 @@ def prepare_power_limit_optimizer(
         accelerator: The run's `Accelerator`; None for a plain loop (GPU from `local_rank()`, no registration).
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
         **kwargs: `GlobalPowerLimitOptimizer`'s other arguments (`wait_steps`, `warmup_steps`,
-            `profile_steps`, `pl_step`, `profile_path`, `search`).
+            `profile_steps`, `pl_step`, `profile_path`, `search`, `allow_raising_limit`).
 
     Raises:
         ValueError: A bad argument; the message names it.
@@ -94,7 +94,7 @@ class PowerLimitOptimizerHelper:
         log_every_n_steps: Optimizer steps between two logs of the optimizer's figures (0: only the
             summary).
         **kwargs: The optimizer's other options (`PowerLimitOptions`: `wait_steps`, ..., `search`,
-            `report_path`).
+            `report_path`, `allow_raising_limit`).
 
     Raises:
         ValueError: A bad argument; the message names it.

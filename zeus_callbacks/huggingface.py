@@ -46,6 +46,8 @@ except ImportError:  # pragma: no cover - transformers < 4.41 keeps no callback 
 
     class ExportableState:  # type: ignore[no-redef]
         """Stand-in for transformers' `ExportableState` (checkpoints of this version carry no callback state)."""
+
+
 from zeus_callbacks.huggingface_parallel import (
     HeterogeneousTrainer,
     HFHeterogeneousCallback,
@@ -194,7 +196,8 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s) (under torch.distributed, this rank's).
         optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search,
-            report_path: the optimizer's options (`PowerLimitOptions`, where each is documented).
+            report_path, allow_raising_limit: the optimizer's options (`PowerLimitOptions`, where each is
+            documented).
 
     Raises:
         ValueError: a bad argument; the message names it.
@@ -225,6 +228,7 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
         profile_path: str | Path | None = None,
         search: str = "adaptive",
         report_path: str | Path | None = None,
+        allow_raising_limit: bool = False,
     ) -> None:
         self._training = False
         self._checkpoint: Path | None = None  # the checkpoint `train()` resumes from (ZeusTrainerMixin)
@@ -243,7 +247,15 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
             self._session, self._checkpoint = owner._session, owner._checkpoint
             return
         options = PowerLimitOptions(
-            optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search, report_path
+            optimum_selector,
+            wait_steps,
+            warmup_steps,
+            profile_steps,
+            pl_step,
+            profile_path,
+            search,
+            report_path,
+            allow_raising_limit,
         )
         self._session = PowerLimitSession(type(self).__name__, monitor, options)
         self._built[:] = [ref for ref in self._built if ref() is not None] + [weakref.ref(self)]

@@ -28,7 +28,8 @@ class IgnitePowerLimitOptimizer:
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU.
         optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search,
-            report_path: the optimizer's options (`PowerLimitOptions`, where each is documented).
+            report_path, allow_raising_limit: the optimizer's options (`PowerLimitOptions`, where each is
+            documented).
         log_every_n_steps: Iterations between two updates of the figures (0: at epoch ends only).
 
     Example::
@@ -42,9 +43,18 @@ class IgnitePowerLimitOptimizer:
         self, monitor: ZeusMonitor, optimum_selector: OptimumSelector | None = None, wait_steps: int = 1,
         warmup_steps: int = 10, profile_steps: int = 40, pl_step: int = 25, profile_path: str | Path | None = None,
         search: str = "adaptive", report_path: str | Path | None = None, *, log_every_n_steps: int = 50,
+        allow_raising_limit: bool = False,
     ) -> None:  # fmt: skip
         options = PowerLimitOptions(
-            optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search, report_path
+            optimum_selector,
+            wait_steps,
+            warmup_steps,
+            profile_steps,
+            pl_step,
+            profile_path,
+            search,
+            report_path,
+            allow_raising_limit,
         )
         self._session = PowerLimitSession(type(self).__name__, monitor, options)
         self._every = log_every_n_steps

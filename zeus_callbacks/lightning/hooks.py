@@ -196,8 +196,8 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
         monitor: The `ZeusMonitor` measuring this process's GPU, e.g.
             `ZeusMonitor(gpu_indices=[local_rank()])`.
         optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search,
-            report_path: the optimizer's options (`PowerLimitOptions`, where each is documented; steps are
-            optimizer steps).
+            report_path, allow_raising_limit: the optimizer's options (`PowerLimitOptions`, where each is
+            documented; steps are optimizer steps).
 
     Raises:
         ValueError: A bad argument; the message names it.
@@ -225,6 +225,7 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
         profile_path: str | Path | None = None,
         search: str = "adaptive",
         report_path: str | Path | None = None,
+        allow_raising_limit: bool = False,
     ) -> None:
         super().__init__()
         options = PowerLimitOptions(
@@ -236,6 +237,7 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
             profile_path,
             search,
             report_path,
+            allow_raising_limit,
         )
         self._session = PowerLimitSession(type(self).__name__, monitor, options)
 

@@ -59,6 +59,8 @@ class PowerLimitOptions:
         pl_step: Stride between profiled power limits (W).
         profile_path: JSON profile: loaded if it exists, written (by rank 0) as profiling goes.
         search: "adaptive" (default) or "sweep" (every limit, as Zeus).
+        allow_raising_limit: Let the search go above the limit in force when training started (up to the
+            GPUs' maximum, as Zeus); also `ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT=1`. Default: never above it.
         report_path: Write the run's HTML report there at the end of training, the power-limit profile and
             the choice included (`zeus-callbacks report`'s); None: no report.
     """
@@ -71,6 +73,7 @@ class PowerLimitOptions:
     profile_path: str | Path | None = None
     search: str = "adaptive"
     report_path: str | Path | None = None
+    allow_raising_limit: bool = False
 
     def optimizer_arguments(self) -> dict[str, Any]:
         """The keyword arguments of `GlobalPowerLimitOptimizer` (all but `report_path`)."""
