@@ -46,8 +46,15 @@ def scrape(url: str) -> dict[str, list]:
     return out
 
 
-def test_exposition_labels_every_gpu_with_uuid_rank_job_and_simulated(sim_gpus):
+def test_exposition_labels_every_gpu_with_uuid_rank_job_and_simulated(sim_gpus, monkeypatch):
     system = sim_gpus("2*a40", virtual_clock=True)
+    # The job's scheduler, user and partition from Slurm's variables (issue 41); `job=` names the job.
+    for name, value in {
+        "SLURM_JOB_ID": "99",
+        "SLURM_JOB_USER": "alice",
+        "SLURM_JOB_PARTITION": "gpu",
+    }.items():
+        monkeypatch.setenv(name, value)
     monitor = ZeusMonitor()
     plo = GlobalPowerLimitOptimizer(monitor, Time(), warmup_steps=1, profile_steps=2, pl_step=100)
     with serve_metrics(
@@ -65,6 +72,9 @@ def test_exposition_labels_every_gpu_with_uuid_rank_job_and_simulated(sim_gpus):
                     "name": "NVIDIA A40",
                     "rank": "0",
                     "train_job": "exp-1",
+                    "scheduler": "slurm",
+                    "user": "alice",
+                    "partition": "gpu",
                     "simulated": "true",
                 }
         energy = {s.labels["gpu"]: s.value for s in samples["zeus_callbacks_gpu_energy_joules_total"]}
@@ -88,6 +98,15 @@ def test_exposition_labels_every_gpu_with_uuid_rank_job_and_simulated(sim_gpus):
         assert set(samples) <= declared
     with pytest.raises(OSError):
         urllib.request.urlopen(server.url, timeout=2)
+
+
+def test_the_train_job_label_defaults_to_the_schedulers_job(sim_gpus, monkeypatch):
+    sim_gpus("a40", virtual_clock=True)
+    monkeypatch.delenv("ZEUS_CALLBACKS_JOB", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with serve_metrics(port=0, addr="127.0.0.1", cache_s=0) as server:
+        (power,) = scrape(server.url)["zeus_callbacks_gpu_power_watts"]
+    assert (power.labels["train_job"], power.labels["scheduler"]) == ("4242", "slurm")
 
 
 @pytest.mark.system

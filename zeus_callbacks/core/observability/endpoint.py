@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from zeus_callbacks.core import distributed
+from zeus_callbacks.core.accounting.identity import job_identity
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.device.telemetry import read_gpu
 
@@ -44,8 +45,10 @@ _INSTALL_HINT = "install it with `pip install 'zeus-callbacks[prometheus]'` (pro
 
 # Every metric the endpoint exports: name -> (type, help). The Grafana dashboard may use only these.
 # The job is labelled `train_job`: Prometheus sets `job` itself from the scrape config, and would rename ours.
-_GPU_LABELS = ("gpu", "uuid", "name", "rank", "train_job", "simulated")
-_OPT_LABELS = ("optimizer", "rank", "train_job", "simulated")
+# Its scheduler, user and partition (Slurm's; a Kubernetes namespace) come from `accounting.identity`.
+_JOB_LABELS = ("train_job", "scheduler", "user", "partition")
+_GPU_LABELS = ("gpu", "uuid", "name", "rank", *_JOB_LABELS, "simulated")
+_OPT_LABELS = ("optimizer", "rank", *_JOB_LABELS, "simulated")
 EXPORTED_METRICS: dict[str, tuple[str, str]] = {
     "zeus_callbacks_gpu_energy_joules": ("counter", "GPU energy counter (J since the driver loaded)."),
     "zeus_callbacks_gpu_power_watts": ("gauge", "Instantaneous GPU power draw (W)."),
@@ -111,9 +114,9 @@ def _optimizer_kind(optimizer: object) -> str:
 class _Collector:
     """prometheus_client's custom-collector protocol: `collect()` yields metric families, read at scrape time."""
 
-    def __init__(self, gpus: Sequence[GPU], job: str, rank: int, cache_s: float) -> None:
+    def __init__(self, gpus: Sequence[GPU], job: list[str], rank: int, cache_s: float) -> None:
         self._gpus = list(gpus)
-        self._job = job
+        self._job = job  # the values of _JOB_LABELS
         self._rank = str(rank)
         self._cache_s = cache_s
         self._optimizers: list[tuple[str, Any]] = []
@@ -157,7 +160,7 @@ class _Collector:
                 gpu.uuid,
                 gpu.name,
                 self._rank,
-                self._job,
+                *self._job,
                 "true" if gpu.simulated else "false",
             ]
             for field, metric in _GPU_FIELDS.items():
@@ -167,13 +170,13 @@ class _Collector:
         for kind, optimizer in self._optimizers:
             self._add_optimizer(families, kind, optimizer)
         families["zeus_callbacks_exporter_collect_seconds"].add_metric(
-            [self._rank, self._job], time.perf_counter() - start
+            [self._rank, *self._job], time.perf_counter() - start
         )
         return [f for f in families.values() if f.samples]
 
     def _add_optimizer(self, families: dict[str, Any], kind: str, optimizer: Any) -> None:
         simulated = bool(getattr(getattr(optimizer, "monitor", None), "simulated", False))
-        labels = [kind, self._rank, self._job, "true" if simulated else "false"]
+        labels = [kind, self._rank, *self._job, "true" if simulated else "false"]
         phase = optimizer.phase
         known = list(getattr(optimizer, "PHASE_INDEX", None) or _PIPELINE_PHASES)
         for p in known if phase in known else [*known, phase]:
@@ -214,7 +217,7 @@ def _labels_of(metric: str) -> list[str]:
         return [*_OPT_LABELS, "phase"]
     if metric.startswith("zeus_callbacks_optimizer_"):
         return list(_OPT_LABELS)
-    return ["rank", "train_job"]
+    return ["rank", *_JOB_LABELS]
 
 
 class MetricsServer:
@@ -285,10 +288,13 @@ def serve_metrics(
 ) -> MetricsServer:
     """Serve a Prometheus endpoint from this process, in a background thread, until `stop()`.
 
-    Exports, per GPU (labels `gpu` (CUDA index), `uuid`, `name`, `rank`, `train_job`, `simulated`): the energy
+    Exports, per GPU (labels `gpu` (CUDA index), `uuid`, `name`, `rank`, the job's, `simulated`): the energy
     counter, power, temperature, power limit and SM and memory clocks in force; per optimizer (labels
-    `optimizer`, `rank`, `train_job`, `simulated`): its phase, its choice, and the figures of its `report()`.
-    Simulated GPUs carry `simulated="true"`. Names are in `EXPORTED_METRICS`.
+    `optimizer`, `rank`, the job's, `simulated`): its phase, its choice, and the figures of its `report()`.
+    The job's labels are `train_job`, `scheduler` (`slurm`, `torchrun`, `kubernetes`, `local`), `user` and
+    `partition` (Slurm's, or the Kubernetes namespace; empty elsewhere), from the scheduler's variables
+    (`zeus_callbacks.core.accounting.identity`). Simulated GPUs carry `simulated="true"`. Names are in
+    `EXPORTED_METRICS`.
 
     Args:
         port: The base port: the endpoint listens on `port + local_rank()` (one port per rank on a node);
@@ -296,7 +302,8 @@ def serve_metrics(
         monitor: The `ZeusMonitor` whose GPUs are exported; None: every GPU this process sees.
         optimizers: `GlobalPowerLimitOptimizer` / `PipelineFrequencyOptimizer` objects to export, read only
             through their public state (`phase`, `optimal_power_limit_w`, `frequency_mhz`, `report()`).
-        job: The `train_job` label; default `$ZEUS_CALLBACKS_JOB`, else `zeus_callbacks`.
+        job: The `train_job` label; default `$ZEUS_CALLBACKS_JOB`, else the scheduler's job id (Slurm job,
+            torchrun run id, Kubernetes pod), else an id every process of the job shares.
         addr: The address to bind: all interfaces by default, so that a Prometheus on another host can
             scrape it (as dcgm-exporter's :9400); `127.0.0.1` keeps it to this machine.
         cache_s: Scrapes within this many seconds of the last collection are answered from it.
@@ -340,7 +347,9 @@ def serve_metrics(
     bound = port + distributed.local_rank() if per_rank and port else port
     if bound > 65535:
         raise InvalidInputError(f"`serve_metrics(port={port})`: port {bound} for local rank is past 65535.")
-    collector = _Collector(gpus, job or os.environ.get(JOB_ENV) or "zeus_callbacks", rank, float(cache_s))
+    identity = job_identity()
+    job_labels = [job or os.environ.get(JOB_ENV) or identity.job_id, identity.scheduler, identity.user]
+    collector = _Collector(gpus, [*job_labels, identity.partition or ""], rank, float(cache_s))
     for optimizer in optimizers:
         collector.add_optimizer(optimizer)
     registry = pc.CollectorRegistry(auto_describe=True)
@@ -384,7 +393,9 @@ def serve_metrics_from_env(
             f"{PORT_ENV}={raw!r} is not a port number; set it to the base port (e.g. 9464) or unset it."
         ) from None
     if not 0 <= port <= 65535:
-        raise InvalidInputError(f"{PORT_ENV}={raw!r} is not a TCP port in [0, 65535]; set it to the base port (e.g. 9464) or unset it.")
+        raise InvalidInputError(
+            f"{PORT_ENV}={raw!r} is not a TCP port in [0, 65535]; set it to the base port (e.g. 9464) or unset it."
+        )
     return serve_metrics(
         port=port, monitor=monitor, optimizers=optimizers, addr=os.environ.get(ADDR_ENV, "0.0.0.0")
     )
