@@ -27,9 +27,15 @@ class IgnitePowerLimitOptimizer:
 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU.
-        optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search,
-            report_path, allow_raising_limit: the optimizer's options (`PowerLimitOptions`, where each is
-            documented).
+        optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
+        wait_steps: Steps to let pass before profiling starts.
+        warmup_steps: Steps run at a power limit before it is measured.
+        profile_steps: Steps measured at each power limit (the most, for the adaptive search).
+        pl_step: Stride between profiled power limits (W).
+        profile_path: JSON profile: loaded if it exists, written (by rank 0) as profiling goes.
+        search: `"adaptive"` (default) or `"sweep"` (every limit, as Zeus).
+        report_path: Write the run's HTML report there at the end of training; None: no report.
+        allow_raising_limit: Let the search go above the limit in force when training started.
         log_every_n_steps: Iterations between two updates of the figures (0: at epoch ends only).
 
     Example::

@@ -79,8 +79,10 @@ class ZeusMonitorHooks(CallbackHooks):
             `ZeusMonitor(gpu_indices=[local_rank()])`.
         logging_interval: `"step"` to log every `log_every_n_steps` optimizer steps, `"epoch"` to log
             once per training epoch.
-        carbon_intensity, price_per_kwh: As `HFZeusMonitor`'s: CO2eq and cost figures beside the energy
-            (same names), from a number or a region; default the environment's, else none.
+        carbon_intensity: As `HFZeusMonitor`'s: CO2eq figures beside the energy (same names), from a number
+            or a region; default the environment's, else none.
+        price_per_kwh: As `HFZeusMonitor`'s: cost figures beside the energy (same names), from a number or a
+            region; default the environment's, else none.
         report_path: Write the run's HTML report there at train end (`zeus-callbacks report`'s).
 
     Raises:
@@ -195,9 +197,15 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU, e.g.
             `ZeusMonitor(gpu_indices=[local_rank()])`.
-        optimum_selector, wait_steps, warmup_steps, profile_steps, pl_step, profile_path, search,
-            report_path, allow_raising_limit: the optimizer's options (`PowerLimitOptions`, where each is
-            documented; steps are optimizer steps).
+        optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
+        wait_steps: Optimizer steps to let pass before profiling starts.
+        warmup_steps: Optimizer steps run at a power limit before it is measured.
+        profile_steps: Optimizer steps measured at each power limit (the most, for the adaptive search).
+        pl_step: Stride between profiled power limits (W).
+        profile_path: JSON profile: loaded if it exists, written (by rank 0) as profiling goes.
+        search: `"adaptive"` (default) or `"sweep"` (every limit, as Zeus).
+        report_path: Write the run's HTML report there at the end of training; None: no report.
+        allow_raising_limit: Let the search go above the limit in force when training started.
 
     Raises:
         ValueError: A bad argument; the message names it.

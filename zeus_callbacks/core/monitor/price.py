@@ -270,7 +270,9 @@ class EnergyCostMonitor:
 
     Args:
         electricity_price_provider: An `ElectricityPriceProvider`, or a price per kWh.
-        gpu_indices, cpu_indices, sync_execution_with: As `ZeusMonitor`'s.
+        gpu_indices: As `ZeusMonitor`'s.
+        cpu_indices: As `ZeusMonitor`'s.
+        sync_execution_with: As `ZeusMonitor`'s.
 
     Example::
 

@@ -131,7 +131,9 @@ class EnergyHistogram(Metric):
         pushgateway_url: The Pushgateway, e.g. `http://localhost:9091` (`prometheus_url=`, the name Zeus's
             documentation uses, is taken too).
         job: The Pushgateway job the metrics are grouped under.
-        gpu_bucket_range, cpu_bucket_range, dram_bucket_range: Histogram bucket bounds (J).
+        gpu_bucket_range: Histogram bucket bounds of GPU energy (J).
+        cpu_bucket_range: Histogram bucket bounds of CPU energy (J).
+        dram_bucket_range: Histogram bucket bounds of DRAM energy (J).
 
     Raises:
         ValueError: an empty bucket range, or bad indices.
