@@ -76,7 +76,12 @@ class NVMLRoute:
             return
         nvml = gpu.nvml
         self._call(
-            gpu, what, nvml.nvmlDeviceSetPowerManagementLimit_v2, nvml.NVML_POWER_SCOPE_MODULE, int(value_mw)
+            gpu,
+            what,
+            nvml.nvmlDeviceSetPowerManagementLimit_v2,
+            nvml.NVML_POWER_SCOPE_MODULE,
+            int(value_mw),
+            nvml.nvmlPowerValue_v2,
         )
         # nvidia-ml-py's nvmlDeviceSetPowerManagementLimit_v2 drops NVML's return code (pynvml.py: `ret = fn(...)`,
         # then `return NVML_SUCCESS`), so a refusal shows only in the limit read back.

@@ -148,7 +148,7 @@ class _JobSize:
 class _Board:
     """One GPU's power-limit range and the limit in force when the job started (mW)."""
 
-    label: str
+    index: int  # CUDA's
     lo_mw: int
     hi_mw: int
     in_force_mw: int
@@ -186,7 +186,7 @@ def _boards(gpus: Sequence[GPU]) -> list[_Board]:
         in_force = (
             int(recorded) if recorded is not None else min(g.power_limit_mw(), g.enforced_power_limit_mw())
         )
-        out.append(_Board(g.label, lo, hi, in_force))
+        out.append(_Board(g.index, lo, hi, in_force))
     return out
 
 
@@ -248,7 +248,7 @@ def find_job(meter: StepMeter, membership: JobMembership, pl_step: int, allow_ra
             )
         )
     if (job_range.union_lo_mw, job_range.union_hi_mw) != (lo, hi):
-        _say_ranges_differ(boards, lo, hi)
+        _say_ranges_differ(gpus[0].name, boards, lo, hi)
     top = hi if allow_raising else max(lo, min(hi, job_range.in_force_mw))
     if top < hi:
         _say_capped(top, hi)
@@ -265,23 +265,25 @@ def find_job(meter: StepMeter, membership: JobMembership, pl_step: int, allow_ra
 
 
 def _ranges(boards: Sequence[_Board]) -> str:
-    """`GPU 0 (...), GPU 1 (...): 150-300 W; GPU 2 (...): 100-300 W`: the boards grouped by range."""
+    """`GPUs 0, 4: 150-300 W; GPUs 1, 2: 100-300 W`: the boards (CUDA indices) grouped by range."""
     by_range: dict[tuple[int, int], list[str]] = {}
     for b in boards:
-        by_range.setdefault((b.lo_mw, b.hi_mw), []).append(b.label)
+        by_range.setdefault((b.lo_mw, b.hi_mw), []).append(str(b.index))
     return "; ".join(
-        f"{', '.join(labels)}: {lo / 1000:g}-{hi / 1000:g} W" for (lo, hi), labels in by_range.items()
+        f"GPU{'s' if len(ids) > 1 else ''} {', '.join(ids)}: {lo / 1000:g}-{hi / 1000:g} W"
+        for (lo, hi), ids in by_range.items()
     )
 
 
-def _say_ranges_differ(boards: Sequence[_Board], lo: int, hi: int) -> None:
+def _say_ranges_differ(model: str, boards: Sequence[_Board], lo: int, hi: int) -> None:
     """One line (rank 0's) naming the boards' ranges and the common one profiled."""
     if dist.rank() != 0:
         return
-    where = "" if not dist.is_distributed() else " (this rank's; other ranks' differ)"
+    where = "" if not dist.is_distributed() else " on rank 0; other ranks' differ"
     logger.warning(
-        "GlobalPowerLimitOptimizer: the GPUs' power-limit ranges differ (%s%s); profiling %g-%g W, the range "
-        "every GPU of the job accepts.",
+        "GlobalPowerLimitOptimizer: the %s boards' power-limit ranges differ (%s%s); profiling %g-%g W, the "
+        "range every one of them accepts.",
+        model,
         _ranges(boards),
         where,
         lo / 1000,
