@@ -139,3 +139,55 @@ def test_unreadable_files_exit_2(tmp_path: Path, capsys):
     bad_json.write_text("{nope")
     rc, _, err = run_cli(capsys, "--trace", str(bad_json), "--workload", "64")
     assert rc == 2 and err.count("\n") == 1
+
+
+def test_from_a_shipped_dump_builds_its_node(capsys):
+    """`--from V100_x8`: the dump's eight boards, each with its own range, timing from the V100's traces."""
+    rc, out, err = run_cli(capsys, "--from", "V100_x8", "--json", "--selector", "energy")
+    assert rc == 0, err
+    r = json.loads(out)
+    node = r["node"]
+    assert r["gpu"] == "8 x Tesla V100-SXM2-16GB" and node["driver_version"] == "550.127.05"
+    assert (
+        node["provenance"] == "Tesla V100-SXM2-16GB from an nvidia-smi dump; timing modelled from V100 traces"
+    )
+    assert [g["power_limit_range_w"][0] for g in node["gpus"]] == [150, 100, 100, 100, 150, 100, 150, 150]
+    assert r["trace"].endswith("summary_power_v100.csv, scaled to 100-300 W (modelled, not traced)")
+    rc, out, _ = run_cli(capsys, "--from", "RTX3070")
+    assert rc == 0 and out.startswith("SIMULATED node of 1 x NVIDIA GeForce RTX 3070 from ")
+
+
+def test_from_a_file_of_ones_own(tmp_path: Path, capsys):
+    dump = tmp_path / "my node.txt"
+    dump.write_text((Path(sim.__file__).parent / "data/gpu_dumps/H100NVLx2.nvidia-smi-a.txt").read_text())
+    rc, out, err = run_cli(capsys, "--from", str(dump), "--json")
+    assert rc == 0, err
+    node = json.loads(out)["node"]
+    assert node["dump"] == str(dump.resolve())
+    assert [(g["power_limit_range_w"], g["power_limit_in_force_w"]) for g in node["gpus"]] == [
+        ([200, 400], 310)
+    ] * 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--from", "A10", "--gpu", "a40"], "leave out --trace and --gpu"),
+        (["--from", "no-such-node"], "neither a file nor a shipped dump"),
+        (["--from", "A10", "--workload", "no/such/workload"], "is not in"),
+    ],
+)
+def test_from_errors_are_one_line_exit_2(capsys, argv, message):
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert message in err and err.startswith("zeus-callbacks simulate:") and err.count("\n") == 1
+
+
+def test_from_a_file_that_is_no_nvidia_smi_dump_says_what_to_give(tmp_path: Path, capsys):
+    rocm = tmp_path / "mi300x.txt"
+    rocm.write_text("===== ROCm System Management Interface =====\nGPU[0]\t\t: Device ID: 0x74a1\n")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for path, words in ((rocm, "rocm-smi dump (AMD GPUs)"), (empty, "is empty")):
+        rc, _, err = run_cli(capsys, "--from", str(path))
+        assert rc == 2 and words in err and "nvidia-smi -q > node.txt" in err and err.count("\n") == 1

@@ -8,6 +8,18 @@ nvidia-ml-py's own functions, structures and error classes. `disable()` gives py
 Select them explicitly, never silently: `ZEUS_CALLBACKS_SIMULATE=a40` (or `simulate("a40")` in Python).
 Spec: comma-separated `[COUNT*]KIND[:WORKLOAD][@TRACE_FILE]` groups, KIND in a40, v100, a10g (a10), t4
 (traced) or a100, h100, h200 (modelled: the A40's traces scaled, labelled so; see `sim/specs.py`); e.g. `4*a40:imagenet/resnet50/256`, `a10g,t4`, `a40:mydata/mynet/64@/path/profile.csv`.
+Or a whole node from a saved `nvidia-smi -q` (`-a`) output: `nvidia-smi:FILE[:WORKLOAD]`, FILE a path or the
+name of a shipped dump (`shipped_dumps()`: A10, A100SXMx4, A40x10, GH200, GTX680, H100NVLx2, H100SXMx8, H200,
+L40S, RTX2000Ada, RTX3070, RTX3090, RTX4060Ti, RTX4090, RTX5090, RTX6000Ada_x8, RTX_A6000_x9, V100_x8; real
+nodes, from thamada/gls), e.g. `nvidia-smi:V100_x8`, `nvidia-smi:/path/node.txt:imagenet/resnet50/128`. NVML
+answers the dump board by board: count, names, UUIDs, PCI bus ids, each board's own power-limit range, default,
+requested (`nvmlDeviceGetPowerManagementLimit`) and enforced limit (`nvmlDeviceGetEnforcedPowerLimit`: the
+GH200's 700 W under 900 W requested), module-scope limits and draw (`NVML_POWER_SCOPE_MODULE`: field values and
+`nvmlDeviceSetPowerManagementLimit_v2`), maximum clocks, memory, persistence and MIG mode, architecture, driver
+version; what the dump says is N/A answers NOT_SUPPORTED (GTX680's power calls). Its time and power under limits
+are the nearest traced generation's (A40 for Ampere and newer, V100 up to Volta, T4 for Turing) scaled to the
+model's range, labelled e.g. "NVIDIA GeForce RTX 3070 from an nvidia-smi dump; timing modelled from A40 traces"
+(`sim/dump_node.py`). Its state keys on the dump's text, so two dumps never share one.
 Options (environment variables, or arguments of `simulate`):
 - `ZEUS_CALLBACKS_SIM_NOISE`: relative run-to-run noise of time and power (e.g. 0.02), seeded by
   `ZEUS_CALLBACKS_SIM_SEED`;
@@ -15,7 +27,7 @@ Options (environment variables, or arguments of `simulate`):
   `no_permission`, `no_cap_sys_admin` (root in a container without CAP_SYS_ADMIN: setters raise
   NO_PERMISSION), `hidden` (NVML counts the GPU, opening it raises NO_PERMISSION, CUDA does not see it),
   `empty_clocks`, `empty_memory_clocks`, `default_limit_w=W` (GeForce-like default limit below the maximum),
-  `not_supported=...`, `missing=FUNCTION` (FUNCTION_NOT_FOUND, as from an old driver's library),
+  `not_supported=power|clocks|persistence|power_draw|clock_info`, `missing=FUNCTION` (FUNCTION_NOT_FOUND, as from an old driver's library),
   `unknown=FUNCTION` (the whole call answers UNKNOWN), `lost_after=N` (NVML calls), `lost_after_changes=N`,
   `no_energy_counter`, `mig`; `@I` targets NVML index I;
 - `ZEUS_CALLBACKS_SIM_STATE_DIR`: where the GPUs' state (power limit, clocks, energy) persists across
@@ -57,6 +69,7 @@ from zeus_callbacks.sim import (
     fake_nvml,
     nvml_library,
 )
+from zeus_callbacks.sim.dump_node import shipped_dumps
 from zeus_callbacks.sim.system import (
     IDEAL_BEHAVIOURS,
     SimulatedGPU,
@@ -85,6 +98,7 @@ __all__ = [
     "load_trace",
     "shipped_trace",
     "shipped_workloads",
+    "shipped_dumps",
     "parse_spec",
     "parse_faults",
     "parse_ideal",

@@ -95,6 +95,20 @@ class DumpBoardModel:
     energy_counter: bool  # Volta and newer (nvml.h, nvmlDeviceGetTotalEnergyConsumption)
     not_supported: frozenset[str]  # `Faults.not_supported` names of what the dump says is N/A
 
+    def enforced_mw(self, requested_mw: int, module_limit_mw: int) -> int:
+        """The limit the driver enforces (nvml.h, nvmlDeviceGetEnforcedPowerLimit: "after taking into account all
+        limiters") when `requested_mw` is set: held lower by the dump's out-of-band cap, and by the share of the
+        module limit left to the GPU."""
+        limit = requested_mw
+        if self.gpu_limits is not None and self.gpu_limits.cap_mw is not None:
+            limit = min(limit, self.gpu_limits.cap_mw)
+        if self.module_limits is not None:
+            # ASSUMED: the module's draw beside the GPU (Grace CPU, memory) stays what the dump shows, so the
+            # GPU gets the rest of the module limit, no less than its own lowest limit.
+            lowest = self.gpu_limits.min_mw if self.gpu_limits else round(self.trace.min_power_limit_w * 1000)
+            limit = min(limit, max(round(module_limit_mw - self.module_other_w * 1000), lowest))
+        return limit
+
 
 @dataclass(frozen=True)
 class DumpNode:

@@ -196,7 +196,7 @@ def nvmlDeviceGetPowerUsage(handle) -> int:  # noqa: N802
     """A 1-second moving average on Ampere (except GA100, the A100) and newer boards; else the instant reading
     (nvml.h, nvmlDeviceGetPowerUsage; `GPUSpec.power_usage_averaged`)."""
     g = _gpu(handle, feature="power_draw")
-    return int(g.average_power_mw() if g.power_usage_averaged else g.power_mw())
+    return round(g.average_power_mw() if g.power_usage_averaged else g.power_mw())
 
 
 def _limit(read):  # type: ignore[no-untyped-def]
@@ -283,7 +283,7 @@ def nvmlDeviceGetFieldValues(handle, fieldIds: list) -> ctypes.Array:  # noqa: N
             v.nvmlReturn = _real.NVML_ERROR_NOT_SUPPORTED
             continue
         v.valueType = _real.NVML_VALUE_TYPE_UNSIGNED_INT
-        v.value.uiVal = int(value)
+        v.value.uiVal = round(value)
         v.nvmlReturn = _real.NVML_SUCCESS
     return values
 

@@ -156,30 +156,26 @@ class SimulatedGPU:
         """The power limit in force (mW)."""
         return int(self._state.get("power_limit_mw"))
 
-    def set_power_limit_mw(self, value: int) -> None:
-        """Change the power limit (already validated by the NVML layer)."""
+    def _change(self, **fields: float) -> None:
+        """Change settings that move the operating point (already validated by the NVML layer), the counter
+        settled first at the old one."""
         self._account_idle()
         self._changes += 1
         with self._state.lock():
-            self._state.set("power_limit_mw", value)
+            for name, value in fields.items():
+                self._state.set(name, value)
             self._state.set("version", self._state.get("version") + 1)
+
+    def set_power_limit_mw(self, value: int) -> None:
+        """Change the power limit."""
+        self._change(power_limit_mw=value)
 
     @property
     def enforced_power_limit_mw(self) -> int:
-        """The limit the driver enforces after every limiter (`nvmlDeviceGetEnforcedPowerLimit`): the requested
-        one, held lower by a dump's out-of-band cap and by the share of the module limit left to the GPU."""
+        """The limit the driver enforces after every limiter (`nvmlDeviceGetEnforcedPowerLimit`): the one set,
+        or lower on a board from a dump (`DumpBoardModel.enforced_mw`)."""
         limit = self.power_limit_mw
-        board = self.board
-        if board is None:
-            return limit
-        if board.gpu_limits is not None and board.gpu_limits.cap_mw is not None:
-            limit = min(limit, board.gpu_limits.cap_mw)
-        if board.module_limits is not None:
-            # ASSUMED: the module's draw beside the GPU (Grace CPU, memory) stays what the dump shows, so
-            # the GPU gets the rest of the module limit, no less than its own minimum.
-            share = int(self.module_limit_mw - board.module_other_w * 1000)
-            limit = min(limit, max(share, self.min_power_limit_mw))
-        return limit
+        return limit if self.board is None else self.board.enforced_mw(limit, self.module_limit_mw)
 
     @property
     def module_limit_mw(self) -> int:
@@ -187,12 +183,8 @@ class SimulatedGPU:
         return int(self._state.get("module_limit_mw"))
 
     def set_module_limit_mw(self, value: int) -> None:
-        """Change the module-scope limit (already validated by the NVML layer)."""
-        self._account_idle()
-        self._changes += 1
-        with self._state.lock():
-            self._state.set("module_limit_mw", value)
-            self._state.set("version", self._state.get("version") + 1)
+        """Change the module-scope limit."""
+        self._change(module_limit_mw=value)
 
     @property
     def persistence(self) -> bool:
@@ -211,12 +203,7 @@ class SimulatedGPU:
 
     def lock_sm_clocks(self, min_mhz: int, max_mhz: int) -> None:
         """Lock the SM clock into a range."""
-        self._account_idle()
-        self._changes += 1
-        with self._state.lock():
-            self._state.set("sm_lock_min_mhz", min_mhz)
-            self._state.set("sm_lock_max_mhz", max_mhz)
-            self._state.set("version", self._state.get("version") + 1)
+        self._change(sm_lock_min_mhz=min_mhz, sm_lock_max_mhz=max_mhz)
 
     def reset_sm_clocks(self) -> None:
         """Unlock the SM clock."""
