@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import re
 
 import pynvml
@@ -369,3 +370,22 @@ def test_a_truncated_dump_is_refused(tmp_path):
     path.write_text(text[: text.index("GPU 00000000:AE:00.0")])
     with pytest.raises(InvalidInputError, match="Attached GPUs : 2` but 1 .* truncated"):
         sim.simulate(f"nvidia-smi:{path}", virtual_clock=True)
+
+
+def test_a_relative_path_is_exported_absolute_for_processes_started_elsewhere(
+    sim_gpus, tmp_path, monkeypatch
+):
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "node.txt").write_text(_text("RTX3070"))
+    monkeypatch.chdir(tmp_path / "here")
+    node = sim_gpus("nvidia-smi:node.txt")
+    exported = dict(os.environ)
+    assert exported[sim.SIMULATE_ENV] == f"nvidia-smi:{tmp_path / 'here' / 'node.txt'}" and sim.exported(node)
+    sim.disable()
+    monkeypatch.chdir(tmp_path)
+    for name in (sim.SIMULATE_ENV, "ZEUS_CALLBACKS_SIM_STATE_DIR"):
+        monkeypatch.setenv(name, exported[name])
+    child = sim.active()  # what a process started in another directory with that environment builds
+    assert child.state_path() == node.state_path() and [g.uuid for g in child.gpus] == [
+        g.uuid for g in node.gpus
+    ]

@@ -159,7 +159,7 @@ def simulate(
     devices.reset()  # restores what this process changed on the previous node first
     nvml_library.attach(system)
     if export_env and not virtual_clock:
-        os.environ[SIMULATE_ENV] = spec
+        os.environ[SIMULATE_ENV] = system.spec  # a dump's path made absolute: children may start elsewhere
         os.environ[_NOISE_ENV] = str(noise)
         os.environ[_SEED_ENV] = str(seed)
         os.environ[_FAULTS_ENV] = faults

@@ -160,6 +160,15 @@ def _target(spec: str) -> tuple[Path, str | None]:
     )
 
 
+def canonical_spec(spec: str) -> str:
+    """`nvidia-smi:FILE[:WORKLOAD]` with FILE an absolute path, or a shipped dump's name as given, so that a
+    process started in another directory simulates the same node."""
+    path, workload = _target(spec)
+    name = path.name.removesuffix(_SUFFIX)
+    shipped = path.parent == _dump_dir() and not Path(spec.strip()[len(DUMP_PREFIX) :]).expanduser().is_file()
+    return DUMP_PREFIX + (name if shipped else str(path.resolve())) + (f":{workload}" if workload else "")
+
+
 def dump_node(spec: str) -> DumpNode:
     """The simulated boards of `nvidia-smi:FILE[:WORKLOAD]` (FILE a path or a shipped dump's name).
 

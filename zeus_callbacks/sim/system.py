@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from zeus_callbacks.core.device.backend import cuda_visible_uuids
 from zeus_callbacks.core.device.errors import InvalidInputError
-from zeus_callbacks.sim.dump_node import DumpBoardModel, DumpNode, dump_node, is_dump_spec
+from zeus_callbacks.sim.dump_node import DumpBoardModel, DumpNode, canonical_spec, dump_node, is_dump_spec
 from zeus_callbacks.sim.gpu import SimulatedGPU
 from zeus_callbacks.sim.host import VirtualClock
 from zeus_callbacks.sim.node_spec import (
@@ -84,7 +84,10 @@ class SimulatedSystem:
         self._check_numbers()
         self.clock = VirtualClock() if self.virtual_clock else None
         # A node from an nvidia-smi dump (`nvidia-smi:FILE`) answers with the dump's driver version.
-        self.dump: DumpNode | None = dump_node(self.spec) if is_dump_spec(self.spec) else None
+        self.dump: DumpNode | None = None
+        if is_dump_spec(self.spec):
+            self.spec = canonical_spec(self.spec)
+            self.dump = dump_node(self.spec)
         self.driver_version = "simulated" if self.dump is None else self.dump.dump.driver_version
         directory = self.state_path()
         boards = self._spec_boards(directory) if self.dump is None else self._dump_boards()
