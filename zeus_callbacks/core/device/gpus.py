@@ -71,6 +71,23 @@ class GPU:
                 nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
             except nvml.NVMLError:
                 self.supports_energy_counter = False
+        # Without a counter a monitor samples the power; a board that reports no power either (GTX680's dump:
+        # `Power Draw : N/A`) can only be timed.
+        self.supports_power_reading = self.supports_energy_counter or self._reads_power()
+
+    def _reads_power(self) -> bool:
+        try:
+            self.nvml.nvmlDeviceGetPowerUsage(self.handle)
+        except self.nvml.NVMLError as e:
+            if e.value != self.nvml.NVML_ERROR_NOT_SUPPORTED:
+                return True  # e.g. lost: said by whoever reads it next
+            logger.warning(
+                "%s measures no energy: it has no energy counter (before Volta) and NVML does not report its "
+                "power (nvidia-smi: Power Draw N/A); a monitor gives its time only.",
+                self.label,
+            )
+            return False
+        return True
 
     def __repr__(self) -> str:
         sim = ", simulated" if self.simulated else ""
@@ -151,38 +168,50 @@ class GPU:
                 raise nvml_error(nvml, nvml.NVMLError(v.nvmlReturn), what, self.label)
         return [int(v.value.uiVal) for v in values]
 
+    def _limit_mw(self, what: str, gpu_scope: Callable[..., Any], *fields: str) -> list[int]:
+        """A power-limit reading of the GPU scope, or of the module's `fields` where the GPU scope is N/A."""
+        if self._scope != "module":
+            try:
+                value = self._call(what, gpu_scope)
+            except GPUNotSupportedError:
+                if self.power_limit_scope != "module":  # raises where neither scope has a settable limit
+                    raise
+            else:
+                self._scope = "gpu"
+                return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+        return self._module_fields(what, *fields)
+
     def power_limit_constraints_mw(self) -> tuple[int, int]:
         """(minimum, maximum) settable power limit (mW), of the `power_limit_scope`."""
-        what = "Reading power-limit constraints"
-        if self.power_limit_scope == "module":
-            lo, hi = self._module_fields(what, _MIN_LIMIT, _MAX_LIMIT)
-        else:
-            lo, hi = self._call(what, self.nvml.nvmlDeviceGetPowerManagementLimitConstraints)
-        return int(lo), int(hi)
+        lo, hi = self._limit_mw(
+            "Reading power-limit constraints",
+            self.nvml.nvmlDeviceGetPowerManagementLimitConstraints,
+            _MIN_LIMIT,
+            _MAX_LIMIT,
+        )
+        return lo, hi
 
     def default_power_limit_mw(self) -> int:
         """The default power limit (mW), of the `power_limit_scope`."""
+        nvml = self.nvml
         what = "Reading the default power limit"
-        if self.power_limit_scope == "module":
-            return self._module_fields(what, _DEFAULT_LIMIT)[0]
-        return int(self._call(what, self.nvml.nvmlDeviceGetPowerManagementDefaultLimit))
+        return self._limit_mw(what, nvml.nvmlDeviceGetPowerManagementDefaultLimit, _DEFAULT_LIMIT)[0]
 
     def power_limit_mw(self) -> int:
         """The power limit set (mW; nvidia-smi's `Requested Power Limit`), of the `power_limit_scope`: what
         a change sets and a restore puts back."""
-        what = "Reading the power limit"
-        if self.power_limit_scope == "module":
-            return self._module_fields(what, _REQUESTED_LIMIT)[0]
-        return int(self._call(what, self.nvml.nvmlDeviceGetPowerManagementLimit))
+        nvml = self.nvml
+        return self._limit_mw(
+            "Reading the power limit", nvml.nvmlDeviceGetPowerManagementLimit, _REQUESTED_LIMIT
+        )[0]
 
     def enforced_power_limit_mw(self) -> int:
         """The power limit in force (mW; nvidia-smi's `Current Power Limit`), of the `power_limit_scope`: the
         one set, or lower where another limiter holds the board below it (a real GH200 runs at 700 W
         under a 900 W request)."""
+        nvml = self.nvml
         what = "Reading the enforced power limit"
-        if self.power_limit_scope == "module":
-            return self._module_fields(what, _CURRENT_LIMIT)[0]
-        return int(self._call(what, self.nvml.nvmlDeviceGetEnforcedPowerLimit))
+        return self._limit_mw(what, nvml.nvmlDeviceGetEnforcedPowerLimit, _CURRENT_LIMIT)[0]
 
     def set_power_limit_mw(self, value_mw: int) -> None:
         """Set the power limit (mW) of the `power_limit_scope`, recorded first so that it is restored at

@@ -209,7 +209,7 @@ class ZeusMonitor:
         self._counter = [g for g in devices if g.supports_energy_counter]
         self._counter_indices = [g.index for g in self._counter]
         self._read_counters = self.gpus.energy_reader(self._counter_indices)
-        sampled = [g for g in devices if not g.supports_energy_counter]
+        sampled = [g for g in devices if not g.supports_energy_counter and g.supports_power_reading]
         self._sampled_indices = [g.index for g in sampled]
         self._sampler = _PowerSampler(sampled, self._clock, power_sample_interval_s) if sampled else None
         # GPUs that stopped answering -> why: left out of every later window (said once each).
@@ -365,7 +365,9 @@ class ZeusMonitor:
             elif i not in self._lost:
                 self._lose(i, GPUError(self._sampler.lost[k]))
         if not energy and not self._counter_indices:
-            raise GPULostError(f"ZeusMonitor: no monitored GPU answers any more ({'; '.join(self._lost.values())})")
+            raise GPULostError(
+                f"ZeusMonitor: no monitored GPU answers any more ({'; '.join(self._lost.values())})"
+            )
 
     def _instant_power_w(self) -> dict[int, float] | None:
         try:
