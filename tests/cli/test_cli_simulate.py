@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,23 @@ def test_from_a_file_that_is_no_nvidia_smi_dump_says_what_to_give(tmp_path: Path
     for path, words in ((rocm, "rocm-smi dump (AMD GPUs)"), (empty, "is empty")):
         rc, _, err = run_cli(capsys, "--from", str(path))
         assert rc == 2 and words in err and "nvidia-smi -q > node.txt" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("module_only", [False, True])
+def test_from_the_trace_figures_are_those_of_the_limit_in_force(tmp_path: Path, capsys, module_only):
+    """GH200: 700 W in force under 900 W set; with the GPU scope N/A, the module's limit is what is set and the
+    GPU gets what the rest of the module leaves. Without noise, the trace's figures are the measured ones."""
+    text = (Path(sim.__file__).parent / "data/gpu_dumps/GH200.nvidia-smi-a.txt").read_text()
+    if module_only:
+        head, rest = text.split("    GPU Power Readings\n")
+        gpu, tail = rest.split("    GPU Memory Power Readings")
+        text = head + "    GPU Power Readings\n" + re.sub(r"(Limit\s*: )[\d.]+ W", r"\1N/A", gpu)
+        text += "    GPU Memory Power Readings" + tail
+    dump = tmp_path / "gh200.txt"
+    dump.write_text(text)
+    rc, out, err = run_cli(capsys, "--from", str(dump), "--noise", "0", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["power_limit_range_w"][1] == (1000 if module_only else 700)
+    assert r["energy_saved_pct_true"] == pytest.approx(r["energy_saved_pct_measured"], abs=0.1)
+    assert r["time_lost_pct_true"] == pytest.approx(r["time_lost_pct_measured"], abs=0.1)

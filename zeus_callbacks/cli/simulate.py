@@ -120,8 +120,9 @@ def simulate_run(args: argparse.Namespace) -> dict[str, Any]:
     top = opt.grid[0]
 
     def truth(pl: float) -> tuple[float, float]:
-        t = _WORK_S * trace.relative_time(pl)
-        return t, t * trace.power(pl)
+        in_force = _in_force_w(system.gpus[0], pl)
+        t = _WORK_S * trace.relative_time(in_force)
+        return t, t * trace.power(in_force)
 
     t_max, e_max = truth(top)
     t_opt, e_opt = truth(chosen)
@@ -168,6 +169,18 @@ def _spec(args: argparse.Namespace) -> str:
     if any(c in str(path) for c in ",@"):
         raise _Error(f"trace file name {args.trace!r} may not contain ',' or '@'")
     return f"{kind}:{args.workload or ''}@{path.resolve()}"
+
+
+def _in_force_w(gpu: Any, limit_w: float) -> float:
+    """The limit a simulated board enforces once the optimizer sets `limit_w`: the same, but on a board from a
+    dump held by its other limiters (GH200: 700 W), and set on the module where the GPU scope is N/A."""
+    board = gpu.board
+    if board is None:
+        return limit_w
+    mw = round(limit_w * 1000)
+    if board.gpu_limits is None and board.module_limits is not None:
+        return board.enforced_mw(gpu.power_limit_mw, mw) / 1000
+    return board.enforced_mw(mw, gpu.module_limit_mw) / 1000
 
 
 def _node_label(system: Any) -> str:
