@@ -68,6 +68,7 @@ def _expected(block: str) -> dict:
         "memory": int(_section(block, "FB Memory Usage", "Total").split()[0]) * 2**20,
         "persistence": int(_field(block, "Persistence Mode") == "Enabled"),
         "mig": NOT_SUPPORTED if mig == "N/A" else [int(mig == "Enabled")] * 2,
+        "idle_power": _mw(_field(block, "Power Draw", "Instantaneous Power Draw")),  # the boards were idle
     }
 
 
@@ -94,6 +95,7 @@ def _answers(h) -> dict:
         "memory": pynvml.nvmlDeviceGetMemoryInfo(h).total,
         "persistence": _ask(pynvml.nvmlDeviceGetPersistenceMode, h),
         "mig": _ask(pynvml.nvmlDeviceGetMigMode, h),
+        "idle_power": _ask(pynvml.nvmlDeviceGetPowerUsage, h),
     }
 
 

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import ctypes
 from collections import namedtuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pynvml as _real
 
 from zeus_callbacks.sim.system import SimulatedGPU, SimulatedSystem
+
+if TYPE_CHECKING:
+    from zeus_callbacks.sim.dump_node import LimitScope
 
 # Re-export NVML constants and error classes so `fake_nvml.NVMLError_NoPermission` etc. exist.
 for _name in dir(_real):
@@ -199,12 +204,15 @@ def nvmlDeviceGetPowerUsage(handle) -> int:  # noqa: N802
     return round(g.average_power_mw() if g.power_usage_averaged else g.power_mw())
 
 
-def _limit(read):  # type: ignore[no-untyped-def]
+_Field = Callable[[SimulatedGPU], "float | None"]
+
+
+def _limit(read: _Field) -> _Field:
     """A power-limit field: NOT_SUPPORTED (None) where the board's limits are (the dump's N/A, or a fault)."""
     return lambda g: None if "power" in g.faults.not_supported else read(g)
 
 
-def _draw(read):  # type: ignore[no-untyped-def]
+def _draw(read: _Field) -> _Field:
     """A power-draw field: NOT_SUPPORTED (None) where the board reads no power (the dump's `Power Draw : N/A`)."""
     return lambda g: None if "power_draw" in g.faults.not_supported else read(g)
 
@@ -244,7 +252,7 @@ def _memory_power(g: SimulatedGPU) -> float | None:
 # Module power (`NVML_POWER_SCOPE_MODULE`, nvml.h: "Metrics for the module (e.g. CPU + GPU) are retrieved";
 # "CPU here refers to NVIDIA CPU (e.g. Grace)"): answered on a board whose dump shows `Module Power Readings`
 # (GH200). Its draw is ASSUMED to be the GPU's plus the rest of the module's as the dump shows it.
-def _module(read):  # type: ignore[no-untyped-def]
+def _module(read: Callable[[SimulatedGPU, LimitScope], float]) -> _Field:
     return lambda g: (
         None if g.board is None or g.board.module_limits is None else read(g, g.board.module_limits)
     )
@@ -269,8 +277,9 @@ _FIELDS_BY_SCOPE = {
 
 
 def nvmlDeviceGetFieldValues(handle, fieldIds: list) -> ctypes.Array:  # noqa: N802, N803
-    """Power fields (mW, `value.uiVal`) of the whole GPU (and, on Hopper, the average of its memory); each other
-    field or scope answers NOT_SUPPORTED in its own `nvmlReturn`, as NVML does, while the call itself succeeds."""
+    """Power fields (mW, `value.uiVal`) of the whole GPU, of its module (a GH200-like board) and the average of
+    its memory (Hopper); each other field or scope answers NOT_SUPPORTED in its own `nvmlReturn`, as NVML does,
+    while the call itself succeeds."""
     g = _gpu(handle, call="nvmlDeviceGetFieldValues")
     values = (_real.c_nvmlFieldValue_t * len(fieldIds))()
     stamp = int(g.now() * 1e6)
