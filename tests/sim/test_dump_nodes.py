@@ -122,7 +122,10 @@ def test_nvml_answers_the_dumps_values_board_by_board(sim_gpus, name):
     system = sim_gpus(f"nvidia-smi:{name}", virtual_clock=True)
     pynvml.nvmlInit()
     try:
-        assert pynvml.nvmlSystemGetDriverVersion() == re.search(r"Driver Version\s*:\s*(\S+)", text).group(1)
+        driver = re.search(r"Driver Version\s*:\s*(\S+)", text).group(1)
+        cuda_major = re.search(r"CUDA Version\s*:\s*(\d+)", text).group(1)
+        assert pynvml.nvmlSystemGetDriverVersion() == driver
+        assert pynvml.nvmlSystemGetNVMLVersion() == f"{cuda_major}.{driver}"  # as a real library's reads
         blocks = _blocks(text)
         assert (
             pynvml.nvmlDeviceGetCount()

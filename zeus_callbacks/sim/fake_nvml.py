@@ -98,6 +98,15 @@ def nvmlSystemGetDriverVersion() -> str:  # noqa: N802
     return "simulated" if _system is None else _system.driver_version
 
 
+def nvmlSystemGetNVMLVersion() -> str:  # noqa: N802
+    """A dump's NVML version as a real library gives it, the CUDA major version and the driver's (e.g.
+    "12.550.127.05" for `CUDA Version : 12.4` and `Driver Version : 550.127.05`), else "simulated"."""
+    dump = None if _system is None or _system.dump is None else _system.dump.dump
+    if dump is None or dump.cuda_version is None:
+        return "simulated"
+    return f"{dump.cuda_version.split('.')[0]}.{dump.driver_version}"
+
+
 def nvmlDeviceGetCount() -> int:  # noqa: N802
     if not _initialized or _system is None:
         raise _err(_real.NVML_ERROR_UNINITIALIZED)

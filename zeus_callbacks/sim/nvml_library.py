@@ -263,6 +263,11 @@ def _driver_version(lib: SimulatedNVMLLibrary, buffer: Any, length: int) -> int 
     return _put_string(fake_nvml.nvmlSystemGetDriverVersion(), buffer, length)
 
 
+@_c("nvmlSystemGetNVMLVersion", _CHARS, c_uint)
+def _nvml_version(lib: SimulatedNVMLLibrary, buffer: Any, length: int) -> int | None:
+    return _put_string(fake_nvml.nvmlSystemGetNVMLVersion(), buffer, length)
+
+
 @_c("nvmlDeviceGetCount_v2", _UINT)
 def _count(lib: SimulatedNVMLLibrary, count: Any) -> None:
     _check_out(count)
