@@ -21,6 +21,7 @@ import pynvml
 
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.sim.dump import DumpBoard, NvidiaSmiDump, PowerReadings, read_nvidia_smi
+from zeus_callbacks.sim.node_spec import SPEC_INPUT
 from zeus_callbacks.sim.specs import UPDATE_TIMING, GPUSpec, spec_for
 from zeus_callbacks.sim.traces import Trace, scaled_trace, shipped_trace
 
@@ -154,15 +155,15 @@ def _target(spec: str) -> tuple[Path, str | None]:
     if path is not None:
         return path, workload.strip() or None
     raise InvalidInputError(
-        f"Simulated GPUs (ZEUS_CALLBACKS_SIMULATE, or simulate(spec)) {spec!r}: {rest!r} is neither a file nor a "
+        f"{SPEC_INPUT} {spec!r}: {rest!r} is neither a file nor a "
         f"shipped dump. Give the path of a saved `nvidia-smi -q` output, or one of: {', '.join(shipped_dumps())} "
         f"(e.g. ZEUS_CALLBACKS_SIMULATE=nvidia-smi:A10)."
     )
 
 
 def canonical_spec(spec: str) -> str:
-    """`nvidia-smi:FILE[:WORKLOAD]` with FILE an absolute path, or a shipped dump's name as given, so that a
-    process started in another directory simulates the same node."""
+    """`nvidia-smi:FILE[:WORKLOAD]` with FILE an absolute path, or a shipped dump's own name, so that a process
+    started in another directory simulates the same node."""
     path, workload = _target(spec)
     name = path.name.removesuffix(_SUFFIX)
     shipped = path.parent == _dump_dir() and not Path(spec.strip()[len(DUMP_PREFIX) :]).expanduser().is_file()
@@ -187,9 +188,7 @@ def dump_node(spec: str) -> DumpNode:
     except InvalidInputError:
         raise
     except (OSError, ValueError) as e:  # a workload the traced GPU has no trace of
-        raise InvalidInputError(
-            f"Simulated GPUs (ZEUS_CALLBACKS_SIMULATE, or simulate(spec)) {spec!r}: {e}"
-        ) from None
+        raise InvalidInputError(f"{SPEC_INPUT} {spec!r}: {e}") from None
     return DumpNode(dump, tuple(_board_model(dump, b, traces[b.name]) for b in dump.boards), workload)
 
 

@@ -58,7 +58,8 @@ class _Board(NamedTuple):
 
 @dataclass
 class SimulatedSystem:
-    """A node of simulated GPUs built from a spec string.
+    """A node of simulated GPUs built from a spec string, or from an `nvidia-smi -q` dump (`nvidia-smi:FILE`,
+    `sim/dump_node.py`: its boards in the dump's order, with the dump's UUIDs and PCI bus ids).
 
     `gpus` lists them in NVML's order, by PCI bus. Unless `device_order` is ideal, the slower models sit
     on the lower buses, so that on a mixed node NVML's order differs from CUDA's default (fastest first)
