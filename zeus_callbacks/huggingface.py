@@ -233,8 +233,8 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
         pl_step: int = 25,
         profile_path: str | Path | None = None,
         search: str = "adaptive",
-        report_path: str | Path | None = None,
         allow_raising_limit: bool = False,
+        report_path: str | Path | None = None,
     ) -> None:
         self._training = False
         self._checkpoint: Path | None = None  # the checkpoint `train()` resumes from (ZeusTrainerMixin)
@@ -260,8 +260,8 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
             pl_step,
             profile_path,
             search,
-            report_path,
             allow_raising_limit,
+            report_path,
         )
         self._session = PowerLimitSession(type(self).__name__, monitor, options)
         self._built[:] = [ref for ref in self._built if ref() is not None] + [weakref.ref(self)]

@@ -48,8 +48,8 @@ class IgnitePowerLimitOptimizer:
     def __init__(  # Zeus's arguments, in Zeus's order
         self, monitor: ZeusMonitor, optimum_selector: OptimumSelector | None = None, wait_steps: int = 1,
         warmup_steps: int = 10, profile_steps: int = 40, pl_step: int = 25, profile_path: str | Path | None = None,
-        search: str = "adaptive", report_path: str | Path | None = None, *, log_every_n_steps: int = 50,
-        allow_raising_limit: bool = False,
+        search: str = "adaptive", allow_raising_limit: bool = False, report_path: str | Path | None = None, *,
+        log_every_n_steps: int = 50,
     ) -> None:  # fmt: skip
         options = PowerLimitOptions(
             optimum_selector,
@@ -59,8 +59,8 @@ class IgnitePowerLimitOptimizer:
             pl_step,
             profile_path,
             search,
-            report_path,
             allow_raising_limit,
+            report_path,
         )
         self._session = PowerLimitSession(type(self).__name__, monitor, options)
         self._every = log_every_n_steps

@@ -232,8 +232,8 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
         pl_step: int = 25,
         profile_path: str | Path | None = None,
         search: str = "adaptive",
-        report_path: str | Path | None = None,
         allow_raising_limit: bool = False,
+        report_path: str | Path | None = None,
     ) -> None:
         super().__init__()
         options = PowerLimitOptions(
@@ -244,8 +244,8 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
             pl_step,
             profile_path,
             search,
-            report_path,
             allow_raising_limit,
+            report_path,
         )
         self._session = PowerLimitSession(type(self).__name__, monitor, options)
 

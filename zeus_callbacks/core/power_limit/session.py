@@ -72,8 +72,8 @@ class PowerLimitOptions:
     pl_step: int = 25
     profile_path: str | Path | None = None
     search: str = "adaptive"
-    report_path: str | Path | None = None
     allow_raising_limit: bool = False
+    report_path: str | Path | None = None
 
     def optimizer_arguments(self) -> dict[str, Any]:
         """The keyword arguments of `GlobalPowerLimitOptimizer` (all but `report_path`)."""
