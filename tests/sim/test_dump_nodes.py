@@ -394,3 +394,26 @@ def test_a_relative_path_is_exported_absolute_for_processes_started_elsewhere(
     assert child.state_path() == node.state_path() and [g.uuid for g in child.gpus] == [
         g.uuid for g in node.gpus
     ]
+
+
+@pytest.mark.parametrize("name", DUMPS)
+def test_sm_clocks_lock_through_nvml_and_pace_the_work(node, name):
+    """The pipeline-frequency optimizer's calls: supported clocks up to the dump's maximum, a lock at half of it
+    slows a step to about twice the maximum's time; GTX680 (`Max Clocks : N/A`) answers NOT_SUPPORTED."""
+    system = node(name)
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    if name == "GTX680":
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            pynvml.nvmlDeviceGetSupportedMemoryClocks(h)
+        return
+    memory = pynvml.nvmlDeviceGetSupportedMemoryClocks(h)
+    clocks = pynvml.nvmlDeviceGetSupportedGraphicsClocks(h, memory[0])
+    top = pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)
+    assert max(clocks) == top and memory[0] == pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)
+    gpu = system.gpus[0]
+    unlocked = gpu.busy_time(1.0)[0]  # at the limit in force, which may hold the board below its top clock
+    half = min(clocks, key=lambda f: abs(f - top / 2))
+    pynvml.nvmlDeviceSetGpuLockedClocks(h, half, half)
+    assert gpu.busy_time(1.0)[0] == pytest.approx(top / half) and top / half > unlocked
+    pynvml.nvmlDeviceResetGpuLockedClocks(h)
+    assert gpu.busy_time(1.0)[0] == unlocked
