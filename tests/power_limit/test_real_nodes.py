@@ -217,9 +217,7 @@ def test_a_board_without_a_settable_limit_says_why_in_one_line(caplog) -> None:
     assert opt.phase == "inactive" and opt.grid == []
     assert len(lines) == 1, lines
     assert "cannot act" in lines[0] and "not supported" in lines[0] and "N/A" in lines[0]
-    assert (
-        run.time == pytest.approx(ran_s) and run.gpu_energy == {}
-    )  # timed; its energy missing, not 0 J
+    assert run.time == pytest.approx(ran_s) and run.gpu_energy == {}  # timed; its energy missing, not 0 J
 
 
 # -- narrow and fractional ranges ----------------------------------------------------------------------------
@@ -285,3 +283,88 @@ def test_narrow_ranges_are_profiled_whole(dump, pl_step, grid) -> None:
     _train(opt, system)
     assert opt.grid == grid and sorted(opt.stats) == sorted(grid)
     assert opt.optimal_power_limit_w in grid
+
+
+# -- across ranks ----------------------------------------------------------------------------------------------
+def _rank(rank: int, world: int, port: int, spec: str, state_dir: str, out_dir: str) -> None:
+    """One gloo rank training on simulated GPU `rank` of a dump-built node; writes what it saw."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(OPTIMIZER_LOG).addHandler(handler)
+    logging.getLogger(OPTIMIZER_LOG).setLevel(logging.INFO)
+    sim.simulate(spec, state_dir=state_dir)
+    tdist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    gpu = get_gpus()[rank]
+    plo = GlobalPowerLimitOptimizer(
+        ZeusMonitor(gpu_indices=[rank]), Energy(), warmup_steps=1, profile_steps=6
+    )
+    limits = []
+    for _ in range(600):
+        plo.on_step_begin()
+        sim.enqueue_work(rank, 0.03)
+        tdist.all_reduce(torch.ones(10))
+        plo.on_step_end()
+        limits.append(gpu.power_limit_mw())
+        if plo.phase in ("done", "inactive"):
+            break
+    result = {"grid": plo.grid, "limits": limits, "phase": plo.phase, "said": said}
+    plo.on_train_end()
+    result["restored"] = gpu.power_limit_mw()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    tdist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_profile_the_intersection_under_the_lowest_limit_in_force(
+    tmp_path: Path, sim_state_dir
+) -> None:
+    """Two gloo ranks on V100_x8 (its GPU 0 150-300 W, GPU 1 100-300 W: V100_x8.nvidia-smi-a.txt lines 187,
+    411), GPU 1's requested limit edited to 250 W. Fails if the ranks profile different grids, if either goes
+    below 150 W (GPU 0's minimum: the range is reduced by max over ranks) or above 250 W (GPU 1's limit in
+    force: reduced by min), if rank 0 does not say the ranges differ once, or if a GPU is not given back its
+    own limit."""
+    import socket
+    import time
+
+    import torch.multiprocessing as mp
+
+    text = (DUMPS / "V100_x8.nvidia-smi-a.txt").read_text()
+    blocks = re.split(r"(?m)^(?=GPU 0000)", text)
+    blocks[2] = re.sub(r"((?:Requested )?Power Limit\s+: )300\.00 W", r"\g<1>250.00 W", blocks[2])
+    dump = tmp_path / "V100_rank1_at_250.nvidia-smi-a.txt"
+    dump.write_text("".join(blocks))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = (2, port, f"nvidia-smi:{dump}", str(sim_state_dir), str(tmp_path))
+    ctx = mp.start_processes(_rank, args=args, nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    try:
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "2 ranks did not finish within 120 s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["grid"] == r1["grid"] == [250, 225, 200, 175, 150]
+    assert r0["phase"] == r1["phase"] == "done"
+    for r in (r0, r1):
+        assert 150_000 <= min(r["limits"]) and max(r["limits"]) <= 300_000
+        assert max(r["limits"][2:]) <= 250_000  # from the first warm-up on
+    assert sum("ranges differ" in line for line in r0["said"]) == 1
+    assert not any("ranges differ" in line for line in r1["said"])
+    assert (r0["restored"], r1["restored"]) == (300_000, 250_000)
