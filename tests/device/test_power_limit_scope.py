@@ -74,7 +74,7 @@ def test_a_board_without_a_settable_limit_says_so(sim_gpus) -> None:
     not say that the board has no settable limit, or if a monitor cannot be built on it."""
     sim_gpus("nvidia-smi:GTX680", virtual_clock=True)
     g = get_gpus()[0]
-    with pytest.raises(GPUNotSupportedError, match="settable power limit is not supported on GPU 0 .* N/A"):
+    with pytest.raises(GPUNotSupportedError, match="Power-limit control is not supported on GPU 0 .* N/A"):
         g.power_limit_scope  # noqa: B018
     with pytest.raises(GPUNotSupportedError):
         g.set_power_limit_mw(100_000)

@@ -153,8 +153,8 @@ class GPU:
             except GPUError:
                 pass
         raise GPUNotSupportedError(
-            f"A settable power limit is not supported on {self.label}: NVML answers NOT_SUPPORTED for the GPU's "
-            "limit and the module has none (nvidia-smi -q: Power Limit N/A)."
+            f"Power-limit control is not supported on {self.label}: NVML answers NOT_SUPPORTED for the GPU's "
+            "limit, and its module has none (nvidia-smi -q: Power Limit N/A)."
         )
 
     def _module_fields(self, what: str, *fields: str) -> list[int]:

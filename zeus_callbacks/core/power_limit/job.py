@@ -210,7 +210,9 @@ def find_job(meter: StepMeter, membership: JobMembership, pl_step: int, allow_ra
     try:
         boards = _boards(gpus)
     except GPUError as e:  # e.g. no power-limit control on this GPU: every rank stands down below
-        logger.warning("GlobalPowerLimitOptimizer cannot act: %s Training on; energy is still measured.", e)
+        logger.warning(
+            "GlobalPowerLimitOptimizer cannot act. %s Training goes on, the GPUs left as they are.", e
+        )
         boards = []
     hashes = [_model_hash(n) for n in names]
     job_range = meter.reduce(
