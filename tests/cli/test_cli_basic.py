@@ -67,6 +67,7 @@ def test_devices_json(sim_gpus, capsys, monkeypatch):
         "simulated": True,
         "energy_counter": False,
         "power_limit_w": 200.0,
+        "requested_power_limit_w": 200.0,
         "min_power_limit_w": 100.0,
         "max_power_limit_w": 250.0,
         "default_power_limit_w": 250.0,

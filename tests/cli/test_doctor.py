@@ -83,3 +83,26 @@ def test_journal_dir_check_refuses_unsafe_directories(tmp_path):
     afile.write_text("")
     assert node_info.check_journal_dir(afile).problem == "is not a directory"
     assert stat.S_ISDIR(os.stat(good).st_mode)
+
+
+def test_doctor_and_devices_show_the_limit_in_force_below_the_one_set(sim_gpus, capsys):
+    # A real GH200 dump: 700 W in force (Current Power Limit) under 900 W set (Requested) and default.
+    sim_gpus("nvidia-smi:GH200")
+    code, report = _doctor_json(capsys)
+    (g,) = report["gpus"]
+    assert code == 0 and (g["power_limit_w"], g["requested_power_limit_w"], g["default_power_limit_w"]) == (
+        700,
+        900,
+        900,
+    )
+    assert any("700 W is in force under the 900 W set" in w for w in report["warnings"])
+    assert cli.main(["devices", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["power_limit_w"], row["requested_power_limit_w"]) == (700, 900)
+
+
+def test_doctor_says_a_board_without_counter_or_power_measures_no_energy(sim_gpus, capsys):
+    sim_gpus("nvidia-smi:GTX680")
+    _, report = _doctor_json(capsys)
+    assert any("no energy counter and no power reading" in w for w in report["warnings"])
+    assert not any("comes from sampled power" in w for w in report["warnings"])

@@ -32,7 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def describe(gpu: GPU) -> dict[str, Any]:
     """What `devices` reports about one GPU, in plain numbers (W, MHz)."""
     constraints = safe_call(gpu.power_limit_constraints_mw)
-    current = safe_call(gpu.power_limit_mw)
+    current = safe_call(
+        gpu.enforced_power_limit_mw
+    )  # in force; below the one set where another limiter holds it
+    requested = safe_call(gpu.power_limit_mw)
     default = safe_call(gpu.default_power_limit_mw)
     clocks = safe_call(gpu.supported_sm_clocks_mhz)
     # A modelled simulated board (not traced) says so; other GPUs' rows keep their keys.
@@ -45,6 +48,7 @@ def describe(gpu: GPU) -> dict[str, Any]:
         "simulated": gpu.simulated,
         "energy_counter": gpu.supports_energy_counter,
         "power_limit_w": None if current is None else current / 1000,
+        "requested_power_limit_w": None if requested is None else requested / 1000,
         "min_power_limit_w": None if constraints is None else constraints[0] / 1000,
         "max_power_limit_w": None if constraints is None else constraints[1] / 1000,
         "default_power_limit_w": None if default is None else default / 1000,
@@ -72,7 +76,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         "name",
         "kind",
         "energy counter",
-        "power limit W",
+        "power limit W (set)",
         "min-max W",
         "default W",
         "SM clock MHz",
@@ -88,7 +92,12 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 ("SIMULATED" if r["simulated"] else "real")
                 + (f" ({r['provenance']})" if r.get("provenance") else ""),
                 _fmt(r["energy_counter"]),
-                _fmt(r["power_limit_w"]),
+                _fmt(r["power_limit_w"])
+                + (
+                    ""
+                    if r["requested_power_limit_w"] in (None, r["power_limit_w"])
+                    else f" ({_fmt(r['requested_power_limit_w'])})"
+                ),
                 f"{_fmt(r['min_power_limit_w'])}-{_fmt(r['max_power_limit_w'])}",
                 _fmt(r["default_power_limit_w"]),
                 f"{_fmt(r['min_sm_clock_mhz'])}-{_fmt(r['max_sm_clock_mhz'])}",

@@ -52,7 +52,10 @@ def describe(gpu: GPU) -> dict[str, Any]:
         "energy_refresh_ms": None if period is None else round(period * 1000, 1),
         "power_average_w": _watts(call(gpu.power_mw)),
         "power_instant_w": _watts(call(instant_power_mw, gpu)),
-        "power_limit_w": _watts(call(gpu.power_limit_mw)),
+        # In force (nvidia-smi's Current Power Limit) and set (its Requested Power Limit): another limiter
+        # can hold a board below what was set (a real GH200: 700 W in force under 900 W set).
+        "power_limit_w": _watts(call(gpu.enforced_power_limit_mw)),
+        "requested_power_limit_w": _watts(call(gpu.power_limit_mw)),
         "min_power_limit_w": None if constraints is None else constraints[0] / 1000,
         "max_power_limit_w": None if constraints is None else constraints[1] / 1000,
         "default_power_limit_w": _watts(call(gpu.default_power_limit_mw)),
@@ -75,16 +78,26 @@ def _gpu_findings(g: dict[str, Any]) -> tuple[list[str], list[str]]:
         problems.append(f"{label}: power limits cannot be read; the power-limit optimizer stands down.")
     if not g["supported_sm_clocks"]:
         problems.append(f"{label}: no supported SM clocks; the pipeline-frequency optimizer stands down.")
-    if not g["energy_counter"]:
+    if not g["energy_counter"] and g["power_average_w"] is None and g["power_instant_w"] is None:
+        warnings.append(
+            f"{label}: no energy counter and no power reading; windows are timed, energy is not measured."
+        )
+    elif not g["energy_counter"]:
         warnings.append(f"{label}: no energy counter (pre-Volta); energy comes from sampled power.")
     elif g["energy_refresh_ms"] is None:
         warnings.append(f"{label}: the energy counter's refresh period could not be measured.")
     default, top = g["default_power_limit_w"], g["max_power_limit_w"]
     if default is not None and top is not None and default < top:
         warnings.append(f"{label}: default power limit {default:g} W is below the maximum {top:g} W.")
-    if g["power_limit_w"] is not None and default is not None and g["power_limit_w"] != default:
+    in_force, requested = g["power_limit_w"], g["requested_power_limit_w"]
+    if in_force is not None and requested is not None and in_force < requested:
         warnings.append(
-            f"{label}: the power limit in force ({g['power_limit_w']:g} W) differs from the default "
+            f"{label}: {in_force:g} W is in force under the {requested:g} W set: another limiter holds the board "
+            "below it; the power-limit optimizer profiles from the limit in force."
+        )
+    if requested is not None and default is not None and requested != default:
+        warnings.append(
+            f"{label}: the power limit set ({requested:g} W) differs from the default "
             f"({default:g} W); if no job of yours set it, `zeus-callbacks restore` puts back what a dead run left."
         )
     return problems, warnings
@@ -193,7 +206,8 @@ def _print_report(r: dict[str, Any]) -> None:
             f"  power: {_fmt(g['power_average_w'], ' W')} average, {_fmt(g['power_instant_w'], ' W')} instant"
         )
         print(
-            f"  power limit: {_fmt(g['power_limit_w'], ' W')} in force, {_fmt(g['min_power_limit_w'])}-"
+            f"  power limit: {_fmt(g['power_limit_w'], ' W')} in force ({_fmt(g['requested_power_limit_w'], ' W')} "
+            f"set), {_fmt(g['min_power_limit_w'])}-"
             f"{_fmt(g['max_power_limit_w'], ' W')} settable, default {_fmt(g['default_power_limit_w'], ' W')}"
         )
         print(
