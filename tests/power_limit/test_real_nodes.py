@@ -172,6 +172,23 @@ def test_the_raising_switch_is_checked(monkeypatch) -> None:
         GlobalPowerLimitOptimizer(ZeusMonitor(), allow_raising_limit="yes")
 
 
+def test_a_limit_in_force_at_the_minimum_leaves_nothing_to_choose(tmp_path: Path, caplog) -> None:
+    """A10.nvidia-smi-a.txt (100-150 W) with its limit set at 100 W (an edit): the only limit not above the one
+    in force is the minimum. Fails if the optimizer profiles anyway (today's main: 150, 125, 100 W, above the
+    site's 100 W) rather than standing down in one line."""
+    text = (DUMPS / "A10.nvidia-smi-a.txt").read_text()
+    text = re.sub(r"((?:Current|Requested) Power Limit\s+: )150\.00 W", r"\g<1>100.00 W", text)
+    dump = tmp_path / "A10_at_100.nvidia-smi-a.txt"
+    dump.write_text(text)
+    system = _node(str(dump))
+    with caplog.at_level(logging.INFO, logger="zeus_callbacks"):
+        opt = GlobalPowerLimitOptimizer(ZeusMonitor(), Energy())
+        limits = _train(opt, system, max_steps=20)
+    assert opt.phase == "inactive" and max(max(step) for step in limits) == 100_000
+    said = _optimizer_lines(caplog, "nothing to choose")
+    assert len(said) == 1 and "100 W is the only power limit not above the one in force" in said[0]
+
+
 # -- module scope, and no settable limit ------------------------------------------------------------------------
 def test_a_module_scoped_limit_is_profiled_where_the_gpu_scope_is_na() -> None:
     """GH200.nvidia-smi-a.txt lines 182-188: `Module Power Readings`, 200-1000 W, 1000.00 W in force. With its

@@ -244,10 +244,8 @@ def find_job(meter: StepMeter, membership: JobMembership, pl_step: int, allow_ra
     if lo > hi:
         raise ValueError(
             f"GlobalPowerLimitOptimizer: the job's GPUs have no power limit in common ({_ranges(boards)} on this "
-            "rank; the highest minimum is {lo:g} W, the lowest maximum {hi:g} W). Run it on GPUs whose ranges "
-            "overlap, or plan per-GPU limits with `zeus-callbacks plan` (the heterogeneous planner).".format(
-                lo=lo / 1000, hi=hi / 1000
-            )
+            f"rank; the highest minimum is {lo / 1000:g} W, the lowest maximum {hi / 1000:g} W). Run it on GPUs "
+            "whose ranges overlap, or plan per-GPU limits with `zeus-callbacks plan` (the heterogeneous planner)."
         )
     if (job_range.union_lo_mw, job_range.union_hi_mw) != (lo, hi):
         _say_ranges_differ(gpus[0].name, boards, lo, hi)
