@@ -1,0 +1,97 @@
+"""The documentation site (mkdocs.yml, docs/) builds with warnings as errors, its getting-started script chooses a
+power limit as the page says, and what it documents stays complete: every CLI verb, the generated benchmarks
+page, the licence files the packages carry."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+
+def _python_block_after(page: Path, marker: str) -> str:
+    """The first ```python block after `marker` on `page`."""
+    text = page.read_text()
+    found = re.search(re.escape(marker) + r".*?```python\n(.*?)```", text, re.S)
+    assert found, f"no python block after {marker!r} in {page}"
+    return found.group(1)
+
+
+@pytest.mark.system
+def test_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
+    """`mkdocs build --strict`: every internal link, anchor and API cross-reference resolves, every docstring
+    rendered parses. Skipped where the `docs` extra is not installed."""
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None:
+        pytest.skip("the docs extra is not installed: pip install -e '.[docs]'")
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    api = (site / "api" / "power-limit" / "index.html").read_text()
+    assert "GlobalPowerLimitOptimizer" in api and "MaxSlowdownConstraint" in api
+    assert (site / "getting-started" / "index.html").exists()
+    assert (site / "report.png").exists()
+
+
+@pytest.mark.slow
+def test_getting_started_script_chooses_a_limit(tmp_path: Path) -> None:
+    """The page's `first_run.py`, saved and run as it says, trains on a simulated A40 and chooses a limit."""
+    script = tmp_path / "first_run.py"
+    script.write_text(_python_block_after(DOCS / "getting-started.md", "Save this as `first_run.py`"))
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    chosen = re.search(r"chose (\d+) W after (\d+) profiling steps \(SIMULATED\)", proc.stdout)
+    assert chosen and 100 <= int(chosen.group(1)) <= 300, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_every_cli_verb_has_a_section() -> None:
+    """A `zeus-callbacks` verb added without its section on the CLI page fails here."""
+    from zeus_callbacks.cli import _COMMANDS
+
+    page = (DOCS / "cli.md").read_text()
+    missing = [verb for verb in _COMMANDS if f"\n## {verb}\n" not in page]
+    assert not missing, f"docs/cli.md has no section for {missing}"
+
+
+def test_benchmarks_page_is_the_generators_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/benchmarks.md is written by docs/gen_benchmarks.py from the kept runs, never edited by hand."""
+    spec = importlib.util.spec_from_file_location("gen_benchmarks", DOCS / "gen_benchmarks.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gen)  # its dataclass looks its module up there
+    spec.loader.exec_module(gen)
+    assert (DOCS / "benchmarks.md").read_text() == gen.page(), "rerun: python docs/gen_benchmarks.py page"
+
+
+def test_licence_files_go_into_the_sdist_and_the_wheel() -> None:
+    """pyproject's `license-files` names the root LICENSE (the Apache-2.0 text the shipped data carries too)
+    and NOTICE (which names every shipped data folder)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert set(project["license-files"]) >= {"LICENSE", "NOTICE"}
+    data_licence = ROOT / "zeus_callbacks" / "sim" / "data" / "LICENSE.Apache-2.0"
+    assert (ROOT / "LICENSE").read_text() == data_licence.read_text()
+    notice = (ROOT / "NOTICE").read_text()
+    for folder in [
+        "sim/data/nsdi23",
+        "sim/data/zeus_profiles",
+        "sim/data/gpu_dumps",
+        "core/heterogeneous/data/zeus2_aws",
+    ]:
+        assert f"zeus_callbacks/{folder}/" in notice, folder
