@@ -85,7 +85,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
             partial one resumes), written (by rank 0) as profiling goes.
         search: "adaptive" (default: each limit measured only as long as needed, the near-ties
             measured again), "sweep" (every limit for `profile_steps`, as Zeus) or "zeus" (the sweep,
-            and the end of an epoch interrupts the limit being profiled: back to the maximum limit, that
+            and the end of an epoch interrupts the limit being profiled: back to the highest limit, that
             limit profiled again from its warm-up in the next epoch, exactly as Zeus).
         allow_raising_limit: Let the search profile limits above the one in force when the job started, up
             to the GPUs' maximum (as Zeus does). Also allowed by `ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT=1`.
@@ -207,8 +207,8 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
 
     def on_epoch_end(self) -> None:
         """Mark the end of an epoch. Profiling carries on across epochs, except with `search="zeus"`:
-        then the limit being warmed up or profiled is dropped, the GPU goes back to the maximum limit,
-        and that limit is profiled again from its warm-up at the next step, as Zeus does (also when the
+        then the limit being warmed up or profiled is dropped, the GPU goes back to the highest limit
+        profiled, and that limit is profiled again from its warm-up at the next step, as Zeus does (also when the
         epoch ends right after the limit's last step: Zeus counts that step at the next one's beginning)."""
         phase = self._phase
         if self.search != "zeus" or not self._started or not isinstance(phase, (Warmup, Profiling)):

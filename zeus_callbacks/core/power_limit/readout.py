@@ -71,7 +71,8 @@ class PowerLimitReadout(Callback):
 
     @property
     def max_power_w(self) -> float:
-        """The job's maximum power: every GPU's maximum power limit summed (0 until known)."""
+        """The job's maximum power: the highest limit profiled (the GPUs' maximum, or the limit in force at
+        the start) times its GPUs (0 until known)."""
         return self._job.max_power_w if self._job is not None else 0.0
 
     @property
@@ -148,7 +149,7 @@ class PowerLimitReadout(Callback):
 
     def report(self) -> dict[str, Any]:
         """The profile as plain data: one row per profiled limit, the choice, and the saving against the
-        maximum limit (by the measurements; labelled `simulated` when the GPUs are). After a run that
+        highest limit profiled (the maximum, or the limit in force at the start; by the measurements; labelled `simulated` when the GPUs are). After a run that
         ended before profiling finished, `phase` is `incomplete` and `incomplete_reason` says how far it
         got and how many steps a run needs (`phase` itself is `waiting`: for the next run)."""
         out: dict[str, Any] = {
