@@ -137,6 +137,22 @@ def test_profile_power_limits_measures_each_limit_and_restores(sim_gpus, tmp_pat
         profile_power_limits(lambda: None, [400], warmup_steps=0, steps_per_window=1)
 
 
+def test_profile_power_limits_starts_at_the_limit_in_force(sim_gpus, monkeypatch):
+    # A real H100 NVL dump: 310 W in force of a 400 W maximum. The default grid never raises a site's cap
+    # (issue 36) unless ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT=1, as for the power-limit optimizer.
+    system = sim_gpus("nvidia-smi:H100NVLx2", virtual_clock=True)
+
+    def step() -> None:
+        system.run_step(0.2)
+
+    windows = profile_power_limits(step, warmup_steps=0, steps_per_window=1, pl_step=50)
+    assert [w.power_limit_w for w in windows] == [310, 260, 200]  # no point within half a step of the minimum
+    assert get_gpus()[0].power_limit_mw() == 310_000
+    monkeypatch.setenv("ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT", "1")
+    windows = profile_power_limits(step, warmup_steps=0, steps_per_window=1, pl_step=100)
+    assert [w.power_limit_w for w in windows] == [400, 300, 200]
+
+
 # -- zeus-callbacks profile ----------------------------------------------------------------------------------
 
 

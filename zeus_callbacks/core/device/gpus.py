@@ -213,6 +213,14 @@ class GPU:
         what = "Reading the enforced power limit"
         return self._limit_mw(what, nvml.nvmlDeviceGetEnforcedPowerLimit, _CURRENT_LIMIT)[0]
 
+    def starting_power_limit_mw(self) -> int:
+        """The limit in force before this process changed it (mW): the one the state guard recorded before
+        its first change, else the lower of the one set and the enforced one."""
+        recorded = state_guard.guard().recorded(self, "power_limit")
+        if recorded is not None:
+            return int(recorded)
+        return min(self.power_limit_mw(), self.enforced_power_limit_mw())
+
     def set_power_limit_mw(self, value_mw: int) -> None:
         """Set the power limit (mW) of the `power_limit_scope`, recorded first so that it is restored at
         the end."""

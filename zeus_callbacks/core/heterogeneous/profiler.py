@@ -18,7 +18,7 @@ from zeus_callbacks.core.device.power import energy_refresh_period_s
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.heterogeneous.profile_file import BatchSizeRun, PowerLimitWindow, write_run
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit.grid import power_limit_grid
+from zeus_callbacks.core.power_limit.grid import ALLOW_RAISING_ENV, power_limit_grid, raising_allowed
 
 __all__ = ["PROFILE_ENV", "PowerLimitWindow", "profile_batch_size", "profile_power_limits"]
 
@@ -136,8 +136,18 @@ def profile_power_limits(
 def _limits(gpu: GPU, power_limits: Sequence[int] | None, pl_step: int) -> list[int]:
     lo, hi = (v / 1000 for v in gpu.power_limit_constraints_mw())
     if power_limits is None:
-        # Whole watts inside a fractional range: the Zeus² profile format keeps integer limits.
-        power_limits = power_limit_grid(math.ceil(lo), math.floor(hi), pl_step)
+        # From the limit in force down (a site's cap is not raised) unless the user allows raising it, as the
+        # power-limit optimizer does. Whole watts inside a fractional range: the Zeus² format keeps integers.
+        top = hi if raising_allowed() else max(lo, min(hi, gpu.starting_power_limit_mw() / 1000))
+        if top < hi:
+            logger.info(
+                "%s: profiling from the limit in force, %g W, down (set %s=1 to profile up to %g W).",
+                gpu.label,
+                top,
+                ALLOW_RAISING_ENV,
+                hi,
+            )
+        power_limits = power_limit_grid(math.ceil(lo), math.floor(top), pl_step)
     limits = sorted({int(p) for p in power_limits}, reverse=True)
     outside = [p for p in limits if not lo <= p <= hi]
     if outside:

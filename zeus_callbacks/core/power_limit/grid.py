@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["power_limit_grid", "watts", "milliwatts"]
+import os
+
+from zeus_callbacks.core.device.errors import InvalidInputError
+
+__all__ = ["power_limit_grid", "watts", "milliwatts", "raising_allowed", "ALLOW_RAISING_ENV"]
+
+ALLOW_RAISING_ENV = "ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT"
+"""Set to 1 to let power limits above the one in force when the job started be profiled (as Zeus does)."""
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def watts(mw: int) -> float:
@@ -36,3 +44,18 @@ def power_limit_grid(min_w: float, max_w: float, step_w: int) -> list[float]:
         grid.pop()
     grid.append(lo)
     return [watts(mw) for mw in grid]
+
+
+def raising_allowed() -> bool:
+    """`ALLOW_RAISING_ENV` as a flag (unset: False).
+
+    Raises:
+        InvalidInputError: a value that is not a yes or a no.
+    """
+    text = os.environ.get(ALLOW_RAISING_ENV, "").strip().lower()
+    if text not in _TRUE + _FALSE:
+        raise InvalidInputError(
+            f"{ALLOW_RAISING_ENV}={os.environ[ALLOW_RAISING_ENV]!r} is neither 1 nor 0: set it to 1 to let the "
+            "power-limit search go above the limit in force when the job started, or unset it."
+        )
+    return text in _TRUE

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.arguments import bad_argument, require_monitor, whole_number
-from zeus_callbacks.core.device.errors import GPUError, InvalidInputError
-from zeus_callbacks.core.device.state_guard import guard, job_gpu_overlap
+from zeus_callbacks.core.device.errors import GPUError
+from zeus_callbacks.core.device.state_guard import job_gpu_overlap
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit.grid import power_limit_grid
+from zeus_callbacks.core.power_limit.grid import ALLOW_RAISING_ENV, power_limit_grid, raising_allowed
 from zeus_callbacks.core.power_limit.meter import StepMeter
 from zeus_callbacks.core.power_limit.profile_file import ProfileContext
 from zeus_callbacks.core.power_limit.ranks import JobMembership
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ALLOW_RAISING_ENV", "Options", "Option", "Job", "find_job", "profile_context"]
 
-ALLOW_RAISING_ENV = "ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT"
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 logger = logging.getLogger("zeus_callbacks.core.power_limit.optimizer")
 _T = TypeVar("_T")
@@ -88,23 +86,8 @@ class Options:
             int(pl_step),
             Path(profile_path) if profile_path is not None else None,
             search,
-            allow_raising_limit or _allowed_by_environment(),
+            allow_raising_limit or raising_allowed(),
         )
-
-
-def _allowed_by_environment() -> bool:
-    """`ALLOW_RAISING_ENV` as a flag (unset: False).
-
-    Raises:
-        InvalidInputError: a value that is not a yes or a no.
-    """
-    text = os.environ.get(ALLOW_RAISING_ENV, "").strip().lower()
-    if text not in _TRUE + _FALSE:
-        raise InvalidInputError(
-            f"{ALLOW_RAISING_ENV}={os.environ[ALLOW_RAISING_ENV]!r} is neither 1 nor 0: set it to 1 to let the "
-            "power-limit search go above the limit in force when the job started, or unset it."
-        )
-    return text in _TRUE
 
 
 class Option(Generic[_T]):
@@ -182,11 +165,7 @@ def _boards(gpus: Sequence[GPU]) -> list[_Board]:
     out = []
     for g in gpus:
         lo, hi = g.power_limit_constraints_mw()
-        recorded = guard().recorded(g, "power_limit")
-        in_force = (
-            int(recorded) if recorded is not None else min(g.power_limit_mw(), g.enforced_power_limit_mw())
-        )
-        out.append(_Board(g.index, lo, hi, in_force))
+        out.append(_Board(g.index, lo, hi, g.starting_power_limit_mw()))
     return out
 
 
