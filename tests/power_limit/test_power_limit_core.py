@@ -714,13 +714,14 @@ def test_an_imprecise_best_stays_a_contender():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_budget_caps_the_search_under_noise_that_always_looks_like_bursts(seed):
     # 30% noise and bursts on every limit: samples keep being set aside and limits measured again; the
-    # search still ends within its budget (warm-up and the least each unvisited limit needs beyond it).
+    # search still ends within its budget (warm-up and the least each unvisited limit needs beyond it),
+    # and the reference's own share of a sweep (10 + 40 steps) that it may take beyond it.
     system = vsim("a40:imagenet/resnet50/256", noise=0.3, seed=seed, bursts=True)
     opt = GlobalPowerLimitOptimizer(ZeusMonitor(), MaxSlowdownConstraint(1.1))
     drive(opt, system)
     budget = adaptive_budget_steps(len(opt.grid), 10, 40, chunk_steps(opt.stats))
     assert opt.optimal_power_limit_w is not None
-    assert opt.profiling_steps <= budget + 10
+    assert opt.profiling_steps <= budget + 10 + (10 + 40)
 
 
 @pytest.mark.parametrize(

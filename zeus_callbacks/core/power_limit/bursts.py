@@ -4,7 +4,7 @@ chunks, which chunks a measurement keeps, and what one visit tells the next (`Bu
 A limit never makes steps faster than it allows. A lasting shift of the step time within one visit
 (`level_shift`, the settling steps included) is a burst beginning or ending: the slower run is set aside.
 A visit of a limit slower all along than another visit of it, or a higher limit slower by more than 10%
-than a lower one (`slower_above`), ran inside a burst. A burst as long as a visit shifts nothing within it:
+than a lower one (`slower_above`, `slower_than_below`), ran inside a burst. A burst as long as a visit shifts nothing within it:
 the limit's time then stands out against the other limits' (`burst_suspects`), and it is visited again.
 """
 
@@ -30,6 +30,7 @@ __all__ = [
     "robust_chunks",
     "burst_lookback",
     "slower_above",
+    "slower_than_below",
     "burst_suspects",
     "BurstWatch",
     "BURST_STEPS",
@@ -239,6 +240,22 @@ def slower_above(stats: dict[int, PowerLimitStats], current: PowerLimitStats) ->
     return out
 
 
+def slower_than_below(stats: dict[int, PowerLimitStats], current: PowerLimitStats) -> int | None:
+    """A lower limit whose median step time `current`'s latest visit (a revisit, as a rule: the reference
+    measured again) is more than `_MONOTONE_SLACK` above, if any: that visit ran inside a burst
+    (`slower_above` the other way round)."""
+    own = [c.step_s for c in current.kept_chunks if c.visit == current.visits]
+    if len(own) < _SHIFT_MIN:
+        return None
+    here = float(np.median(own))
+    for pl, s in sorted(stats.items(), reverse=True):
+        lower = [c.step_s for c in s.kept_chunks]
+        if pl < current.power_limit_w and len(lower) >= _SHIFT_MIN:
+            if here > float(np.median(lower)) * (1 + _MONOTONE_SLACK):
+                return pl
+    return None
+
+
 def burst_suspects(stats: dict[int, PowerLimitStats], noise: tuple[float, float]) -> list[int]:
     """Limits measured in a single visit whose mean step time is above a lower limit's by more than
     `_SUSPECT_FLOOR` and `_Z_SUSPECT` standard errors of the difference (`noise`: `pooled_noise`), highest
@@ -335,6 +352,16 @@ class BurstWatch:
                 )
                 stats[pl].set_aside_visit(visit)
                 stats[pl].pruned = False
+        faster = slower_than_below(stats, s) if s.steps else None
+        if faster is not None and may_measure_again(s.power_limit_w):
+            logger.info(
+                "Samples at %d W (visit %d) set aside: slower than at %d W.",
+                s.power_limit_w,
+                s.visits,
+                faster,
+            )
+            s.set_aside_visit(s.visits)
+            s.pruned = False
         self.open = goes_on
         self.visit_began_inside = False
         self.timeline.append((s.power_limit_w, s.visits))

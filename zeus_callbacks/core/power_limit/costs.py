@@ -21,6 +21,7 @@ __all__ = [
     "score",
     "bounds",
     "uses_reference",
+    "needs_reference",
     "Z",
     "PRECISION",
 ]
@@ -39,6 +40,9 @@ _Z_CHOICE = 1.75
 # Slowdowns at which a selector is asked whether the reference time changes its cost (1.01x to about 4x):
 # a bound changes the cost only near it.
 _SLOWDOWN_PROBES = 1.0 + 0.01 * 1.1 ** np.arange(60)
+# Slowdowns (1.01x to about 900x, 10% apart) at which `needs_reference` asks whether a 25% longer reference
+# time changes a cost: no bound between them is missed.
+_ANY_SLOWDOWN = 1.0 + 0.01 * 1.1 ** np.arange(120)
 
 
 def score(selector: OptimumSelector, t: float, e: float, max_power_w: float, ref_time: float) -> float:
@@ -177,14 +181,30 @@ def _reference_decides(
     )
 
 
-def uses_reference(selector: OptimumSelector, s: PowerLimitStats, max_power_w: float) -> bool:
-    """Whether the selector's cost depends on the reference time (a slowdown bound does), probed at
-    `_SLOWDOWN_PROBES` with the reference 5% longer."""
+def uses_reference(
+    selector: OptimumSelector,
+    s: PowerLimitStats,
+    max_power_w: float,
+    probes: np.ndarray = _SLOWDOWN_PROBES,
+    longer: float = 1.05,
+) -> bool:
+    """Whether the selector's cost near `s` depends on the reference time (a slowdown bound does), probed
+    at slowdowns `probes` of `s`'s time with the reference `longer` times as long."""
     t, e = s.mean_time_s, s.mean_energy_j
-    times, energies = _SLOWDOWN_PROBES * t, np.full(len(_SLOWDOWN_PROBES), e)
+    times, energies = probes * t, np.full(len(probes), e)
     return bool(
         np.any(
             selector.score(times, energies, max_power_w, t)
-            != selector.score(times, energies, max_power_w, 1.05 * t)
+            != selector.score(times, energies, max_power_w, longer * t)
         )
     )
+
+
+def needs_reference(selector: OptimumSelector, max_power_w: float) -> bool:
+    """Whether the selector's choice depends on the reference's time at all: a slowdown bound's does (at
+    any factor up to about 900x: `_ANY_SLOWDOWN`), a selector with only Zeus's `select` is taken to (Zeus
+    judges slowdowns against the highest limit measured), `Time`, `Energy` and `ZeusCost` do not."""
+    if not selector.has_score():
+        return True
+    unit = PowerLimitStats(-1, 1, 1.0, 1.0, 1.0, 1.0, samples=1)
+    return uses_reference(selector, unit, max_power_w, _ANY_SLOWDOWN, 1.25)

@@ -67,6 +67,12 @@ from typing import Any
 
 import numpy as np
 
+from zeus_callbacks.core.power_limit.budget import (
+    adaptive_budget_steps,
+    min_measured_steps,
+    settle_steps,
+    spent_steps,
+)
 from zeus_callbacks.core.power_limit.bursts import MAX_VISITS, BurstWatch, burst_suspects
 from zeus_callbacks.core.power_limit.chunk import Chunk
 from zeus_callbacks.core.power_limit.costs import (
@@ -76,11 +82,13 @@ from zeus_callbacks.core.power_limit.costs import (
     bounds,
     clearly_worse,
     contenders,
+    needs_reference,
     uses_reference,
     valid,
 )
 from zeus_callbacks.core.power_limit.estimates import PowerLimitStats, chunk_steps, pooled_noise, rses
 from zeus_callbacks.core.power_limit.grid import power_limit_grid
+from zeus_callbacks.core.power_limit.reference import REFERENCE_VISITS, reference_lost, saving
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector, select_power_limit
 
 __all__ = [
@@ -157,9 +165,12 @@ class Search:
         (`verdict`). The adaptive search then refines: while the `contenders` are unsettled and the
         budget (`adaptive_budget_steps`) allows a settling and `min_measured_steps` more, it revisits
         first a limit whose every visit ran inside a burst, then a `burst_suspects`, then the contender
-        with the fewest steps among those below `profile_steps`.
+        with the fewest steps among those below `profile_steps`. Before all of these, and whatever the
+        budget, the reference (`grid[0]`) once it lost every sample to bursts (`REFERENCE_VISITS`).
         """
         stats, grid = self.stats, self.grid
+        if self._reference_to_measure_again():
+            return grid[0]
         unvisited = next((pl for pl in grid if pl not in stats), None)
         if unvisited is not None or self.by_steps or not stats:
             return unvisited
@@ -218,15 +229,24 @@ class Search:
 
     def verdict(self, current: PowerLimitStats, samples_done: int) -> str:
         """After a sample of `current`: `more`, `pruned` or `measured` (`measurement_verdict`, within the
-        budget; a visit that began inside a burst goes on until it is seen to end)."""
+        budget; a visit that began inside a burst goes on until it is seen to end; a visit of the reference
+        goes on, whatever the budget, until it has `min_measured_steps` samples and a valid one)."""
         if self.by_steps:
             verdict = "measured" if current.spent_steps >= self.profile_steps else "more"
         else:
             # The budget is a hard cap on the whole search, whatever the noise: what is left of it, less
             # the least the limits not yet visited need.
             left = self.budget_left_steps(current) - self._unvisited_need_steps(current)
-            if left > 0 and self.bursts.waits_for_end(current):
+            is_reference = current.power_limit_w == self.grid[0]
+            reference_left = self.budget_left_steps(current, True) if is_reference else 0
+            if (left > 0 or reference_left > 0) and self.bursts.waits_for_end(current):
                 verdict = "more"
+            elif reference_left > 0 and (
+                not current.steps or current.visit_samples(current.visits) < self.min_steps
+            ):
+                verdict = "more"  # beyond the budget if need be: the reference has a valid measurement
+            elif is_reference and reference_left <= 0:
+                verdict = "measured"  # its own budget spent too
             else:
                 verdict = self.measurement_verdict(current, left)
         if verdict == "more" and samples_done >= 4 * self.profile_steps:
@@ -235,7 +255,13 @@ class Search:
 
     def end_visit(self, current: PowerLimitStats, verdict: str, samples_done: int) -> None:
         """Keep a finished visit's measurement (pruned, or empty: skipped) and what it says of bursts."""
-        if not current.steps:
+        if not current.steps and current.power_limit_w == self.grid[0]:
+            logger.info(
+                "No valid measurement at %d W, the reference, after visit %d.",
+                current.power_limit_w,
+                current.visits,
+            )
+        elif not current.steps:
             logger.warning(
                 "No valid measurement at %d W in %d samples (%s); skipping it.",
                 current.power_limit_w,
@@ -248,6 +274,10 @@ class Search:
         self.stats[current.power_limit_w] = current
         if not self.by_steps:
             self.bursts.end_visit(current, self.stats, lambda pl: self._may_measure_again(pl, current))
+        if self._stand_in_reference():
+            # Pruned against a reference now set aside as burst-ridden: judged again once it is measured.
+            for s in self.stats.values():
+                s.pruned = not s.steps
 
     def measurement_verdict(self, current: PowerLimitStats, budget_left_steps: float = math.inf) -> str:
         """Whether the adaptive search keeps measuring `current`: `more`, `pruned` (clearly worse than the
@@ -274,6 +304,7 @@ class Search:
         if (
             not revisit
             and best is not None
+            and not self._stand_in_reference()
             and clearly_worse(current, self.stats[best], sel, max_power_w, ref, noise)
         ):
             return "pruned"
@@ -300,12 +331,15 @@ class Search:
         return "more"
 
     # -- the budget ---------------------------------------------------------------------------------------
-    def budget_left_steps(self, current: PowerLimitStats) -> int:
-        """Steps the adaptive search may still spend (`adaptive_budget_steps`), `current` counted."""
-        stats = {**self.stats, current.power_limit_w: current}
-        budget = adaptive_budget_steps(
-            len(self.grid), self.warmup_steps, self.profile_steps, chunk_steps(stats)
-        )
+    def budget_left_steps(self, current: PowerLimitStats | None = None, reference: bool = False) -> int:
+        """Steps the adaptive search may still spend (`adaptive_budget_steps`), `current` counted; with
+        `reference`, what the reference may still take: one limit's share of a sweep more (`warmup_steps`
+        and `profile_steps` samples), so that it is measured however bursts fell, within a bound."""
+        stats = self.stats if current is None else {**self.stats, current.power_limit_w: current}
+        per = chunk_steps(stats)
+        budget = adaptive_budget_steps(len(self.grid), self.warmup_steps, self.profile_steps, per)
+        if reference:
+            budget += int(self.warmup_steps + self.profile_steps * per)
         return budget - (spent_steps(stats, self.warmup_steps) - self.spent_before)
 
     def _unvisited_need_steps(self, current: PowerLimitStats) -> float:
@@ -318,8 +352,28 @@ class Search:
     def _may_measure_again(self, power_limit_w: int, current: PowerLimitStats) -> bool:
         """Whether a limit's visit may still be set aside and measured again: not once the limit has had
         `MAX_VISITS` visits or the search's budget is spent (noise that keeps looking like bursts, e.g. the
-        host's own on ms-long steps, must not keep profiling going for ever)."""
+        host's own on ms-long steps, must not keep profiling going for ever); the reference, until it has
+        had `REFERENCE_VISITS` or its own budget is spent (`budget_left_steps`)."""
+        if power_limit_w == self.grid[0]:
+            visits = self.stats[power_limit_w].visits
+            return visits < REFERENCE_VISITS and self.budget_left_steps(current, True) > 0
         return self.stats[power_limit_w].visits < MAX_VISITS and self.budget_left_steps(current) > 0
+
+    def _reference_to_measure_again(self) -> bool:
+        """Whether the reference lost every sample to bursts and may be visited again: under
+        `REFERENCE_VISITS` visits, and its budget (`budget_left_steps`) allows a settling and
+        `min_measured_steps` samples."""
+        ref = self.stats.get(self.grid[0]) if self.grid else None
+        if ref is None or ref.steps or not ref.dropped_steps or ref.visits >= REFERENCE_VISITS:
+            return False
+        per = chunk_steps(self.stats)
+        need = settle_steps(self.warmup_steps, per) + self.min_steps * per
+        return self.budget_left_steps(reference=True) >= need
+
+    def _stand_in_reference(self) -> bool:
+        """Whether the selector's costs rest on a stand-in for the reference (it lost every sample, and the
+        selector `needs_reference`): nothing is pruned against one."""
+        return reference_lost(self.stats, self.grid) and needs_reference(self.selector, self.max_power_w)
 
     def steps_needed(self) -> int:
         """Steps a run needs for the search to finish from the start: a sweep's `warmup_steps +
@@ -369,8 +423,25 @@ class Search:
         self.stats = stats
 
     def choose(self) -> int:
-        """The selector's choice (`choose_power_limit`). Raises ValueError when nothing was measured."""
-        return choose_power_limit(self.stats, self.selector, self.max_power_w, self.profile_steps)
+        """The selector's choice (`choose_power_limit`), against the reference. Without a valid measurement
+        of the reference, a selector that `needs_reference` does not decide: the reference limit is kept
+        (logged). Raises ValueError when nothing was measured."""
+        ref = self.grid[0]
+        if self.stats.get(ref) is None or not self.stats[ref].steps:
+            needs = needs_reference(self.selector, self.max_power_w)
+            if needs and valid(self.stats):
+                visits = self.stats[ref].visits if ref in self.stats else 0
+                logger.warning(
+                    "GlobalPowerLimitOptimizer: the reference limit %d W has no valid measurement (%d visits, "
+                    "every sample set aside as slowed by a burst or none read); %r judges every other limit "
+                    "against it, so %d W is kept rather than a limit judged against another.",
+                    ref,
+                    visits,
+                    self.selector,
+                    ref,
+                )
+                return ref
+        return choose_power_limit(self.stats, self.selector, self.max_power_w, self.profile_steps, ref)
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per measured limit, highest first: mean step time and energy, cost, steps, pruned."""
@@ -406,58 +477,27 @@ class Search:
             )
         return rows
 
-    def saving(self, power_limit_w: int | None) -> dict[str, float]:
-        """`energy_saved_pct` and `time_lost_pct` of `power_limit_w` against the maximum limit, by the
-        measurements (empty when either is not measured)."""
-        ref = self.stats.get(self.grid[0]) if self.grid else None
-        best = self.stats.get(power_limit_w or -1)
-        if ref is None or not ref.steps or best is None or not best.steps:
-            return {}
-        return {
-            "energy_saved_pct": 100 * (1 - best.mean_energy_j / ref.mean_energy_j),
-            "time_lost_pct": 100 * (best.mean_time_s / ref.mean_time_s - 1),
-        }
-
-
-def min_measured_steps(profile_steps: int) -> int:
-    """Samples every limit of the adaptive search is measured before it may stop (3 at least, so that
-    a stalled one can be told from the others)."""
-    return min(profile_steps, max(3, -(-profile_steps // 8)))
-
-
-def adaptive_budget_steps(
-    num_limits: int, warmup_steps: int, profile_steps: int, per_sample: float = 1.0
-) -> int:
-    """Steps (warm-up included) past which the adaptive search does not refine: 3/4 of a sweep's, a
-    sweep measuring `profile_steps` samples of `per_sample` steps (`chunk_steps`) at each limit."""
-    return int(num_limits * (warmup_steps + profile_steps * max(1.0, per_sample)) * 3 // 4)
-
-
-def settle_steps(warmup_steps: int, per_sample: float = 1.0) -> int:
-    """Unmeasured steps the adaptive search runs at a limit after the first it profiles in a run.
-
-    A power limit takes effect within milliseconds; what lags is the energy counter (up to one refresh),
-    so a visit skips one sample's worth of steps (`chunk_steps`), never more than `warmup_steps`. The
-    first limit of a run gets all `warmup_steps`: that is where the job itself warms up.
-    """
-    return min(warmup_steps, max(1, math.ceil(per_sample - 1e-9)))
-
-
-def spent_steps(stats: dict[int, PowerLimitStats], warmup_steps: int) -> int:
-    """Steps the search has spent on `stats` so far: each visit's warm-up (`warmup_steps` a visit where
-    the limit does not say) and every measured step."""
-    return sum(
-        s.spent_steps + (s.warmed_steps if s.warmed_steps >= 0 else warmup_steps * s.visits)
-        for s in stats.values()
-    )
+    def saving(self, power_limit_w: int | None) -> dict[str, Any]:
+        """What `power_limit_w` saves and costs against the reference (`reference.saving`)."""
+        return saving(self.stats, self.grid, power_limit_w)
 
 
 def choose_power_limit(
-    stats: dict[int, PowerLimitStats], selector: OptimumSelector, max_power_w: float, steps: int
+    stats: dict[int, PowerLimitStats],
+    selector: OptimumSelector,
+    max_power_w: float,
+    steps: int,
+    reference_w: int | None = None,
 ) -> int:
-    """The selector's choice among the measured limits that were not pruned (highest limit first, as
-    Zeus lists them; a Zeus-style `select(measurements)` gets only the measurements)."""
-    full = [s.measurement(steps) for s in sorted(valid(stats), key=lambda s: -s.power_limit_w)]
+    """The selector's choice among the measured limits that were not pruned, and the reference
+    (`reference_w`, pruned or not, when measured: `select` judges slowdowns against the highest limit it
+    is given). Highest limit first, as Zeus lists them; a Zeus-style `select(measurements)` gets only the
+    measurements."""
+    chosen = valid(stats)
+    ref = stats.get(reference_w) if reference_w is not None else None
+    if ref is not None and ref.steps and ref not in chosen:
+        chosen.append(ref)
+    full = [s.measurement(steps) for s in sorted(chosen, key=lambda s: -s.power_limit_w)]
     if not full:
         raise ValueError("No power limit has a valid measurement to choose from.")
     return select_power_limit(selector, full, max_power_w)

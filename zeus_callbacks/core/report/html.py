@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import asdict
 from datetime import datetime, timezone
 from html import escape
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 from zeus_callbacks.core.report.pipeline_figure import pipeline_section
 from zeus_callbacks.core.report.records import PowerLimitSummary, RankRecord, StepSpan
 from zeus_callbacks.core.report.run_record import load_run
+from zeus_callbacks.core.report.saving import saving_text
 from zeus_callbacks.core.report.svg import PALETTE, Chart, Series, color_scale, fmt, sim_tag
 from zeus_callbacks.version import __version__
 
@@ -380,12 +382,7 @@ def _power_limit(pl: PowerLimitSummary | None, records: list[RankRecord], sim: b
         choice = f"No limit chosen (phase {escape(pl.phase)}{': ' + escape(pl.reason) if pl.reason else ''})."
     else:
         choice = f"Chosen: <b>{chosen} W</b>{'' if pl.applied else ' (not applied)'}"
-        if pl.energy_saved_pct is not None and pl.time_lost_pct is not None:
-            e, t = pl.energy_saved_pct, pl.time_lost_pct
-            choice += (
-                f": {abs(e):.1f}% {'less' if e >= 0 else 'more'} energy and {abs(t):.1f}% "
-                f"{'more' if t >= 0 else 'less'} time per step than at the maximum limit"
-            )
+        choice += f": {escape(saving_text(asdict(pl)))}"
         choice += f"{sim_tag(sim)}."
     note = (
         f"<p>{choice} Selector {escape(pl.selector)}, search {escape(pl.search)}; profiling took "

@@ -99,8 +99,12 @@ class PowerLimitSummary:
     profiling_steps: int
     profiling_energy_j: float
     energy_saved_pct: float | None = None
-    time_lost_pct: float | None = None
+    time_lost_pct: float | None = None  # never negative (older records: the measured figure)
     reason: str | None = None
+    reference_power_limit_w: int | None = None  # what the saving is against (the grid's first limit)
+    energy_saved_margin_pct: float | None = None
+    time_lost_measured_pct: float | None = None  # negative when the steps measured faster
+    time_lost_margin_pct: float | None = None
 
 
 @dataclass(frozen=True)

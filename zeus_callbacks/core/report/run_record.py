@@ -315,6 +315,10 @@ def power_limit_summary(report: dict[str, Any]) -> PowerLimitSummary:
         energy_saved_pct=_finite_or_none(report.get("energy_saved_pct")),
         time_lost_pct=_finite_or_none(report.get("time_lost_pct")),
         reason=report.get("inactive_reason") or report.get("incomplete_reason"),
+        reference_power_limit_w=report.get("reference_power_limit_w"),
+        energy_saved_margin_pct=_finite_or_none(report.get("energy_saved_margin_pct")),
+        time_lost_measured_pct=_finite_or_none(report.get("time_lost_measured_pct")),
+        time_lost_margin_pct=_finite_or_none(report.get("time_lost_margin_pct")),
     )
 
 
