@@ -3,6 +3,8 @@ process on the simulated node sees the same GPU, as with a real one."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import mmap
 import os
@@ -71,13 +73,16 @@ class GPUState:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             fresh = os.fstat(fd).st_size < _SIZE
-            if fresh:
-                os.ftruncate(fd, _SIZE)
+            _allocate(fd, path)
             self._buf = mmap.mmap(fd, _SIZE)
             if fresh:
                 self._write_all(initial)
+        except BaseException:
+            os.close(fd)
+            raise
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
         self._fd = fd
 
     def _write_all(self, values: dict[str, float]) -> None:
@@ -91,6 +96,21 @@ class GPUState:
 
     def lock(self) -> _Lock:
         return _Lock(self._fd)
+
+
+def _allocate(fd: int, path: Path) -> None:
+    """Give the state file its blocks before it is mapped: a store into a page of a mapped file that the
+    file system cannot back (a full disk, a quota) kills the process with SIGBUS (mmap(2), "SIGBUS"), while
+    `posix_fallocate` says so as an error. Blocks already allocated (a file made earlier) cost nothing."""
+    try:
+        os.posix_fallocate(fd, 0, _SIZE)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise InvalidInputError(
+                f"Simulated GPU state {path}: cannot allocate its {_SIZE} bytes ({e.strerror}). Free space "
+                "there, or set ZEUS_CALLBACKS_SIM_STATE_DIR to a directory with free space."
+            ) from None
+        os.ftruncate(fd, max(_SIZE, os.fstat(fd).st_size))  # no fallocate here: as before, unreserved
 
 
 class _Lock:

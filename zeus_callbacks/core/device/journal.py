@@ -19,6 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from zeus_callbacks.core import files
+from zeus_callbacks.core.files import UnsafePathError, open_directory
+
 __all__ = [
     "JOURNAL_ENV",
     "UntrustedJournalError",
@@ -41,7 +44,7 @@ _ROUTE_FIELDS = frozenset({"route", "zeusd", "unconfirmed"})  # unconfirmed: a z
 _LOCK_NAME = ".lock"
 
 
-class UntrustedJournalError(OSError):
+class UntrustedJournalError(UnsafePathError):
     """A journal directory or file that another user could have written (or a symbolic link)."""
 
 
@@ -90,8 +93,10 @@ def _check_dir(path: Path) -> None:
 
 
 def _check_ancestors(path: Path) -> None:
-    # Whoever may rename entries of a parent may swap the journal directory: each ancestor must be ours or
-    # root's, and writable by others only with the sticky bit (as /tmp is).
+    # Whoever may rename entries of a parent may swap the journal directory: no link another user owns is
+    # followed on the way to it (`files.open_directory`), and each ancestor must be ours or root's, and
+    # writable by others only with the sticky bit (as /tmp is).
+    os.close(open_directory(path))
     for parent in Path(os.path.realpath(path)).parents:
         st = os.stat(parent)
         if not _owner_ok(st) or (st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX):
@@ -128,9 +133,9 @@ def ensure_trusted_dir(path: Path) -> None:
     Raises:
         OSError: it cannot be created, is not a directory, or is not trusted (`UntrustedJournalError`).
     """
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except FileExistsError:
+    try:  # never through another user's link (`files.open_directory`)
+        os.close(open_directory(path, create=True, mode=0o700))
+    except NotADirectoryError:
         pass  # a file where the directory should be: reported by the check below
     _check_dir(path)
     _check_ancestors(path)
@@ -161,7 +166,13 @@ def open_trusted_file(path: Path, flags: int, mode: int = 0o600) -> int:
         OSError: it cannot be opened, or may not be trusted (`UntrustedJournalError`; a symbolic link: ELOOP).
     """
     ensure_trusted_dir(path.parent)
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    dir_fd = open_directory(path.parent)
+    try:
+        fd = os.open(path.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        raise type(e)(e.errno, e.strerror, str(path)) from None
+    finally:
+        os.close(dir_fd)
     try:
         check_trusted_file(fd, path)
     except BaseException:
@@ -171,23 +182,13 @@ def open_trusted_file(path: Path, flags: int, mode: int = 0o600) -> int:
 
 
 def write_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write `data` as JSON to `path` by an atomic replace (readers see the old file or the new, whole).
+    """Write `data` as JSON to `path` by an atomic replace (readers see the old file or the new, whole;
+    `files.write_atomic`).
 
     Raises:
         OSError: the directory is not writable, the disk is full, ...
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    files.write_atomic(path, json.dumps(data))
 
 
 def read_journal(path: Path) -> dict[str, Any]:
@@ -197,7 +198,11 @@ def read_journal(path: Path) -> dict[str, Any]:
         OSError: unreadable, a symbolic link, or not trusted (`UntrustedJournalError`).
         ValueError: not a journal (malformed JSON or fields).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    dir_fd = open_directory(path.parent)
+    try:  # never through a link, and never waiting on a FIFO planted in its name
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
     with os.fdopen(fd) as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise ValueError("not a regular file")
@@ -217,7 +222,11 @@ def read_journal(path: Path) -> dict[str, Any]:
 @contextlib.contextmanager
 def directory_lock(directory: Path) -> Iterator[None]:
     """Hold the directory's lock: one process at a time reads, repairs and rewrites others' journals."""
-    fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    dir_fd = open_directory(directory)
+    try:
+        fd = os.open(_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from zeus_callbacks.core.device.errors import InvalidInputError
+from zeus_callbacks.core.files import ForeignFileError, read_regular, write_atomic
 from zeus_callbacks.version import __version__
 
 __all__ = [
@@ -104,16 +105,14 @@ class BatchSizeRun:
 
 def write_run(path: str | os.PathLike[str], run: BatchSizeRun) -> None:
     """Write one batch size's run as JSON (read back by `read_run`)."""
-    data = asdict(run)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2))
+    write_atomic(path, json.dumps(asdict(run), indent=2))
 
 
 def read_run(path: str | os.PathLike[str]) -> BatchSizeRun | None:
     """The run written by `write_run` at `path`; None when the script wrote none."""
     if not Path(path).is_file():
         return None
-    data = json.loads(Path(path).read_text())
+    data = json.loads(read_regular(path, chooses="a batch size and power limit"))
     windows = tuple(PowerLimitWindow(**w) for w in data.pop("windows"))
     return BatchSizeRun(**data, windows=windows)
 
@@ -173,9 +172,13 @@ def build_profile(
 
 
 def write_profile(path: str | os.PathLike[str], profile: Mapping[str, Any]) -> None:
-    """Write a profile built by `build_profile` (read back by `load_profile`)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(profile, indent=2))
+    """Write a profile built by `build_profile` (read back by `load_profile`), atomically; others may read
+    it (mode 644 less the umask), to plan from a copy of their own.
+
+    Raises:
+        OSError: it cannot be written.
+    """
+    write_atomic(path, json.dumps(profile, indent=2), mode=0o644)
 
 
 @dataclass(frozen=True, eq=False)
@@ -333,7 +336,10 @@ def load_profile(path_or_name: str | os.PathLike[str]) -> GPUProfile:
     name = str(path_or_name)
     if path.is_file():
         try:
-            text, source, default_name = path.read_text(), str(path), path.stem.removeprefix("cifar_")
+            text = read_regular(path, chooses="a batch size and power limit").decode()
+            source, default_name = str(path), path.stem.removeprefix("cifar_")
+        except ForeignFileError as e:
+            raise InvalidInputError(f"profile {path} {e.strerror}.") from None
         except UnicodeDecodeError:
             raise InvalidInputError(
                 f"profile {path}: not a text file; expected a Zeus² profile JSON."

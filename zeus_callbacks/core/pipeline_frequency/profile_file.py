@@ -16,6 +16,7 @@ the step's time outside the DAG. A profile without that file has no delays (all 
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from zeus_callbacks.core.device.errors import InvalidInputError
+from zeus_callbacks.core.files import ForeignFileError, read_regular, write_atomic
 
 __all__ = [
     "PROFILE_COLUMNS",
@@ -85,26 +87,38 @@ def read_profile(path: str | Path, num_stages: int | None = None) -> list[Profil
     path = Path(path)
     rows: list[ProfileRow] = []
     seen: set[tuple[Any, ...]] = set()
-    with path.open(newline="", encoding="utf-8-sig") as f:
-        try:
-            for line, fields in _csv_lines(path, f):
-                row = _parse_row(path, line, fields)
-                key = (*row.key, row.frequency_mhz)
-                if key in seen:
-                    chunk = "" if row.virtual_stage is None else f" of virtual stage {row.virtual_stage}"
-                    raise InvalidInputError(
-                        f"{path}:{line}: stage {row.stage} {row.instruction}{chunk} at {row.frequency_mhz} MHz "
-                        "appears twice."
-                    )
-                seen.add(key)
-                rows.append(row)
-        except UnicodeDecodeError:
-            raise InvalidInputError(f"{path}: not a text file (not UTF-8); {_EXPECTED}") from None
+    try:
+        text = _read_text(path)
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"{path}: not a text file (not UTF-8); {_EXPECTED}") from None
+    for line, fields in _csv_lines(path, io.StringIO(text, newline="")):
+        row = _parse_row(path, line, fields)
+        key = (*row.key, row.frequency_mhz)
+        if key in seen:
+            chunk = "" if row.virtual_stage is None else f" of virtual stage {row.virtual_stage}"
+            raise InvalidInputError(
+                f"{path}:{line}: stage {row.stage} {row.instruction}{chunk} at {row.frequency_mhz} MHz "
+                "appears twice."
+            )
+        seen.add(key)
+        rows.append(row)
     _check_stages(path, {(r.stage, r.instruction) for r in rows}, num_stages)
     return rows
 
 
 _EXPECTED = f"pass a Perseus profile CSV with the header {','.join(PROFILE_COLUMNS)}."
+
+
+def _read_text(path: Path) -> str:
+    """The file's text; a file of another user is refused, as it chooses clocks (`files.read_regular`).
+
+    Raises:
+        InvalidInputError: another user's file. OSError: unreadable. UnicodeDecodeError: not UTF-8.
+    """
+    try:
+        return read_regular(path, chooses="the GPUs' clocks").decode("utf-8-sig")
+    except ForeignFileError as e:
+        raise InvalidInputError(f"{e.filename}: {e.strerror}.") from None
 
 
 def _text_lines(path: Path, f: Iterable[str]) -> Iterator[str]:
@@ -141,10 +155,12 @@ def _csv_lines(path: Path, f: Iterable[str]) -> Iterator[tuple[int, dict[str, st
 def write_profile(path: str | Path, rows: Iterable[ProfileRow]) -> None:
     """Write rows as a profile CSV (by stage, forward before backward, then decreasing frequency).
 
-    The parent folder is created; the file is replaced at once, so a reader never sees half of it.
+    The parent folder is created; the file is replaced at once, so a reader never sees half of it
+    (`files.write_atomic`).
+
+    Raises:
+        OSError: it cannot be written (the last complete file is kept).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     order = {kind: i for i, kind in enumerate(INSTRUCTIONS)}
     ordered = sorted(
         rows,
@@ -157,16 +173,15 @@ def write_profile(path: str | Path, rows: Iterable[ProfileRow]) -> None:
         ),
     )
     per_chunk = any(r.virtual_stage is not None for r in ordered)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow((*PROFILE_COLUMNS, VIRTUAL_STAGE_COLUMN) if per_chunk else PROFILE_COLUMNS)
-        for r in ordered:
-            fields = [r.stage, r.instruction, r.frequency_mhz, repr(float(r.time_s)), repr(float(r.energy_j))]
-            writer.writerow(
-                [*fields, "" if r.virtual_stage is None else r.virtual_stage] if per_chunk else fields
-            )
-    tmp.replace(path)
+    f = io.StringIO(newline="")
+    writer = csv.writer(f)
+    writer.writerow((*PROFILE_COLUMNS, VIRTUAL_STAGE_COLUMN) if per_chunk else PROFILE_COLUMNS)
+    for r in ordered:
+        fields = [r.stage, r.instruction, r.frequency_mhz, repr(float(r.time_s)), repr(float(r.energy_j))]
+        writer.writerow(
+            [*fields, "" if r.virtual_stage is None else r.virtual_stage] if per_chunk else fields
+        )
+    write_atomic(path, f.getvalue())
 
 
 def edge_delays_path(profile_path: str | Path) -> Path:
@@ -177,15 +192,12 @@ def edge_delays_path(profile_path: str | Path) -> Path:
 
 def write_edge_delays(path: str | Path, rows: Iterable[EdgeRow]) -> None:
     """Write edge-delay rows `(from stage, from instruction, to stage, to instruction, delay s)` (at once)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(EDGE_COLUMNS)
-        for a, ka, b, kb, d in rows:
-            writer.writerow([a, ka, b, kb, repr(float(d))])
-    tmp.replace(path)
+    f = io.StringIO(newline="")
+    writer = csv.writer(f)
+    writer.writerow(EDGE_COLUMNS)
+    for a, ka, b, kb, d in rows:
+        writer.writerow([a, ka, b, kb, repr(float(d))])
+    write_atomic(path, f.getvalue())
 
 
 def read_edge_delays(path: str | Path) -> list[EdgeRow]:
@@ -200,25 +212,28 @@ def read_edge_delays(path: str | Path) -> list[EdgeRow]:
         return []
     rows: list[EdgeRow] = []
     kinds = (*INSTRUCTIONS, "step")
-    with path.open(newline="", encoding="utf-8-sig") as f:
-        reader = csv.reader(f)
-        header = [c.strip() for c in next(reader, [])]
-        if tuple(header[: len(EDGE_COLUMNS)]) != EDGE_COLUMNS:
-            raise InvalidInputError(f"{path}:1: expected the header {','.join(EDGE_COLUMNS)}.")
-        for fields in reader:
-            if not fields:
-                continue
-            where = f"{path}:{reader.line_num}:"
-            try:
-                a, ka, b, kb, d = fields[:5]
-                row = (int(a), ka.strip().lower(), int(b), kb.strip().lower(), float(d))
-            except ValueError:
-                raise InvalidInputError(f"{where} expected {','.join(EDGE_COLUMNS)}, got {fields}.") from None
-            if row[1] not in kinds or row[3] not in kinds:
-                raise InvalidInputError(f"{where} instructions must be one of {kinds}.")
-            if row[0] < 0 or row[2] < 0 or not (math.isfinite(row[4]) and row[4] >= 0):
-                raise InvalidInputError(f"{where} stages must be >= 0 and the delay finite and >= 0 s.")
-            rows.append(row)
+    try:
+        text = _read_text(path)
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"{path}: not a text file (not UTF-8); expected edge delays.") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = [c.strip() for c in next(reader, [])]
+    if tuple(header[: len(EDGE_COLUMNS)]) != EDGE_COLUMNS:
+        raise InvalidInputError(f"{path}:1: expected the header {','.join(EDGE_COLUMNS)}.")
+    for fields in reader:
+        if not fields:
+            continue
+        where = f"{path}:{reader.line_num}:"
+        try:
+            a, ka, b, kb, d = fields[:5]
+            row = (int(a), ka.strip().lower(), int(b), kb.strip().lower(), float(d))
+        except ValueError:
+            raise InvalidInputError(f"{where} expected {','.join(EDGE_COLUMNS)}, got {fields}.") from None
+        if row[1] not in kinds or row[3] not in kinds:
+            raise InvalidInputError(f"{where} instructions must be one of {kinds}.")
+        if row[0] < 0 or row[2] < 0 or not (math.isfinite(row[4]) and row[4] >= 0):
+            raise InvalidInputError(f"{where} stages must be >= 0 and the delay finite and >= 0 s.")
+        rows.append(row)
     return rows
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.state_guard import guard
+from zeus_callbacks.core.files import warn_write_failed
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.grid import milliwatts
 from zeus_callbacks.core.power_limit.job import Options, find_job, profile_context
@@ -449,7 +450,9 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
 
     # -- I/O ------------------------------------------------------------------------------------
     def _save(self, complete: bool) -> None:
-        if self.profile_path is not None and dist.rank() == 0:
+        if self.profile_path is None or dist.rank() != 0:
+            return
+        try:
             save_profile(
                 self.profile_path,
                 self._context(),
@@ -458,6 +461,8 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
                 repr(self.optimum_selector),
                 self.search,
             )
+        except OSError as e:  # a full disk, a quota, `ulimit -f`: training goes on
+            warn_write_failed(logger, "power-limit profile", self.profile_path, e)
 
     def _set_power_limit(self, pl: int) -> bool:
         try:

@@ -10,13 +10,13 @@ window of Zeus's `profile_steps` steps at one limit); they do not say what they 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zeus_callbacks.core.device.errors import InvalidInputError
+from zeus_callbacks.core.files import ForeignFileError, read_regular, write_atomic
 from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
 from zeus_callbacks.core.power_limit.schema import (
     SCHEMA_VERSION,
@@ -75,7 +75,12 @@ def save_profile(
     selector: str = "",
     search: str = "adaptive",
 ) -> None:
-    """Write the profile atomically (a partial one too, so a preempted job resumes)."""
+    """Write the profile atomically and privately (`files.write_atomic`; a partial one too, so a preempted
+    job resumes).
+
+    Raises:
+        OSError: it cannot be written (the last complete profile is kept).
+    """
     data = {
         "format": _FORMAT,
         "version": SCHEMA_VERSION,
@@ -85,10 +90,7 @@ def save_profile(
         "search": search,
         "measurements": [saved_stats(s) for s in sorted(stats.values(), key=lambda s: -s.power_limit_w)],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1))
 
 
 def _is_zeus_profile(data: Any) -> bool:
@@ -137,7 +139,9 @@ def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -
             (Zeus's) its limits are outside this GPU's range.
     """
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular(path, chooses="the power limit"))
+    except ForeignFileError as e:
+        raise InvalidInputError(f"The power-limit profile {e.filename!r} {e.strerror}.") from None
     except (OSError, ValueError) as e:
         raise ValueError(
             f"Cannot read the power-limit profile {str(path)!r}: {e}. Delete it to profile again."

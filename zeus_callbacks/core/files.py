@@ -1,0 +1,284 @@
+"""How the package writes and reads its files on a machine shared with other users.
+
+Every file is written by `write_atomic`: a private temporary file of an unpredictable name, created in the
+target's directory with `O_EXCL | O_NOFOLLOW` (so nothing planted there, a symbolic link least of all, is
+ever written through), written, `fsync`ed and renamed over the target (a rename replaces a link at the
+target, never follows it), then the directory is `fsync`ed. A reader sees the old file or the new one,
+whole; a failure (a full disk, a quota, `ulimit -f`, a read-only file system) leaves the last complete file
+and no temporary behind.
+
+Directories are walked one component at a time (`open_directory`: `O_DIRECTORY | O_NOFOLLOW` from the
+descriptor of the one before), following a symbolic link only when this user or root owns it: a link
+another user owns could be pointed anywhere at any moment, and the kernel's `protected_symlinks` guards only
+world-writable sticky directories, not a group-writable project directory or another user's home.
+
+`read_regular` reads a regular file the same way, opened `O_NONBLOCK` so that a FIFO or a device given
+where a file was expected is refused instead of waited on; a file that chooses a power limit or a clock is
+refused when another user owns it (or anyone may write it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import pwd
+import secrets
+import stat
+from collections import deque
+from pathlib import Path
+
+__all__ = [
+    "ForeignFileError",
+    "UnsafePathError",
+    "open_directory",
+    "read_regular",
+    "warn_write_failed",
+    "write_atomic",
+]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_LINKS = 40  # the kernel's own bound on links followed in one lookup (MAXSYMLINKS, include/linux/namei.h)
+_NAME_MAX = 255  # bytes in one file name (NAME_MAX, include/uapi/linux/limits.h)
+_TMP_SUFFIX = ".tmp"
+_warned: set[str] = set()
+
+
+class UnsafePathError(OSError):
+    """A path that goes through a symbolic link another user owns, or names something other than a regular
+    file; `strerror` says what and what to do."""
+
+
+class ForeignFileError(OSError):
+    """A file that chooses a GPU setting but another user owns (or anyone may write); `strerror` says whose
+    it is and what to do."""
+
+
+def user_name(uid: int) -> str:
+    """`name (uid N)`, or `uid N` where the account has no name."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _trusted(uid: int) -> bool:
+    return uid in (os.geteuid(), 0)
+
+
+def _check_link(st: os.stat_result, shown: str) -> None:
+    if not _trusted(st.st_uid):
+        raise UnsafePathError(
+            errno.EPERM,
+            f"goes through a symbolic link owned by {user_name(st.st_uid)}, who could point it anywhere; "
+            "it is not followed. Pass the path it leads to, or a directory of your own",
+            shown,
+        )
+
+
+def _walk(fd: int, parts: deque[str], shown: str, create: bool, mode: int) -> int:
+    """Open the directories `parts` one by one from the directory `fd` (closed on the way); returns the
+    last one's descriptor."""
+    links = 0
+    try:
+        while parts:
+            name = parts.popleft()
+            if name in ("", "."):
+                continue
+            here = os.path.join(shown, name)
+            try:
+                next_fd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), here) from None
+                with contextlib.suppress(FileExistsError):  # made meanwhile by another process: opened next
+                    os.mkdir(name, mode, dir_fd=fd)
+                parts.appendleft(name)
+                continue
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise OSError(e.errno, e.strerror, here) from None
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISLNK(st.st_mode):
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), here) from None
+                _check_link(st, here)
+                links += 1
+                if links > _MAX_LINKS:
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), here) from None
+                target = os.readlink(name, dir_fd=fd)
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd = -1
+                    fd = os.open("/", _DIR_FLAGS)
+                parts.extendleft(reversed(target.split("/")))
+                shown = here
+                continue
+            os.close(fd)
+            fd, shown = next_fd, here
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    return fd
+
+
+def open_directory(path: str | os.PathLike[str], *, create: bool = False, mode: int = 0o700) -> int:
+    """A descriptor of the directory `path` (close it), reached without following a symbolic link that
+    another user owns at any component; with `create`, missing directories are made with `mode`.
+
+    Raises:
+        UnsafePathError: a component is a symbolic link another user owns.
+        OSError: a component is missing (without `create`), not a directory, or cannot be made.
+    """
+    text = os.fspath(path)
+    start = os.open("/" if text.startswith("/") else ".", _DIR_FLAGS)
+    return _walk(start, deque(text.split("/")), "/" if text.startswith("/") else "", create, mode)
+
+
+def _temporary_name(name: str) -> str:
+    token = secrets.token_hex(8)  # 64 random bits: another user cannot guess it to plant something there
+    room = _NAME_MAX - len(token) - len(_TMP_SUFFIX) - 3
+    stem = os.fsencode(name)[:room].decode(errors="ignore")
+    return f".{stem}.{token}{_TMP_SUFFIX}"
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o600) -> None:
+    """Replace the file `path` with `data` atomically and durably (see the module's docstring); missing
+    directories are made (mode 700). `mode` is the new file's (less the umask).
+
+    Raises:
+        UnsafePathError: a directory of `path` is reached through another user's symbolic link.
+        OSError: the file cannot be written (no space, quota, `ulimit -f`, read-only, no permission); the
+            last complete file is left as it was, and no temporary file.
+    """
+    path = Path(path)
+    payload = data.encode() if isinstance(data, str) else data
+    if path.name in ("", ".", ".."):
+        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(path))
+    dir_fd = open_directory(path.parent, create=True)
+    try:
+        tmp = _temporary_name(path.name)
+        fd = os.open(tmp, _TMP_FLAGS, mode, dir_fd=dir_fd)
+        try:
+            try:
+                _write_all(fd, payload)
+                os.fsync(fd)
+            finally:
+                os.close(fd)  # NFS reports a full quota here
+            os.rename(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+            raise
+        with contextlib.suppress(OSError):  # the rename is durable once the directory is (EINVAL on some)
+            os.fsync(dir_fd)
+    except OSError as e:
+        if e.filename is None:
+            raise type(e)(e.errno, e.strerror, str(path)) from None
+        raise
+    finally:
+        os.close(dir_fd)
+
+
+def _open_regular(path: str) -> int:
+    """`path` opened for reading: a regular file, its directories and links checked as `open_directory`
+    does (a link at the file itself is followed when this user or root owns it)."""
+    for _ in range(_MAX_LINKS):
+        parent, name = os.path.split(path)
+        if not name:
+            raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", path)
+        dir_fd = open_directory(parent or ".")
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                _check_link(st, path)
+                path = os.path.join(parent, os.readlink(name, dir_fd=dir_fd))
+                continue
+            if not stat.S_ISREG(st.st_mode):  # refused before opening: a FIFO would block, a device act
+                raise UnsafePathError(
+                    errno.EINVAL, f"is not a regular file ({_kind(st.st_mode)}); pass a file", path
+                )
+            return os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+
+
+def _kind(mode: int) -> str:
+    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket"}
+    return next((what for test, what in kinds.items() if test(mode)), "a device")
+
+
+def read_regular(path: str | os.PathLike[str], *, chooses: str | None = None) -> bytes:
+    """The contents of the regular file `path`, never waiting on a FIFO or a device.
+
+    Args:
+        path: The file.
+        chooses: What the file chooses (`"a power limit"`), when it does: then a file that another user
+            owns (not this user nor root), or that anyone may write, is refused.
+
+    Raises:
+        ForeignFileError: (with `chooses`) another user's file; the message says whose and what to do.
+        UnsafePathError: not a regular file, or reached through another user's symbolic link.
+        OSError: it cannot be read (missing, no permission, ...).
+    """
+    shown = os.fspath(path)
+    fd = _open_regular(shown)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped since it was looked at
+            raise UnsafePathError(errno.EINVAL, f"is not a regular file ({_kind(st.st_mode)})", shown)
+        if chooses is not None:
+            _check_owner(st, shown, chooses)
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _check_owner(st: os.stat_result, shown: str, chooses: str) -> None:
+    if not _trusted(st.st_uid):
+        raise ForeignFileError(
+            errno.EPERM,
+            f"is owned by {user_name(st.st_uid)}, not by you ({user_name(os.geteuid())})"
+            f"{'' if os.geteuid() == 0 else ' nor root'}, and it chooses {chooses}: another user's file is not trusted with that. If you trust its "
+            "contents, copy it to a file of your own (`cp`); else pass a path of your own",
+            shown,
+        )
+    if st.st_mode & stat.S_IWOTH:
+        raise ForeignFileError(
+            errno.EPERM,
+            f"may be written by any user (mode {stat.S_IMODE(st.st_mode):o}) and it chooses {chooses}. "
+            f"Run `chmod o-w {shown}` if you trust its contents",
+            shown,
+        )
+
+
+def warn_write_failed(
+    logger: logging.Logger, what: str, path: str | os.PathLike[str], error: OSError
+) -> None:
+    """Say once per file and process that `what` could not be written to `path` and that training goes
+    on (later failures of the same file are logged at DEBUG)."""
+    key = f"{what}\0{os.fspath(path)}"
+    level = logging.DEBUG if key in _warned else logging.WARNING
+    _warned.add(key)
+    reason = error.strerror or str(error)
+    logger.log(
+        level,
+        "Cannot write the %s %s: %s. Training goes on; the last complete file (if any) is kept, and saving is "
+        "tried again at the next save (this is said once).",
+        what,
+        os.fspath(path),
+        reason,
+    )
