@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
+from pathlib import Path
 
 from zeus_callbacks.cli.options import add_objective_arguments, objective_from_args
+from zeus_callbacks.core.files import write_atomic
 from zeus_callbacks.core.heterogeneous.planner import (
     COST_MODELS,
     ZEUS2_METHODS,
@@ -153,5 +156,7 @@ def _plot(curve, result: HeteroPlan, path: str) -> None:
     ax.set_title(f"{result.objective}, global batch {result.global_batch}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    image = io.BytesIO()  # rendered here, written as every file of the package is (`files.write_atomic`)
+    fig.savefig(image, dpi=120, format=Path(path).suffix.lstrip(".").lower() or "png")
     plt.close(fig)
+    write_atomic(path, image.getvalue(), mode=0o644)

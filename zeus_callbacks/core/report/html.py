@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from html import escape
 from pathlib import Path
 
+from zeus_callbacks.core.files import write_atomic
 from zeus_callbacks.core.report.pipeline_figure import pipeline_section
 from zeus_callbacks.core.report.records import PowerLimitSummary, RankRecord, StepSpan
 from zeus_callbacks.core.report.run_record import load_run
@@ -58,10 +59,7 @@ def write_report(run_dir: str | Path, out_path: str | Path) -> Path:
     """
     html = render_report(load_run(run_dir))
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(html, encoding="utf-8")
-    tmp.replace(out)
+    write_atomic(out, html, mode=0o644)  # for a browser or a web server: others may read it
     return out
 
 

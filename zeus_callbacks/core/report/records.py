@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from zeus_callbacks.core.device.errors import InvalidInputError
+from zeus_callbacks.core.files import UnsafePathError, read_regular, write_atomic
 
 __all__ = [
     "FORMAT",
@@ -181,12 +181,13 @@ def _plain(value: Any) -> Any:
 
 
 def write_record(path: Path, record: RankRecord) -> None:
-    """Write `record` atomically (a reader never sees half a file)."""
+    """Write `record` atomically and privately (a reader never sees half a file; `files.write_atomic`).
+
+    Raises:
+        OSError: it cannot be written (the last complete record is kept).
+    """
     data = {"format": FORMAT, "version": VERSION, **_plain(asdict(record))}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, separators=(",", ":")))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, separators=(",", ":")))
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:
@@ -216,7 +217,9 @@ def read_record(path: Path) -> RankRecord:
         InvalidInputError: the file is not JSON, not a run record, of a newer version, or corrupted.
     """
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_regular(path).decode("utf-8"))  # a FIFO is refused, not waited on
+    except UnsafePathError as e:
+        raise InvalidInputError(f"{path}: {e.strerror}; expected a run record (JSON).") from None
     except UnicodeDecodeError:
         raise InvalidInputError(f"{path}: not a text file; expected a run record (JSON).") from None
     except ValueError as e:

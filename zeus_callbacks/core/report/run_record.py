@@ -13,6 +13,7 @@ from typing import Any
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.power import instant_power_mw
+from zeus_callbacks.core.files import warn_write_failed
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.report.pipeline_plan import pipeline_plan
 from zeus_callbacks.core.report.records import (
@@ -286,8 +287,8 @@ class RunRecorder:
             self.record.duration_s = self._clock() - self._t0
             try:
                 write_record(self.path, self.record)
-            except OSError as e:
-                logger.warning("Run record: cannot write %s: %s", self.path, e)
+            except OSError as e:  # a full disk: said once, training goes on
+                warn_write_failed(logger, "run record", self.path, e)
 
 
 def power_limit_summary(report: dict[str, Any]) -> PowerLimitSummary:
