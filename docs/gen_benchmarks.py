@@ -228,7 +228,9 @@ def page() -> str:
         "written by `docs/gen_benchmarks.py` (`python docs/gen_benchmarks.py run NAME`), not retyped. The "
         "benchmarks live under `benchmarks/`; those that compare with Zeus (and lowtime) run both in the same "
         "process. Figures on simulated GPUs are simulations, labelled SIMULATED: they show how the code behaves "
-        "on the measured traces, not what a given GPU saves.\n\n"
+        "on the measured traces, not what a given GPU saves. Timings on the real clock move with the machine's load "
+        "(other jobs on a shared 2-core machine stretch a step by tens of percent): each run gives its load average "
+        "before and after.\n\n"
     )
     return intro + "\n".join(sections)
 
