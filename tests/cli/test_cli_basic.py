@@ -107,7 +107,8 @@ def test_measure_table(sim_gpus, capfd):
     assert "SIMULATED" in out and "(exit code 3)" in out
     assert system.gpus[0].power_limit_mw == 300_000  # the child restored what it changed
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1] in "01a"}
-    busy_j, idle_j = float(rows["0"][-2]), float(rows["1"][-2])
+    assert rows["0"][-3] == "±" and float(rows["0"][-2]) > 0  # each energy with its bound: `J ± J  W`
+    busy_j, idle_j = float(rows["0"][-4]), float(rows["1"][-4])
     tr = system.gpus[0].trace
     idle_w = system.gpus[0].spec.idle_power_w
     # Both GPUs idle for the whole window (child start-up included); GPU 0 also ran 1 s of work at 150 W:

@@ -61,7 +61,7 @@ def test_window_errors_and_cancel(sim_gpus):
 def test_a_lost_gpu_leaves_the_others_measured(sim_gpus, tmp_path, caplog):
     """Issue 24: with GPU 1 of two lost after 40 NVML calls, every window still measures GPU 0; GPU 1 is
     said once, named alone, and missing from `gpu_energy` (not 0 J), in the log too."""
-    system = sim_gpus("2*a40", virtual_clock=True, faults="lost_after=40@1")
+    system = sim_gpus("2*a40", virtual_clock=True, faults="lost_after=40@1", ideal="sensor_gain")
     log = tmp_path / "log.csv"
     monitor = ZeusMonitor(log_file=log)
     ms = []
@@ -86,7 +86,7 @@ def test_a_lost_gpu_leaves_the_others_measured(sim_gpus, tmp_path, caplog):
         replayed.append(replay.end_window("step").gpu_energy)
     assert replayed == [m.gpu_energy for m in ms]
     # A window open when the GPU was lost keeps GPU 0's energy over the whole window.
-    system = sim_gpus("2*a40", virtual_clock=True, faults="lost_after=30@1")
+    system = sim_gpus("2*a40", virtual_clock=True, faults="lost_after=30@1", ideal="sensor_gain")
     monitor = ZeusMonitor()
     monitor.begin_window("long")
     while not monitor.lost_gpus:
@@ -204,7 +204,7 @@ def test_energy_and_time_follow_the_trace(sim_gpus, burn_cpu, sim_sleeps):
 
 def test_virtual_clock_windows_are_exact(sim_gpus):
     # Exactness of the virtual clock's accounting is under test: a refreshed counter is off by up to a period.
-    system = sim_gpus("2*a40", virtual_clock=True, ideal="energy_counter")
+    system = sim_gpus("2*a40", virtual_clock=True, ideal="energy_counter,sensor_gain")
     tr = system.gpus[0].trace
     monitor = ZeusMonitor()
     assert monitor.gpus.virtual_clock
@@ -224,7 +224,10 @@ def test_power_sampling_fallback_integrates_sensibly(sim_gpus):
     # GPU 0's counter is the reference the sampled GPU 1 is compared with: keep it exact, and GPU 1's power
     # reading the draw of the last interval (not the driver's update period and window).
     system = sim_gpus(
-        "2*a40", faults="no_energy_counter@1", virtual_clock=True, ideal="energy_counter,power_window"
+        "2*a40",
+        faults="no_energy_counter@1",
+        virtual_clock=True,
+        ideal="energy_counter,power_window,sensor_gain",
     )
     system.run_step(0.05)  # GPU 1's last interval is busy when sampling starts
     monitor = ZeusMonitor(power_sample_interval_s=0.005)

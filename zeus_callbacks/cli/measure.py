@@ -38,16 +38,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def result(
     command: list[str], returncode: int, m: Measurement, lost: dict[int, str] | None = None
 ) -> dict[str, Any]:
-    """The report as plain numbers (s, J, W); `lost`: GPUs that could not be measured, and why."""
+    """The report as plain numbers (s, J, W); `lost`: GPUs that could not be measured, and why. Each energy's
+    bound (`..._bound_j`: how far the true energy may lie from it, either way) is None where not known."""
     return {
         "command": command,
         "returncode": returncode,
         "simulated": m.simulated,
         "time_s": m.time,
         "gpu_energy_j": {str(i): e for i, e in m.gpu_energy.items()},
+        "gpu_energy_bound_j": {str(i): m.gpu_energy_bound.get(i) for i in m.gpu_energy},
         "total_energy_j": m.total_energy,
+        "total_energy_bound_j": m.total_energy_bound,
         "lost": {str(i): why for i, why in (lost or {}).items()},
     }
+
+
+def _with_bound(energy_j: float, bound_j: float | None) -> str:
+    """`123.456 ± 7.890` (J); the figure alone where its bound is not known."""
+    return f"{energy_j:.3f}" if bound_j is None else f"{energy_j:.3f} ± {bound_j:.3f}"
 
 
 def _table(res: dict[str, Any], names: dict[int, str]) -> str:
@@ -58,12 +66,15 @@ def _table(res: dict[str, Any], names: dict[int, str]) -> str:
     lines.append(f"time: {res['time_s']:.3f} s")
     t = res["time_s"]
     rows = [["GPU", "name", "energy J", "average power W"]]
+    bounds = res.get("gpu_energy_bound_j", {})
     for i, e in res["gpu_energy_j"].items():
-        rows.append([i, names[int(i)], f"{e:.3f}", f"{e / t:.1f}" if t > 0 else "n/a"])
+        energy = _with_bound(e, bounds.get(i))
+        rows.append([i, names[int(i)], energy, f"{e / t:.1f}" if t > 0 else "n/a"])
     for i in res.get("lost", {}):
         rows.append([i, "", "not measured", "(see above)"])
     total = res["total_energy_j"]
-    rows.append(["all", "", f"{total:.3f}", f"{total / t:.1f}" if t > 0 else "n/a"])
+    energy = _with_bound(total, res.get("total_energy_bound_j"))
+    rows.append(["all", "", energy, f"{total / t:.1f}" if t > 0 else "n/a"])
     widths = [max(len(r[c]) for r in rows) for c in range(4)]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
@@ -154,7 +165,7 @@ def _begin(indices: list[int] | None) -> tuple[dict[int, ZeusMonitor], dict[int,
 
 def _end(monitors: dict[int, ZeusMonitor], lost: dict[int, str]) -> Measurement:
     """Close every window; a GPU lost meanwhile joins `lost`. One measurement of the GPUs still answering."""
-    times, energy, simulated = [], {}, False
+    times, energy, bound, simulated = [], {}, {}, False
     for i, monitor in monitors.items():
         try:
             m = monitor.end_window("command", sync_execution=False)
@@ -165,5 +176,8 @@ def _end(monitors: dict[int, ZeusMonitor], lost: dict[int, str]) -> Measurement:
             monitor.close()
         times.append(m.time)
         energy.update(m.gpu_energy)
+        bound.update(m.gpu_energy_bound)
         simulated = simulated or m.simulated
-    return Measurement(time=max(times, default=0.0), gpu_energy=energy, simulated=simulated)
+    return Measurement(
+        time=max(times, default=0.0), gpu_energy=energy, simulated=simulated, gpu_energy_bound=bound
+    )

@@ -53,6 +53,9 @@ The simulated GPUs answer as real ones do, by default (each name is what `ZEUS_C
   the A10G. `CUDA_VISIBLE_DEVICES` indices are CUDA's. Ideal: both orders are the spec's.
 - `interruptible_sync`: a synchronisation waits in "native code": Python signal handlers (SIGINT,
   SIGTERM, ...) run only after it returns, as with `torch.cuda.synchronize()`.
+- `sensor_gain`: each board's power sensor reads its true power times a gain of its own, within 1 +/- 5%
+  (the steady-state error against an external meter, `specs.SENSOR_GAIN_ERROR`), seeded from its UUID: the
+  energy counter and every power reading. `SimulatedGPU.true_energy_mj()` is the truth. Ideal: a gain of 1.
 Everything the simulator reports is a simulation, and the package labels it so.
 """
 

@@ -199,18 +199,19 @@ def nvmlDeviceGetC2cModeInfoV(handle):  # noqa: N802
 # -- energy and power -----------------------------------------------------------------------------
 def nvmlDeviceGetTotalEnergyConsumption(handle) -> int:  # noqa: N802
     if _initialized and type(handle) is SimulatedGPU and handle.plain_reads:
-        return int(handle.energy_mj())  # the monitor's hot path: no fault can apply
+        return int(handle.energy_mj() * handle.sensor_gain)  # the monitor's hot path: no fault can apply
     g = _gpu(handle, call="nvmlDeviceGetTotalEnergyConsumption")
     if g.faults.no_energy_counter:
         raise _err(_real.NVML_ERROR_NOT_SUPPORTED)
-    return int(g.energy_mj())
+    return int(g.energy_mj() * g.sensor_gain)
 
 
 def nvmlDeviceGetPowerUsage(handle) -> int:  # noqa: N802
     """A 1-second moving average on Ampere (except GA100, the A100) and newer boards; else the instant reading
-    (nvml.h, nvmlDeviceGetPowerUsage; `GPUSpec.power_usage_averaged`)."""
+    (nvml.h, nvmlDeviceGetPowerUsage; `GPUSpec.power_usage_averaged`). Every power reading and the energy
+    counter are the board's true figures times its sensor's gain (`SimulatedGPU.sensor_gain`, `specs.sensor_gain`)."""
     g = _gpu(handle, feature="power_draw")
-    return round(g.average_power_mw() if g.power_usage_averaged else g.power_mw())
+    return round((g.average_power_mw() if g.power_usage_averaged else g.power_mw()) * g.sensor_gain)
 
 
 _Field = Callable[[SimulatedGPU], "float | None"]
@@ -229,9 +230,9 @@ def _draw(read: _Field) -> _Field:
 _POWER_FIELDS = {
     # nvml.h: "supported on Ampere (except GA100) or newer architectures"; elsewhere NOT_SUPPORTED (None).
     _real.NVML_FI_DEV_POWER_AVERAGE: _draw(
-        lambda g: g.average_power_mw() if g.spec.has_power_average_field else None
+        lambda g: g.average_power_mw() * g.sensor_gain if g.spec.has_power_average_field else None
     ),
-    _real.NVML_FI_DEV_POWER_INSTANT: _draw(lambda g: g.power_mw()),
+    _real.NVML_FI_DEV_POWER_INSTANT: _draw(lambda g: g.power_mw() * g.sensor_gain),
     _real.NVML_FI_DEV_POWER_DEFAULT_LIMIT: _limit(lambda g: g.default_power_limit_mw),
     # nvml.h: CURRENT_LIMIT is the "limit currently enforced" (other limiters included), REQUESTED_LIMIT the
     # one "requested by NVML or any other userspace client".
@@ -255,7 +256,7 @@ def _memory_power(g: SimulatedGPU) -> float | None:
         answers = g.board.memory_power
     else:
         answers = g.spec.architecture >= _real.NVML_DEVICE_ARCH_HOPPER and g.spec.has_power_average_field
-    return g.average_power_mw() * MEMORY_POWER_SHARE if answers else None
+    return g.average_power_mw() * g.sensor_gain * MEMORY_POWER_SHARE if answers else None
 
 
 # Module power (`NVML_POWER_SCOPE_MODULE`, nvml.h: "Metrics for the module (e.g. CPU + GPU) are retrieved";
@@ -268,9 +269,11 @@ def _module(read: Callable[[SimulatedGPU, LimitScope], float]) -> _Field:
 
 
 _MODULE_FIELDS = {
-    _real.NVML_FI_DEV_POWER_INSTANT: _module(lambda g, m: g.power_mw() + g.board.module_other_w * 1000),
+    _real.NVML_FI_DEV_POWER_INSTANT: _module(
+        lambda g, m: (g.power_mw() + g.board.module_other_w * 1000) * g.sensor_gain
+    ),
     _real.NVML_FI_DEV_POWER_AVERAGE: _module(
-        lambda g, m: g.average_power_mw() + g.board.module_other_w * 1000
+        lambda g, m: (g.average_power_mw() + g.board.module_other_w * 1000) * g.sensor_gain
     ),
     _real.NVML_FI_DEV_POWER_MIN_LIMIT: _module(lambda g, m: m.min_mw),
     _real.NVML_FI_DEV_POWER_MAX_LIMIT: _module(lambda g, m: m.max_mw),

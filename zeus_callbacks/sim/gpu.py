@@ -61,8 +61,10 @@ class SimulatedGPU:
         power_update_s: float = 0.0,
         power_window_s: float = 0.0,
         board: DumpBoardModel | None = None,
+        sensor_gain: float = 1.0,
     ) -> None:
         self.index = index
+        self.sensor_gain = sensor_gain  # what NVML reads is the truth times this (`specs.sensor_gain`)
         self.bursts = bursts  # stalls and bursts between and within steps (virtual clock), seeded
         self._burst_left, self._burst_factor = 0, 1.0
         self.spec = spec
@@ -238,7 +240,7 @@ class SimulatedGPU:
 
     # -- energy -----------------------------------------------------------------------------------
     def energy_mj(self) -> float:
-        """The energy counter as NVML reports it (mJ): its value at the driver's last refresh.
+        """The energy counter at the driver's last refresh (mJ); NVML reports it times `sensor_gain`.
 
         Between refreshes (every `energy_refresh_s`) the counter stands still, as on real boards.
         """

@@ -11,7 +11,14 @@ from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.sim.specs import spec_for
 from zeus_callbacks.sim.traces import Trace, load_trace, shipped_trace
 
-IDEAL_BEHAVIOURS = ("energy_counter", "power_average", "power_window", "device_order", "interruptible_sync")
+IDEAL_BEHAVIOURS = (
+    "energy_counter",
+    "power_average",
+    "power_window",
+    "device_order",
+    "interruptible_sync",
+    "sensor_gain",
+)
 """Hardware behaviours a simulation can switch off (`simulate(ideal=...)`, `ZEUS_CALLBACKS_SIM_IDEAL`)."""
 
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import pynvml
 
-__all__ = ["GPUSpec", "SPECS", "spec_for", "PART_TIME_POWER", "UPDATE_TIMING"]
+__all__ = [
+    "GPUSpec",
+    "SPECS",
+    "spec_for",
+    "PART_TIME_POWER",
+    "UPDATE_TIMING",
+    "SENSOR_GAIN_ERROR",
+    "sensor_gain",
+]
 
 PART_TIME_POWER = (
     'Yang, Adamek, Armour, "Accurate and Convenient Energy Measurements for GPUs: A Detailed Study of NVIDIA '
@@ -14,6 +23,22 @@ PART_TIME_POWER = (
     'Attention", arXiv:2312.02741)'
 )
 """The measurements the power update periods and windows below come from (over 70 GPUs, 12 generations)."""
+
+SENSOR_GAIN_ERROR = 0.05
+"""Steady-state error of a board's power sensor against an external meter, as a gain within 1 +/- this.
+
+PART_TIME_POWER compares nvidia-smi's power with an external power meter; its text, as public READMEs quote
+and link it (arXiv:2312.02741v2, HTML, "The error in nvidia-smi's power draw is +/- 5%"), gives +/- 5%; nvml.h
+says the same of Fermi and Kepler (nvmlDeviceGetPowerUsage: "accurate to within +/- 5% of current power draw").
+Issue 41's "-9% to +11%" could not be traced to a source and is not used. The core's bound uses the same
+figure (`core/monitor/uncertainty.py`)."""
+
+
+def sensor_gain(uuid: str) -> float:
+    """The gain of a board's power sensor: what NVML reads (power and the energy counter) over the truth,
+    uniform within 1 +/- `SENSOR_GAIN_ERROR`, fixed for the board (seeded from its UUID)."""
+    fraction = int(hashlib.sha1(f"sensor-gain/{uuid}".encode()).hexdigest()[:8], 16) / 16**8
+    return 1.0 - SENSOR_GAIN_ERROR + 2 * SENSOR_GAIN_ERROR * fraction
 
 
 @dataclass(frozen=True)

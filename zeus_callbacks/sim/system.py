@@ -21,7 +21,7 @@ from zeus_callbacks.sim.node_spec import (
     parse_ideal,
     parse_spec,
 )
-from zeus_callbacks.sim.specs import GPUSpec, spec_for
+from zeus_callbacks.sim.specs import GPUSpec, sensor_gain, spec_for
 from zeus_callbacks.sim.traces import Trace
 
 __all__ = [
@@ -120,6 +120,7 @@ class SimulatedSystem:
                     power_update_s=0.0 if "power_window" in self.ideal_behaviours else update_s,
                     power_window_s=b.spec.power_window_ms / 1000,
                     board=b.board,
+                    sensor_gain=1.0 if "sensor_gain" in self.ideal_behaviours else sensor_gain(b.uuid),
                 )
             )
         self._cuda_cache: tuple[tuple[str | None, str | None], list[SimulatedGPU]] | None = None

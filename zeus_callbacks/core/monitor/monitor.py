@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -20,7 +18,9 @@ from zeus_callbacks.core.device.power import (
     one_second_power_mw,
 )
 from zeus_callbacks.core.monitor import checks, rapl
+from zeus_callbacks.core.monitor.power_sampler import PowerSampler
 from zeus_callbacks.core.monitor.timeline import check_gpu_indices
+from zeus_callbacks.core.monitor.uncertainty import EnergyBound, power_sensor
 
 __all__ = ["ZeusMonitor", "Measurement", "MeasurementState"]
 
@@ -37,6 +37,8 @@ class Measurement:
         cpu_energy: Energy (J) per CPU package (RAPL), or None when CPU energy is not measured.
         dram_energy: DRAM energy (J) per CPU package, or None where RAPL has no DRAM counter.
         simulated: True when the GPUs are simulated: the figures are a simulation, not a measurement.
+        gpu_energy_bound: How far each GPU's true energy may lie from `gpu_energy` (J, either way), per GPU
+            index; a GPU whose bound cannot be known is absent (`core/monitor/uncertainty.py`).
     """
 
     time: float
@@ -44,11 +46,21 @@ class Measurement:
     cpu_energy: dict[int, float] | None = None
     dram_energy: dict[int, float] | None = None
     simulated: bool = False
+    gpu_energy_bound: dict[int, float] = field(default_factory=dict)
 
     @property
     def total_energy(self) -> float:
         """GPU energy summed over GPUs (J)."""
         return sum(self.gpu_energy.values())
+
+    @property
+    def total_energy_bound(self) -> float | None:
+        """How far the true `total_energy` may lie from it (J): the GPUs' bounds summed; None when some GPU's
+        bound is not known."""
+        bound = self.gpu_energy_bound
+        if len(bound) < len(self.gpu_energy) and any(i not in bound for i in self.gpu_energy):
+            return None
+        return sum(bound[i] for i in self.gpu_energy)
 
 
 @dataclass(slots=True)
@@ -71,67 +83,6 @@ class MeasurementState:
     def total_energy(self) -> float:
         """GPU counters summed (J)."""
         return sum(self.gpu_energy.values())
-
-
-class _PowerSampler:
-    """Samples power of GPUs without an energy counter in the background and integrates it."""
-
-    def __init__(self, gpus: list[GPU], clock, interval_s: float) -> None:
-        self._gpus = gpus
-        self._clock = clock
-        self._interval = interval_s
-        self._samples: deque[tuple[float, list[float]]] = deque(maxlen=1_000_000)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.lost: dict[int, str] = {}  # position in `gpus` -> why it stopped answering
-        self.sample()
-        self._thread = threading.Thread(target=self._run, name="zeus-callbacks-power-sampler", daemon=True)
-        self._thread.start()
-
-    def sample(self) -> None:
-        t = self._clock()
-        watts = []
-        for k, g in enumerate(self._gpus):
-            if k in self.lost:
-                watts.append(math.nan)
-                continue
-            try:
-                watts.append(g.power_mw() / 1000)
-            except Exception as e:  # a lost GPU: it drops out, the others are still sampled
-                self.lost[k] = str(e)
-                watts.append(math.nan)
-        with self._lock:
-            self._samples.append((t, watts))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.sample()
-
-    def energy_j(self, start: float, end: float) -> list[float]:
-        """Trapezoidal integral of each GPU's power over [start, end]."""
-        self.sample()
-        with self._lock:
-            pts = [s for s in self._samples if start - self._interval <= s[0] <= end + self._interval]
-        out = [0.0] * len(self._gpus)
-        if not pts:
-            return out
-        for (t0, p0), (t1, p1) in zip(pts, pts[1:], strict=False):
-            lo, hi = max(t0, start), min(t1, end)
-            if hi <= lo:
-                continue
-            for i in range(len(out)):
-                out[i] += (p0[i] + p1[i]) / 2 * (hi - lo)
-        # Before the first / after the last sample inside the window: hold the nearest value.
-        first_t, first_p = pts[0]
-        last_t, last_p = pts[-1]
-        for i in range(len(out)):
-            out[i] += first_p[i] * max(0.0, min(first_t, end) - start) + last_p[i] * max(
-                0.0, end - max(last_t, start)
-            )
-        return out
-
-    def close(self) -> None:
-        self._stop.set()
 
 
 class ZeusMonitor:
@@ -211,7 +162,12 @@ class ZeusMonitor:
         self._read_counters = self.gpus.energy_reader(self._counter_indices)
         sampled = [g for g in devices if not g.supports_energy_counter and g.supports_power_reading]
         self._sampled_indices = [g.index for g in sampled]
-        self._sampler = _PowerSampler(sampled, self._clock, power_sample_interval_s) if sampled else None
+        # The bound of each GPU's windows: its generation's sensor and its counter's refresh (uncertainty.py).
+        self._bounds = {g.index: _energy_bound(g) for g in devices}
+        bounds = [self._bounds[i] for i in self._sampled_indices]
+        self._sampler = (
+            PowerSampler(sampled, self._clock, power_sample_interval_s, bounds) if sampled else None
+        )
         # GPUs that stopped answering -> why: left out of every later window (said once each).
         self._lost: dict[int, str] = {}
         self._live_indices: list[int] = list(self.gpu_indices)
@@ -325,17 +281,21 @@ class ZeusMonitor:
             self.gpus.synchronize(self._live_indices)
         if cancel:
             cpu = dict.fromkeys(self.cpu_indices, 0.0) if self._rapl else None
-            return Measurement(0.0, dict.fromkeys(self._live_indices, 0.0), cpu, None, self.simulated)
+            zeros = dict.fromkeys(self._live_indices, 0.0)
+            return Measurement(0.0, zeros, cpu, None, self.simulated, dict(zeros))
         end = self._clock()
+        elapsed = end - start
         energy = self._counter_energy_j(indices, before)
-        if (end - start < self._short_s or not all(energy.values())) and (
+        bounds = self._bounds
+        bound = {i: b for i, e in energy.items() if (b := bounds[i].counter(e, elapsed)) is not None}
+        if (elapsed < self._short_s or not all(energy.values())) and (
             self.approx_instant_energy or len(self._short_warned) < len(energy)
         ):
-            self._short_window(key, end - start, energy, instant)
+            self._short_window(key, elapsed, energy, instant, bound)
         if self._sampler is not None:
-            self._add_sampled_energy(energy, start, end)
+            self._add_sampled_energy(energy, bound, start, end)
         cpu_j, dram_j = self._cpu_energy(cpu_before)
-        m = Measurement(end - start, energy, cpu_j, dram_j, self.simulated)
+        m = Measurement(elapsed, energy, cpu_j, dram_j, self.simulated, bound)
         if self._log is not None:
             values = ",".join(str(energy.get(i, "")) for i in self.gpu_indices)  # a lost GPU: empty
             self._log.write(f"{start},{key},{m.time},{values}\n")
@@ -355,13 +315,16 @@ class ZeusMonitor:
             return {indices[0]: (after[0] - before[0]) / 1000.0}
         return {i: (c1 - c0) / 1000.0 for i, c0, c1 in zip(indices, before, after)}  # noqa: B905
 
-    def _add_sampled_energy(self, energy: dict[int, float], start: float, end: float) -> None:
-        """Add the energy of the GPUs without a counter, integrated from their sampled power."""
+    def _add_sampled_energy(
+        self, energy: dict[int, float], bound: dict[int, float], start: float, end: float
+    ) -> None:
+        """Add the energy of the GPUs without a counter, integrated from their sampled power, and its bound."""
         assert self._sampler is not None
-        sampled = zip(self._sampled_indices, self._sampler.energy_j(start, end), strict=True)
-        for k, (i, e) in enumerate(sampled):
+        sampled = self._sampler.energy_j(start, end)
+        for k, i in enumerate(self._sampled_indices):
             if k not in self._sampler.lost:
-                energy[i] = e
+                energy[i] = e = sampled.energy_j[k]
+                bound[i] = self._bounds[i].sampled(e, end - start, sampled.variation_j[k])
             elif i not in self._lost:
                 self._lose(i, GPUError(self._sampler.lost[k]))
         if not energy and not self._counter_indices:
@@ -377,9 +340,15 @@ class ZeusMonitor:
             return None
 
     def _short_window(
-        self, key: str, elapsed_s: float, energy: dict[int, float], instant: dict[int, float] | None
+        self,
+        key: str,
+        elapsed_s: float,
+        energy: dict[int, float],
+        instant: dict[int, float] | None,
+        bound: dict[int, float],
     ) -> None:
-        """A window that may be shorter than a counter's refresh: approximate it, or warn once per GPU."""
+        """A window that may be shorter than a counter's refresh: approximate it (and bound the approximation),
+        or warn once per GPU."""
         periods = [energy_refresh_period_s(self.gpus[i]) for i in energy]
         if all(p is not None for p in periods):
             self._short_s = max(periods, default=0.0)  # type: ignore[type-var]
@@ -390,12 +359,14 @@ class ZeusMonitor:
                 short = energy[i] == 0.0
                 period_text = "its energy counter's refresh period"
             else:
+                self._bounds[i].refresh_s = period  # measured now, where the generation's was assumed
                 short = elapsed_s < period
                 period_text = f"its energy counter's refresh period ({period * 1000:.0f} ms)"
             if not short:
                 continue
             if self.approx_instant_energy:
                 if instant is not None:
+                    bound[i] = self._bounds[i].instant(instant[i], elapsed_s, energy[i])
                     energy[i] = instant[i] * elapsed_s
             elif i not in self._short_warned and not key.startswith(
                 "__"
@@ -460,6 +431,19 @@ class ZeusMonitor:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def _energy_bound(gpu: GPU) -> EnergyBound:
+    """The bound of `gpu`'s windows: its counter refreshes as the backend knows (a virtual clock's model), else
+    as its generation's power updates (ASSUMED the same, as sim/specs.py; measured at the first short window);
+    its top power is its highest settable limit (read once here; unknown where NVML gives none)."""
+    sensor = power_sensor(gpu)
+    known = gpu.backend.known_energy_refresh_s(gpu.handle)
+    try:
+        top_w = gpu.power_limit_constraints_mw()[1] / 1000
+    except GPUError:
+        top_w = 0.0
+    return EnergyBound(sensor, sensor.update_s if known is None else known, top_w)
 
 
 _cpu_warned = False

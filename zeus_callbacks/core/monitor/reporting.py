@@ -146,7 +146,9 @@ class EnergyReporter:
 
     Metric names are built here, once, for every adapter: `energy/interval_j`, `energy/interval_avg_power_w`,
     `energy/interval_time_s`, `energy/total_j`, `energy/total_time_s`, and `energy/simulated` (1.0 when the
-    figures come from simulated GPUs). Under torch.distributed the energy figures are the whole job's
+    figures come from simulated GPUs). `energy/interval_j_bound` and `energy/total_j_bound` say how far the
+    true energy may lie from the figure, either way (J, `Measurement.total_energy_bound`; absent where some
+    GPU's bound is not known). Under torch.distributed the energy figures and their bounds are the whole job's
     (summed over ranks), so every rank must call `interval` and `stop` at the same points, as trainers'
     logging hooks do; `gpu<i>_interval_j` is this rank's GPU i.
 
@@ -252,7 +254,7 @@ class EnergyReporter:
         except GPUError as e:
             m = self._gpu_failed(e)
         # Every rank learns in the same collective that a GPU failed, and they stop reporting together.
-        energy, failed = dist.all_reduce([m.total_energy if m else 0.0, float(m is None)], op="sum")
+        energy, failed, bound = _job_sums(m)
         if failed:
             self._running = False
             return {}
@@ -264,6 +266,8 @@ class EnergyReporter:
             f"{p}simulated": float(m.simulated),
             **self.rates.figures(f"{p}interval_", energy),
         }
+        if bound is not None:
+            out[f"{p}interval_j_bound"] = bound
         for i, e in m.gpu_energy.items():
             out[f"{p}gpu{i}_interval_j"] = e
         return out
@@ -316,6 +320,7 @@ class EnergyReporter:
             cost=figures.get("cost"),
             power_limit_w=next((float(w) for w in limits if w is not None), None),
             simulated=m.simulated,
+            energy_bound_j=m.total_energy_bound,
         )
         append(self.ledger_path, entry)
 
@@ -332,18 +337,37 @@ class EnergyReporter:
         except GPUError as e:
             m = self._gpu_failed(e)
         self._account("end", m, optimizers)
-        energy, failed = dist.all_reduce([m.total_energy if m else 0.0, float(m is None)], op="sum")
+        energy, failed, bound = _job_sums(m)
         if failed:
             return {}
         self.total_energy_j, self.total_time_s = energy, m.time
         p = self.prefix
-        return {
+        out = {
             f"{p}total_j": energy,
             f"{p}total_time_s": m.time,
             f"{p}total_avg_power_w": energy / m.time if m.time > 0 else 0.0,
             f"{p}simulated": float(m.simulated),
             **self.rates.figures(f"{p}total_", energy),
         }
+        if bound is not None:
+            out[f"{p}total_j_bound"] = bound
+        return out
+
+
+def _job_sums(m: Measurement | None) -> tuple[float, float, float | None]:
+    """The job's energy, whether some rank's GPU failed, and the energy's bound (None where some rank's is
+    not known), summed over ranks in one collective."""
+    bound = None if m is None else m.total_energy_bound
+    energy, failed, bound_j, unknown = dist.all_reduce(
+        [
+            m.total_energy if m else 0.0,
+            float(m is None),
+            bound or 0.0,
+            float(m is not None and bound is None),
+        ],
+        op="sum",
+    )
+    return energy, failed, None if unknown else bound_j
 
 
 def run_summary(report: Mapping[str, Any], totals: Mapping[str, float]) -> dict[str, float]:

@@ -29,6 +29,7 @@ _GPU_ENERGY = "energy_monitor_gpu_energy_joules"
 _CPU_ENERGY = "energy_monitor_cpu_energy_joules"
 _DRAM_ENERGY = "energy_monitor_dram_energy_joules"
 _GPU_POWER = "power_monitor_gpu_power_watts"
+_GPU_ENERGY_BOUND = "energy_monitor_gpu_energy_bound_joules"
 _LABELS = ("window", "index")
 # One help text per name: the histogram and the counter share their names, and a Pushgateway holding both
 # complains of differing help strings.
@@ -123,7 +124,9 @@ class EnergyHistogram(Metric):
     """Energy of each window, observed into histograms per device and pushed at `end_window`.
 
     Metrics `energy_monitor_gpu_energy_joules`, `..._cpu_...` and `..._dram_...` (labels `window`, `index`);
-    CPU and DRAM where RAPL is readable. An observation outside the buckets is logged.
+    CPU and DRAM where RAPL is readable. An observation outside the buckets is logged. Beside them, the gauge
+    `energy_monitor_gpu_energy_bound_joules` holds how far the last window's true GPU energy may lie from the
+    observed figure (J, either way; `Measurement.gpu_energy_bound`), for GPUs whose bound is known.
 
     Args:
         cpu_indices: CPU packages to measure (RAPL); `[]`: none.
@@ -189,6 +192,9 @@ class EnergyHistogram(Metric):
             )
             if kind == "GPU" or self.energy_monitor.cpu_indices
         }
+        self._bound = pc.Gauge(
+            _GPU_ENERGY_BOUND, "Bound of the last window's GPU energy (J)", _LABELS, registry=self.registry
+        )
         self._push = _Pusher(self.pushgateway_url, self.job, self.registry, self.energy_monitor.simulated)
         self._outside_warned: set[tuple[str, str, int]] = set()
 
@@ -199,6 +205,8 @@ class EnergyHistogram(Metric):
     def end_window(self, name: str, sync_execution: bool = True) -> None:
         """Observe the window's energy per device and push the histograms."""
         m = self.energy_monitor.end_window(f"__EnergyHistogram_{name}", sync_execution=sync_execution)
+        for index, bound_j in m.gpu_energy_bound.items():
+            self._bound.labels(window=name, index=index).set(bound_j)
         for kind, energies in (("GPU", m.gpu_energy), ("CPU", m.cpu_energy), ("DRAM", m.dram_energy)):
             if not energies or kind not in self._histograms:
                 continue
