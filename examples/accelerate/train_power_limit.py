@@ -41,11 +41,11 @@ def main() -> None:
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=not args.real, gradient_accumulation_steps=args.gradient_accumulation_steps)
     gpu = local_gpu_index(accelerator)
-    layers = [torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)]
-    if not args.real:  # the CPU stands in for the GPU: each step queues 4 ms forward, 8 ms backward on it
-        from zeus_callbacks.sim import SimulatedKernels
+    layers = [torch.nn.Linear(256, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)]
+    if not args.real:  # each step queues 10 ms forward, 20 ms backward on the simulated GPU (no host CPU:
+        from zeus_callbacks.sim import SimulatedKernels  # the model's 1-2 ms on the host run beside them)
 
-        layers.append(SimulatedKernels(gpu, 0.004))
+        layers.append(SimulatedKernels(gpu, 0.01))
     model = torch.nn.Sequential(*layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(4096, 256)

@@ -11,6 +11,7 @@ model and data with yours: the only contract is `profile_power_limits(step_fn)` 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -26,12 +27,19 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     # A tiny CIFAR-100-shaped classifier on synthetic data: the work per step grows with the batch.
-    model = torch.nn.Sequential(
+    layers = [
         torch.nn.Flatten(),
         torch.nn.Linear(3 * 32 * 32, args.hidden),
         torch.nn.ReLU(),
         torch.nn.Linear(args.hidden, 100),
-    ).to(device)
+    ]
+    if os.environ.get("ZEUS_CALLBACKS_SIMULATE"):
+        # On a simulated GPU, 0.1 ms a sample forward (twice that backward) is queued on it: no host CPU, so
+        # the host's speed and load do not change the work.
+        from zeus_callbacks.sim import SimulatedKernels
+
+        layers.append(SimulatedKernels(0, 1e-4 * batch_size))
+    model = torch.nn.Sequential(*layers).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(batch_size, 3, 32, 32, device=device)
     y = torch.randint(0, 100, (batch_size,), device=device)

@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as torch_dist
@@ -56,13 +55,6 @@ def gpu_work_s(profile, local_batch: int, time_scale: float) -> float:
     return float(time_s[-1, 0]) * time_scale
 
 
-def burn_cpu(seconds: float) -> None:
-    """Busy host work for `seconds` of CPU time: what a simulated GPU counts as work queued on it."""
-    end = time.process_time() + seconds
-    while time.process_time() < end:
-        sum(range(2000))  # reading the process clock is a system call: do some work between reads
-
-
 def run_phase(name, rp: RankPlan, profile, monitor: ZeusMonitor, args) -> tuple[float, float]:
     """Train `args.steps` measured steps (after warm-up) on `rp`; returns (time s, this GPU's energy J)."""
     rank = rp.rank
@@ -83,7 +75,9 @@ def run_phase(name, rp: RankPlan, profile, monitor: ZeusMonitor, args) -> tuple[
     for step, (x, y) in enumerate(loader):
         if step == args.warmup_steps:
             monitor.begin_window(name)
-        burn_cpu(work)  # the GPU's share of the step, as the profile measured it at maximum power
+        # The GPU's share of the step, as the profile measured it at maximum power, queued on the simulated
+        # GPU (no host CPU: the host's load does not change it; nothing on a real GPU).
+        sim.enqueue_if_simulated(rank, work)
         gpus.step_boundary([rank])  # a simulated GPU stretches it by its slowdown at the applied limit
         optimizer.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()  # DDP all-reduce: the faster rank waits

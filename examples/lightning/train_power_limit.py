@@ -49,11 +49,11 @@ def main() -> None:
     class Regressor(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            layers = [torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)]
-            if not args.real:  # the CPU stands in for the GPU: each step queues 4 ms forward, 8 ms backward
-                from zeus_callbacks.sim import SimulatedKernels
+            layers = [torch.nn.Linear(256, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)]
+            if not args.real:  # each step queues 10 ms forward, 20 ms backward on the simulated GPU (no host
+                from zeus_callbacks.sim import SimulatedKernels  # CPU: the model's 1-2 ms run beside them)
 
-                layers.append(SimulatedKernels(gpu, 0.004))
+                layers.append(SimulatedKernels(gpu, 0.01))
             self.net = torch.nn.Sequential(*layers)
 
         def training_step(self, batch, batch_idx):

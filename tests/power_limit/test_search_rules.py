@@ -112,3 +112,26 @@ def test_a_sample_well_above_the_median_is_set_aside_more_readily_than_one_below
     kept = robust_chunks([Chunk(1, 0.1 * t, 20.0 * t) for t in [*base, 0.93, 1.07]])
     per_step = sorted(round(c.time_s / 0.1, 4) for c in kept)
     assert 0.93 in per_step and 1.07 not in per_step
+
+
+def test_a_revisit_slower_than_a_lower_limit_is_set_aside():
+    """Fails if a later visit of a higher limit that is more than 10% slower than a lower limit's is kept
+    (the reference measured again inside a burst: every limit's slowdown would be judged against it)."""
+    from dataclasses import replace
+
+    from zeus_callbacks.core.power_limit.bursts import BurstWatch
+
+    ref = _stats(300, 0.1, 22.0, 5)
+    ref.set_aside_visit(1)  # its first visit ran inside a burst
+    ref = replace(ref, visits=2, chunks=list(ref.chunks))
+    for t in (0.118, 0.12, 0.119, 0.121, 0.12):  # 17% slower than 250 W: inside a burst again
+        ref.add(t, 22.0)
+    stats = {300: ref, 250: _stats(250, 0.103, 21.0, 10)}
+    BurstWatch().end_visit(ref, stats, lambda pl: True)
+    assert 2 in ref.bad_visits and ref.steps == 0
+    # Within 10% of the lower limit: kept.
+    calm = replace(_stats(300, 0.1, 22.0, 5), visits=2)
+    for t in (0.103, 0.104, 0.1035, 0.103, 0.1035):
+        calm.add(t, 22.0)
+    BurstWatch().end_visit(calm, {300: calm, 250: stats[250]}, lambda pl: True)
+    assert calm.bad_visits == []

@@ -161,3 +161,23 @@ def test_max_slowdown_differs_from_zeus_on_purpose():
     assert not MaxSlowdownConstraint(1.1, prefer="lowest_power_limit").has_score()
     with pytest.raises(ValueError, match="prefer='lowest'"):
         MaxSlowdownConstraint(1.1, prefer="lowest")
+
+
+@pytest.mark.parametrize(
+    "selector", [MaxSlowdownConstraint(1.1), MaxSlowdownConstraint(1.1, prefer="lowest_power_limit")]
+)
+def test_the_choice_is_judged_against_the_reference_even_once_pruned(selector):
+    """Fails if `select` is given the measured limits without the reference (pruned, or left out), so that
+    a slowdown bound is judged against the highest limit left: 200 W is within 1.1x of 250 W's time, 14%
+    past 300 W's."""
+    from helpers import alternating_stats as _stats
+
+    from zeus_callbacks.core.power_limit.search import choose_power_limit
+
+    stats = {
+        300: _stats(300, 0.1, 30.0, 20),
+        250: _stats(250, 0.1045, 21.0, 20),
+        200: _stats(200, 0.114, 18.0, 20),
+    }
+    stats[300].pruned = True
+    assert choose_power_limit(stats, selector, 300.0, 40, reference_w=300) == 250
