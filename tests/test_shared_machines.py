@@ -43,12 +43,18 @@ def _plant_links(directory: Path, name: str, victim: Path) -> list[Path]:
     return links
 
 
+@pytest.mark.parametrize("unnamed", [True, False], ids=["O_TMPFILE", "named_temporary"])
 @pytest.mark.parametrize("route", sorted(WRITE_ROUTES))
-def test_no_write_route_writes_through_a_planted_link(route: str, tmp_path: Path) -> None:
+def test_no_write_route_writes_through_a_planted_link(
+    route: str, unnamed: bool, tmp_path: Path, monkeypatch
+) -> None:
     """Rule: every writer makes its temporary file under an unpredictable name with O_EXCL|O_NOFOLLOW and
     renames it over the target (a link at the target is replaced, not followed). Fails on a0ffbee: the
     profile, record and report wrote `<file>.tmp` through the link; the Zeus² files and the plot wrote
-    through a link at the file; the journal's fixed name made the write fail (ELOOP)."""
+    through a link at the file; the journal's fixed name made the write fail (ELOOP). Checked with an
+    unnamed temporary file (O_TMPFILE) and with the named one of file systems without it."""
+    if not unnamed:
+        monkeypatch.setattr("zeus_callbacks.core.files._TMPFILE", False)
     name, write = WRITE_ROUTES[route]
     victim = tmp_path / "victim.txt"
     victim.write_text(VICTIM_TEXT)

@@ -289,23 +289,23 @@ def test_plain_trainer_resumes_from_exactly_the_checkpoint_named(node, tmp_path,
     assert len(said) == 1 and f"resume_from_checkpoint={str(older)!r}" in said[0], caplog.text
 
 
-# Our own file: the `profile_path` profile is written to `<path>.tmp` and renamed over the profile. The first
-# run SIGKILLs itself in the middle of writing the second save's temporary file.
+# Our own file: the `profile_path` profile is written to a new file (`files.write_atomic`) and renamed over the
+# profile. The first run SIGKILLs itself in the middle of writing the second save's new file.
 _KILLED_WHILE_WRITING_THE_PROFILE = """
-write_text, saves = Path.write_text, []
+from zeus_callbacks.core import files
 
-def write_half_then_die(self, data, *args, **kwargs):
-    if self.name.endswith(".json.tmp"):
-        saves.append(self)
+write_all, saves = files._write_all, []
+
+def write_half_then_die(fd, data):
+    if b'"format": "zeus_callbacks.power_limit_profile"' in data[:80]:
+        saves.append(fd)
         if len(saves) == 2:
-            with open(self, "w") as f:
-                f.write(data[: len(data) // 2])
-                f.flush()
-                os.fsync(f.fileno())
+            os.write(fd, data[: len(data) // 2])
+            os.fsync(fd)
             os.kill(os.getpid(), signal.SIGKILL)
-    return write_text(self, data, *args, **kwargs)
+    return write_all(fd, data)
 
-Path.write_text = write_half_then_die
+files._write_all = write_half_then_die
 plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), profile_path=tmp / "plo.json", **PLO_KW)
 make_trainer(tmp, [plo], max_steps=40).train()
 """
@@ -326,8 +326,8 @@ def test_sigkill_while_writing_the_profile_keeps_the_last_complete_one(tmp_path,
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     profile = json.loads((tmp_path / "plo.json").read_text())  # the first save, whole
     assert not profile["complete"] and len(profile["measurements"]) == 1
-    with pytest.raises(json.JSONDecodeError):
-        json.loads((tmp_path / "plo.json.tmp").read_text())  # the second, cut short, never renamed
+    # The second, cut short, was never renamed; unnamed (O_TMPFILE), it went with the process.
+    assert sorted(p.name for p in tmp_path.glob("*plo.json*")) == ["plo.json"]
     _gpu_back_at_300_w(sim_state_dir)
 
     rerun = _run(_RERUN_WITH_THE_PROFILE, tmp_path, sim_state_dir)

@@ -44,6 +44,7 @@ _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_LINKS = 40  # the kernel's own bound on links followed in one lookup (MAXSYMLINKS, include/linux/namei.h)
 _NAME_MAX = 255  # bytes in one file name (NAME_MAX, include/uapi/linux/limits.h)
 _TMP_SUFFIX = ".tmp"
+_TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")  # Linux 3.11+, with /proc mounted
 _warned: set[str] = set()
 
 
@@ -166,19 +167,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, mode: int =
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(path))
     dir_fd = open_directory(path.parent, create=True)
     try:
-        tmp = _temporary_name(path.name)
-        fd = os.open(tmp, _TMP_FLAGS, mode, dir_fd=dir_fd)
-        try:
-            try:
-                _write_all(fd, payload)
-                os.fsync(fd)
-            finally:
-                os.close(fd)  # NFS reports a full quota here
-            os.rename(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            raise
+        _write_new(dir_fd, path.name, payload, mode)
         with contextlib.suppress(OSError):  # the rename is durable once the directory is (EINVAL on some)
             os.fsync(dir_fd)
     except OSError as e:
@@ -187,6 +176,39 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, mode: int =
         raise
     finally:
         os.close(dir_fd)
+
+
+def _create_temporary(dir_fd: int, name: str, mode: int) -> tuple[int, str | None]:
+    """A new file in `dir_fd`: unnamed (O_TMPFILE, open(2)) where the file system allows, so a process killed
+    while writing leaves nothing; else under an unpredictable name. Returns its descriptor and name."""
+    if _TMPFILE:
+        try:
+            return os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, mode, dir_fd=dir_fd), None
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    tmp = _temporary_name(name)
+    return os.open(tmp, _TMP_FLAGS, mode, dir_fd=dir_fd), tmp
+
+
+def _write_new(dir_fd: int, name: str, payload: bytes, mode: int) -> None:
+    """Write `payload` to a new file and rename it to `name`, in the directory `dir_fd`."""
+    fd, tmp = _create_temporary(dir_fd, name, mode)
+    try:
+        try:
+            _write_all(fd, payload)
+            os.fsync(fd)
+            if tmp is None:  # named once whole, as open(2) shows for O_TMPFILE (linkat, AT_SYMLINK_FOLLOW)
+                tmp = _temporary_name(name)
+                os.link(f"/proc/self/fd/{fd}", tmp, dst_dir_fd=dir_fd, follow_symlinks=True)
+        finally:
+            os.close(fd)  # NFS reports a full quota here
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+        raise
 
 
 def _open_regular(path: str) -> int:
@@ -251,7 +273,7 @@ def _check_owner(st: os.stat_result, shown: str, chooses: str) -> None:
     if not _trusted(st.st_uid):
         raise ForeignFileError(
             errno.EPERM,
-            f"is owned by {user_name(st.st_uid)}, not by you ({user_name(os.geteuid())})"
+            f"is owned by {user_name(st.st_uid)}, not by you ({user_name(os.geteuid()).split(' (')[0]})"
             f"{'' if os.geteuid() == 0 else ' nor root'}, and it chooses {chooses}: another user's file is not trusted with that. If you trust its "
             "contents, copy it to a file of your own (`cp`); else pass a path of your own",
             shown,
