@@ -257,3 +257,19 @@ def test_report_of_a_run_dir_whose_record_is_a_fifo_says_so(tmp_path: Path, caps
     code: list[int] = []
     assert _finishes(lambda: code.append(main(["report", str(tmp_path)]))) is None
     assert code == [2] and "a FIFO" in capsys.readouterr().err
+
+
+def test_a_profile_claiming_more_steps_than_any_job_measures_is_refused(tmp_path: Path) -> None:
+    """Rule: a limit's count of steps is at most `MAX_STEPS` (a billion). Fails on a0ffbee: `steps` 10**20
+    was taken, and its per-step figures, looking exact, changed the choice."""
+    from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
+    from zeus_callbacks.core.power_limit.profile_file import ProfileContext, load_profile, save_profile
+
+    context = ProfileContext("NVIDIA A40", (100, 300), 100, 1, True)
+    path = tmp_path / "plo.json"
+    save_profile(path, context, {300: PowerLimitStats(300, 4, 0.4, 120.0, 0.04, 3600.0)}, complete=False)
+    data = json.loads(path.read_text())
+    data["measurements"][0]["steps"] = 10**20
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="is not a count of measured steps"):
+        load_profile(path, context)

@@ -29,6 +29,9 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 2
+# Steps measured at one limit: a billion is 11 days of 1 ms steps, far past any profile; a count beyond it
+# (issue 38 saw 1e20) would make a limit's per-step figures look exact and change the choice.
+MAX_STEPS = 10**9
 VERSIONS = (1, 2)
 
 
@@ -88,7 +91,7 @@ def _sums_problem(power_limit_w: float, values: Mapping[str, Any], pruned: bool)
     if (
         not isinstance(steps, int)
         or isinstance(steps, bool)
-        or steps < 0
+        or not 0 <= steps <= MAX_STEPS
         or (steps == 0 and (values.get("time_s") or values.get("energy_j")))
     ):
         return f"{power_limit_w} W: steps={steps!r} is not a count of measured steps"
