@@ -228,7 +228,10 @@ def test_fault_no_energy_counter_falls_back_to_sampling(sim_gpus):
     # GPU 0's counter is the reference the sampled GPU 1 is compared with: keep it exact, and GPU 1's power
     # reading the draw of the last interval (not the driver's update period and window).
     system = sim_gpus(
-        "2*a40", faults="no_energy_counter@1", virtual_clock=True, ideal="energy_counter,power_window"
+        "2*a40",
+        faults="no_energy_counter@1",
+        virtual_clock=True,
+        ideal="energy_counter,power_window,sensor_gain",  # two boards, one exact sensor
     )
     gpus = get_gpus()
     assert gpus[0].supports_energy_counter and not gpus[1].supports_energy_counter

@@ -164,11 +164,11 @@ def test_sampled_and_interpolated_windows_are_bounded_by_what_their_readings_mis
 
 
 @pytest.mark.parametrize("spec", BOARDS)
-def test_the_true_energy_lies_within_the_bound_on_every_board_and_window_length(spec):
+def test_the_true_energy_lies_within_the_bound_on_every_board_and_window_length(spec, caplog):
     """The done-when: in at least 95% of windows, on every board and window length from 5 ms to 10 s. And the
     bound is not vacuous: below 20% of the energy for windows of 1 s and longer (the sensor's 5.3% and, on a
     100 ms counter, one refresh at the window's power: 10% of a 1 s window, then less), below 12% from 3 s."""
-    logging.getLogger("zeus_callbacks").setLevel(logging.ERROR)  # short windows warn once per GPU
+    caplog.set_level(logging.ERROR, logger="zeus_callbacks")  # short windows warn once per GPU
     for length in LENGTHS_S:
         covered, share = _coverage(spec, length, count=30 if length < 3 else 12)
         assert covered >= 0.95, (spec, length, covered)
@@ -177,10 +177,10 @@ def test_the_true_energy_lies_within_the_bound_on_every_board_and_window_length(
 
 
 @pytest.mark.parametrize("spec", ["a40", "h100", "nvidia-smi:V100_x8"])
-def test_sampled_and_approximated_windows_cover_the_truth_too(spec):
+def test_sampled_and_approximated_windows_cover_the_truth_too(spec, caplog):
     """The same 95% for windows of GPUs without a counter (sampled every 100 ms) and for short windows
     approximated by instantaneous power."""
-    logging.getLogger("zeus_callbacks").setLevel(logging.ERROR)
+    caplog.set_level(logging.ERROR, logger="zeus_callbacks")
     for length in (0.02, 0.3, 1.0, 10.0):
         covered, _ = _coverage(spec, length, count=20 if length < 3 else 6, faults="no_energy_counter")
         assert covered >= 0.95, ("sampled", spec, length, covered)

@@ -164,16 +164,29 @@ class EnergyBound:
 
     def counter(self, energy_j: float, elapsed_s: float) -> float | None:
         """The bound of a window measured with the energy counter (J); None when it cannot be known: a window
-        shorter than one refresh whose counter did not move, on a GPU whose power was never measured."""
+        shorter than one refresh whose counter did not move, on a GPU whose power was never measured and whose
+        top power NVML does not give.
+
+        Each end's read may be stale by up to one refresh; both stale slices count with opposite signs, so the
+        figure is off by at most one refresh's energy at `edge_power_w`. (The monitor's hot path: the usual case,
+        a window of two refreshes or more, is written out here rather than through `edge_power_w`.)"""
+        gain = _GAIN_SHARE * (energy_j if energy_j >= 0.0 else -energy_j)
+        offset = ABSOLUTE_ERROR_W * elapsed_s
+        sensor = gain if gain > offset else offset
         refresh = self.refresh_s
         if not refresh:
-            return sensor_error_j(energy_j, elapsed_s)
-        power = self.edge_power_w(energy_j, elapsed_s)
-        if power <= 0.0 and elapsed_s < refresh:
-            return None
-        # Each end's read may be stale by up to one refresh; both stale slices count with opposite signs, so
-        # the figure is off by at most one refresh's energy.
-        return sensor_error_j(energy_j, elapsed_s) + _GROW * power * refresh
+            return sensor
+        if elapsed_s >= 2 * refresh:
+            power = energy_j / elapsed_s
+            if power > self.peak_w:
+                self.peak_w = power
+            else:
+                power = self.peak_w
+        else:
+            power = self.edge_power_w(energy_j, elapsed_s)
+            if power <= 0.0 and elapsed_s < refresh:
+                return None
+        return sensor + _GROW * power * refresh
 
     def instant(self, power_w: float, elapsed_s: float, counter_j: float) -> float:
         """The bound of a window approximated by one instantaneous reading, `power_w` x `elapsed_s` (J).
