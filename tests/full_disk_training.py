@@ -2,8 +2,9 @@
 them, for tests/test_full_disk.py (run as a script).
 
 Usage: `python full_disk_training.py DIR WHAT FAILURE`.
-- WHAT `outputs`: the power-limit profile (`DIR/plo.json`) and the run record and report
-  (`DIR/report.html`, `DIR/report.run/`) go to DIR; the journal stays in memory. WHAT `journal`: the
+- WHAT `outputs`: the power-limit profile (`DIR/plo.json`), the run record and report (`DIR/report.html`,
+  `DIR/report.run/`) and, unless read-only, the monitor's log (`DIR/monitor.csv`) go to DIR; the journal
+  stays in memory. WHAT `journal`: the
   GPU-state journal goes to `DIR/journal` (`ZEUS_CALLBACKS_JOURNAL_DIR`).
 - FAILURE `enospc` or `erofs`: DIR is a full or read-only file system (made by the caller); `efbig`: this
   process may write no byte to any file (RLIMIT_FSIZE 0, SIGXFSZ ignored, as `ulimit -f 0` in a shell
@@ -39,8 +40,10 @@ def main(directory: Path, what: str, failure: str) -> None:
         tempfile.gettempdir()  # probed by writing a file, then cached: torch's imports ask for it later
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    monitor = ZeusMonitor()
     outputs = what == "outputs"
+    # A log that cannot be made at all (read-only) is refused when the monitor is made, before training.
+    log = outputs and failure != "erofs"
+    monitor = ZeusMonitor(log_file=directory / "monitor.csv" if log else None)
     plo = GlobalPowerLimitOptimizer(
         monitor,
         wait_steps=1,

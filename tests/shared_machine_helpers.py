@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from zeus_callbacks import sim
+
 OTHER_USER = "zc-shared-test"
 
 
@@ -51,7 +53,6 @@ def _power_limit_profile(path: Path) -> None:
 
 
 def _run_record(path: Path) -> None:
-    from zeus_callbacks import sim
     from zeus_callbacks.core.monitor.monitor import ZeusMonitor
     from zeus_callbacks.core.report.run_record import RunRecorder
 
@@ -110,6 +111,26 @@ def _plan_plot(path: Path) -> None:
     assert main(argv) == 0
 
 
+def _monitor_log(path: Path) -> None:
+    from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+
+    sim.simulate("a40", virtual_clock=True)
+    monitor = ZeusMonitor(log_file=path)
+    monitor.begin_window("step")
+    monitor.end_window("step")
+
+
+def _epoch_log(path: Path) -> None:
+    from zeus_callbacks.core.monitor.epoch_log import EpochLog
+    from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+
+    assert path.name == "run.time.csv", "EpochLog names its files after the prefix"
+    sim.simulate("a40", virtual_clock=True)
+    log = EpochLog(ZeusMonitor(), str(path.parent / "run"), sleep_ms=0)
+    log.begin("train")
+    log.end("train")
+
+
 WRITE_ROUTES: dict[str, tuple[str, Callable[[Path], None]]] = {
     "power_limit_profile": ("plo.json", _power_limit_profile),
     "run_record": ("record.rank0.json", _run_record),
@@ -120,6 +141,8 @@ WRITE_ROUTES: dict[str, tuple[str, Callable[[Path], None]]] = {
     "zeus2_run": ("run.json", _zeus2_run),
     "zeus2_profile": ("a10.json", _zeus2_profile),
     "plan_plot": ("plan.png", _plan_plot),
+    "monitor_log": ("monitor.csv", _monitor_log),
+    "epoch_log": ("run.time.csv", _epoch_log),
 }
 
 

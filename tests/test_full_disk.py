@@ -70,8 +70,8 @@ def _result(done: subprocess.CompletedProcess) -> dict:
 @pytest.mark.system
 @pytest.mark.parametrize("failure", ["enospc", "efbig", "erofs"])
 def test_profile_and_report_that_cannot_be_written_never_stop_training(failure: str, tmp_path: Path) -> None:
-    """Rule: a failed save of the power-limit profile, the run record or the report is one warning each, and
-    the run trains on and restores the GPU. Fails on a0ffbee: `save_profile` raised OSError out of
+    """Rule: a failed save of the power-limit profile, the run record, the report or a write of the monitor's
+    log is one warning each, and the run trains on and restores the GPU. Fails on a0ffbee: `save_profile` raised OSError out of
     `on_step_end` (ENOSPC, EFBIG: exit 1 with a traceback), and the run record warned at every write."""
     out = tmp_path / "out"
     out.mkdir()
@@ -84,6 +84,8 @@ def test_profile_and_report_that_cannot_be_written_never_stop_training(failure: 
     for what in ("power-limit profile", "run record"):
         assert done.stderr.count(f"Cannot write the {what}") == 1, done.stderr[-3000:]
     assert done.stderr.count("Cannot write the report") == 1, done.stderr[-3000:]
+    if failure != "erofs":
+        assert done.stderr.count("Cannot write the ZeusMonitor log") == 1, done.stderr[-3000:]
     if failure != "enospc":  # the tmpfs went with its namespace; elsewhere nothing half-written is left
         assert [p.name for p in out.rglob("*") if p.name.endswith(".tmp")] == []
 
@@ -139,6 +141,22 @@ def test_a_failed_write_keeps_the_last_complete_file_and_leaves_no_temporary(tmp
                 files.write_atomic(path, b"newer, never whole")
         assert failed and caught.value.filename == str(path)
         assert path.read_bytes() == b"complete" and sorted(tmp_path.iterdir()) == [path], step
+
+
+def test_a_log_whose_write_fails_says_so_once_and_never_raises(tmp_path, caplog) -> None:
+    """Rule: a log written as training goes (the monitor's, EpochLog's) ends at its first failed write with
+    one warning; later writes, flushes and the close raise nothing. /dev/full answers every write with
+    ENOSPC (null(4))."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    log = files.LogFile(os.open("/dev/full", os.O_WRONLY), tmp_path / "monitor.csv", "ZeusMonitor log")
+    with caplog.at_level("WARNING", logger="zeus_callbacks"):
+        for i in range(3):
+            log.write(f"{i},step\n")
+            log.flush()
+        log.close()
+    said = [r.getMessage() for r in caplog.records if "ZeusMonitor log" in r.getMessage()]
+    assert len(said) == 1 and "No space left on device" in said[0] and "the log ends" in said[0]
 
 
 def _save_and_load(args: tuple[str, int, int]) -> tuple[int, int]:

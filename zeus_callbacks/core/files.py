@@ -1,8 +1,9 @@
 """How the package writes and reads its files on a machine shared with other users.
 
-Every file is written by `write_atomic`: a private temporary file of an unpredictable name, created in the
-target's directory with `O_EXCL | O_NOFOLLOW` (so nothing planted there, a symbolic link least of all, is
-ever written through), written, `fsync`ed and renamed over the target (a rename replaces a link at the
+Every file is written by `write_atomic`: a private new file in the target's directory, unnamed
+(`O_TMPFILE`) until it is whole, or, where the file system has no `O_TMPFILE`, under an unpredictable name
+opened with `O_EXCL | O_NOFOLLOW` (so nothing planted there, a symbolic link least of all, is ever written
+through); written, `fsync`ed and renamed over the target (a rename replaces a link at the
 target, never follows it), then the directory is `fsync`ed. A reader sees the old file or the new one,
 whole; a failure (a full disk, a quota, `ulimit -f`, a read-only file system) leaves the last complete file
 and no temporary behind.
@@ -11,6 +12,10 @@ Directories are walked one component at a time (`open_directory`: `O_DIRECTORY |
 descriptor of the one before), following a symbolic link only when this user or root owns it: a link
 another user owns could be pointed anywhere at any moment, and the kernel's `protected_symlinks` guards only
 world-writable sticky directories, not a group-writable project directory or another user's home.
+
+A log written as training goes (`open_log`) starts as a new file made the same way, so a link planted at
+its name is replaced, not written through; its first failed write is said once and ends it (`LogFile`),
+never raising into training.
 
 `read_regular` reads a regular file the same way, opened `O_NONBLOCK` so that a FIFO or a device given
 where a file was expected is refused instead of waited on; a file that chooses a power limit or a clock is
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import logging
 import os
 import pwd
@@ -31,8 +37,10 @@ from pathlib import Path
 
 __all__ = [
     "ForeignFileError",
+    "LogFile",
     "UnsafePathError",
     "open_directory",
+    "open_log",
     "read_regular",
     "warn_write_failed",
     "write_atomic",
@@ -46,6 +54,7 @@ _NAME_MAX = 255  # bytes in one file name (NAME_MAX, include/uapi/linux/limits.h
 _TMP_SUFFIX = ".tmp"
 _TMPFILE = hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")  # Linux 3.11+, with /proc mounted
 _warned: set[str] = set()
+_logger = logging.getLogger(__name__)
 
 
 class UnsafePathError(OSError):
@@ -161,15 +170,19 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, mode: int =
         OSError: the file cannot be written (no space, quota, `ulimit -f`, read-only, no permission); the
             last complete file is left as it was, and no temporary file.
     """
-    path = Path(path)
-    payload = data.encode() if isinstance(data, str) else data
+    _replace(Path(path), data.encode() if isinstance(data, str) else data, mode)
+
+
+def _replace(path: Path, payload: bytes, mode: int, keep_open: bool = False) -> int | None:
+    """`_write_new` in `path`'s directory, walked and made by `open_directory`; an error names `path`."""
     if path.name in ("", ".", ".."):
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(path))
     dir_fd = open_directory(path.parent, create=True)
     try:
-        _write_new(dir_fd, path.name, payload, mode)
+        fd = _write_new(dir_fd, path.name, payload, mode, keep_open)
         with contextlib.suppress(OSError):  # the rename is durable once the directory is (EINVAL on some)
             os.fsync(dir_fd)
+        return fd
     except OSError as e:
         if e.filename is None:
             raise type(e)(e.errno, e.strerror, str(path)) from None
@@ -191,8 +204,9 @@ def _create_temporary(dir_fd: int, name: str, mode: int) -> tuple[int, str | Non
     return os.open(tmp, _TMP_FLAGS, mode, dir_fd=dir_fd), tmp
 
 
-def _write_new(dir_fd: int, name: str, payload: bytes, mode: int) -> None:
-    """Write `payload` to a new file and rename it to `name`, in the directory `dir_fd`."""
+def _write_new(dir_fd: int, name: str, payload: bytes, mode: int, keep_open: bool = False) -> int | None:
+    """Write `payload` to a new file and rename it to `name`, in the directory `dir_fd`; with `keep_open`,
+    its descriptor (open for writing) is returned."""
     fd, tmp = _create_temporary(dir_fd, name, mode)
     try:
         try:
@@ -202,13 +216,17 @@ def _write_new(dir_fd: int, name: str, payload: bytes, mode: int) -> None:
                 tmp = _temporary_name(name)
                 os.link(f"/proc/self/fd/{fd}", tmp, dst_dir_fd=dir_fd, follow_symlinks=True)
         finally:
-            os.close(fd)  # NFS reports a full quota here
+            if not keep_open:
+                os.close(fd)  # NFS reports a full quota here
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
+        if keep_open:
+            os.close(fd)
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dir_fd)
         raise
+    return fd if keep_open else None
 
 
 def _open_regular(path: str) -> int:
@@ -287,20 +305,72 @@ def _check_owner(st: os.stat_result, shown: str, chooses: str) -> None:
         )
 
 
+_KEPT = "the last complete file (if any) is kept, and saving is tried again at the next save"
+
+
 def warn_write_failed(
-    logger: logging.Logger, what: str, path: str | os.PathLike[str], error: OSError
+    logger: logging.Logger, what: str, path: str | os.PathLike[str], error: OSError, after: str = _KEPT
 ) -> None:
-    """Say once per file and process that `what` could not be written to `path` and that training goes
-    on (later failures of the same file are logged at DEBUG)."""
+    """Say once per file and process that `what` could not be written to `path`, that training goes on,
+    and `after` (what becomes of the file); later failures of the same file are logged at DEBUG."""
     key = f"{what}\0{os.fspath(path)}"
     level = logging.DEBUG if key in _warned else logging.WARNING
     _warned.add(key)
     reason = error.strerror or str(error)
     logger.log(
-        level,
-        "Cannot write the %s %s: %s. Training goes on; the last complete file (if any) is kept, and saving is "
-        "tried again at the next save (this is said once).",
-        what,
-        os.fspath(path),
-        reason,
+        level, "Cannot write the %s %s: %s. Training goes on; %s.", what, os.fspath(path), reason, after
     )
+
+
+class LogFile(io.TextIOBase):
+    """A log opened by `open_log`, written as training goes. The first write that fails (a full disk, a
+    quota, `ulimit -f`) is said once and ends the log there: it never raises into training."""
+
+    def __init__(self, fd: int, path: Path, what: str) -> None:
+        self._file = open(fd, "w", encoding="utf-8")  # noqa: SIM115 - held open across the run
+        self._path, self._what, self._failed = path, what, False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not self._failed:
+            try:
+                self._file.write(text)
+            except OSError as e:
+                self._fail(e)
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._failed and not self._file.closed:
+            try:
+                self._file.flush()
+            except OSError as e:
+                self._fail(e)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.flush()
+        with contextlib.suppress(OSError):  # after a failure its buffer holds what cannot be written
+            self._file.close()
+        super().close()
+
+    def _fail(self, error: OSError) -> None:
+        self._failed = True
+        warn_write_failed(_logger, self._what, self._path, error, "the log ends at the failed write")
+
+
+def open_log(path: str | os.PathLike[str], what: str, *, mode: int = 0o600) -> LogFile:
+    """A new, empty log file at `path` (what was there replaced, a link there never followed; directories
+    made and walked as `write_atomic` does), open for writing; `what` names it in the warning of a failed
+    write.
+
+    Raises:
+        UnsafePathError: a directory of `path` is reached through another user's symbolic link.
+        OSError: it cannot be created.
+    """
+    path = Path(path)
+    fd = _replace(path, b"", mode, keep_open=True)
+    assert fd is not None
+    return LogFile(fd, path, what)

@@ -8,8 +8,9 @@ import operator
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
+from zeus_callbacks.core import files
 from zeus_callbacks.core.device.errors import InvalidInputError
 
 __all__ = [
@@ -63,9 +64,8 @@ def open_log(owner: str, value: Any) -> TextIO:
     path = Path(value)
     if path.is_dir():
         raise InvalidInputError(f"`{owner}(log_file={str(path)!r})`: is a directory; pass a file path in it.")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("w")
+    try:  # a new file (a link at the name never followed); a full disk later ends the log with a warning
+        return cast(TextIO, files.open_log(path, f"{owner} log"))
     except OSError as e:
         raise InvalidInputError(
             f"`{owner}(log_file={str(path)!r})`: cannot be created ({e.strerror or e}); pass a path in a "

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TextIO
 
 from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core import files
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.monitor import checks
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -116,11 +116,9 @@ class PowerLog:
     def __init__(self, monitor: ZeusMonitor, prefix: str | Path, interval_s: float) -> None:
         self._gpus = [monitor.gpus[i] for i in monitor.gpu_indices]
         self._interval = max(_MIN_SLEEP_S, interval_s)
-        self._files: list[TextIO] = []
+        self._files: list[files.LogFile] = []
         for g in self._gpus:
-            path = Path(f"{prefix}+gpu{g.index}.power.csv")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            f = path.open("w")
+            f = files.open_log(f"{prefix}+gpu{g.index}.power.csv", "power log")
             f.write("Time,Power\n")
             self._files.append(f)
         self._stop = threading.Event()
@@ -206,8 +204,8 @@ class EpochLog:
         self._epochs: dict[str, int] = {}
         self._open_splits: dict[str, bool] = {}  # split -> first batch done
         self._power: PowerLog | None = None
-        self._energy_files: dict[int, TextIO] = {}
-        self._time_file: TextIO | None = None
+        self._energy_files: dict[int, files.LogFile] = {}
+        self._time_file: files.LogFile | None = None
         self._opened = False
         self.records: list[EpochRecord] = []
 
@@ -217,18 +215,18 @@ class EpochLog:
     def _open(self) -> None:
         self._opened = True
         try:
-            Path(self.log_prefix).parent.mkdir(parents=True, exist_ok=True)
+            os.close(files.open_directory(Path(self.log_prefix).parent, create=True))
         except OSError as e:
             raise InvalidInputError(
                 f"The log prefix {self.log_prefix!r} (log_prefix= or {LOG_PREFIX_ENV}): its folder cannot be "
                 f"created ({e.strerror or e}); pass a prefix in a folder you may write."
             ) from None
         if dist.rank() == 0:
-            self._time_file = open(f"{self.log_prefix}.time.csv", "w")  # noqa: SIM115 - open across epochs
+            self._time_file = files.open_log(f"{self.log_prefix}.time.csv", "epoch time log")
             self._time_file.write("epoch,split,time\n")
             self._time_file.flush()
         for i in self.monitor.gpu_indices:
-            f = open(f"{self.log_prefix}+gpu{i}.energy.csv", "w")  # noqa: SIM115
+            f = files.open_log(f"{self.log_prefix}+gpu{i}.energy.csv", "epoch energy log")
             f.write("epoch,split,time,energy,average_power,measured_time,measured_energy,simulated\n")
             f.flush()
             self._energy_files[i] = f
