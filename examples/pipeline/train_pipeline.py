@@ -33,8 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kernel-ms",
         type=float,
         default=4.0,
-        help="simulated GPU time of one layer's forward per microbatch at the maximum clock (backward: twice); "
-        "0 makes the host's CPU time the GPU's work instead (try --width 768 then)",
+        help="simulated GPU time of one layer's forward per microbatch at the maximum clock (backward: twice), "
+        "queued on the simulated GPU: no host CPU counts as GPU work",
     )
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--microbatch-size", type=int, default=4)
@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if len(args.layers.split(",")) != job.NUM_STAGES:
         p.error(f"--layers needs {job.NUM_STAGES} comma-separated counts, one per stage")
+    if not args.kernel_ms > 0:
+        p.error(f"--kernel-ms {args.kernel_ms:g}: must be > 0 (the stages' GPU work; the host's CPU is not)")
     return args
 
 
@@ -49,8 +51,7 @@ def make_stage_module(layers: int, width: int, gpu: int, kernel_ms: float) -> nn
     blocks: list[nn.Module] = []
     for _ in range(layers):
         blocks += [nn.Linear(width, width), nn.ReLU()]
-    if kernel_ms > 0:
-        blocks.append(SimulatedKernels(gpu, layers * kernel_ms / 1000))
+    blocks.append(SimulatedKernels(gpu, layers * kernel_ms / 1000))
     return nn.Sequential(*blocks)
 
 

@@ -4,6 +4,7 @@ tiny GPT-2 built from a config and random tokens; the Zeus part is Zeus's, impor
     ZEUS_CALLBACKS_SIMULATE=a40 python examples/zeus/hf_trainer.py
 """
 
+import os
 import tempfile
 
 import torch
@@ -46,6 +47,12 @@ def main() -> None:
         train_dataset=RandomTokens(4 * 1200),
         callbacks=[optimizer],  # Add the `HFGlobalPowerLimitOptimizer` callback
     )
+    # Not Zeus's: on simulated GPUs each step queues 5 ms of work on the GPU, rather than the host's CPU time
+    # standing for it.
+    if os.environ.get("ZEUS_CALLBACKS_SIMULATE"):
+        from zeus_callbacks.sim import HFSimulatedGPUWork
+
+        trainer.add_callback(HFSimulatedGPUWork(0, 0.005))
     trainer.train()
     print(f"state: {optimizer.optimizer.state}")
 

@@ -43,6 +43,12 @@ def main():
     dist.init_process_group(backend="gloo")  # Zeus: "nccl" (there is no GPU here)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    # Not Zeus's: on simulated GPUs the step's GPU work (1 ms forward, 2 ms backward) is queued on the GPU,
+    # rather than the host's CPU time standing for it.
+    if os.environ.get("ZEUS_CALLBACKS_SIMULATE"):
+        from zeus_callbacks.sim import SimulatedKernels
+
+        model.append(SimulatedKernels(args.gpu, 0.001))
     args.batch_size = args.batch_size // args.local_world_size
     model = torch.nn.parallel.DistributedDataParallel(model)
     criterion = nn.CrossEntropyLoss()

@@ -11,13 +11,17 @@ decide without it: the job then keeps the reference limit.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
-from zeus_callbacks.core.power_limit.costs import Z
+from zeus_callbacks.core.power_limit.costs import Z, needs_reference, valid
 from zeus_callbacks.core.power_limit.estimates import PowerLimitStats, pooled_noise, rses
+from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 
-__all__ = ["REFERENCE_VISITS", "reference_lost", "saving"]
+__all__ = ["REFERENCE_VISITS", "reference_lost", "kept_reference", "saving"]
+
+logger = logging.getLogger("zeus_callbacks.core.power_limit.optimizer")  # the optimizer's decisions
 
 # Visits of the reference after which its samples are no longer set aside and it is not measured again:
 # whatever the budget, each visit costs a settling and `min_measured_steps` samples (more while a burst it
@@ -29,6 +33,26 @@ def reference_lost(stats: dict[int, PowerLimitStats], grid: list[int]) -> bool:
     """Whether the reference was visited and has no valid sample (every one set aside, or none read)."""
     ref = stats.get(grid[0]) if grid else None
     return ref is not None and not ref.steps
+
+
+def kept_reference(
+    stats: dict[int, PowerLimitStats], grid: list[int], selector: OptimumSelector, max_power_w: float
+) -> int | None:
+    """The reference limit, kept as the choice (and logged), when it has no valid measurement, the selector
+    `needs_reference` and other limits were measured; None otherwise (the selector chooses)."""
+    ref = stats.get(grid[0])
+    if (ref is not None and ref.steps) or not valid(stats) or not needs_reference(selector, max_power_w):
+        return None
+    logger.warning(
+        "GlobalPowerLimitOptimizer: the reference limit %d W has no valid measurement (%d visits, every sample "
+        "set aside as slowed by a burst, or none read); %r judges every other limit against it, so %d W is "
+        "kept rather than a limit judged against another.",
+        grid[0],
+        ref.visits if ref is not None else 0,
+        selector,
+        grid[0],
+    )
+    return grid[0]
 
 
 def saving(stats: dict[int, PowerLimitStats], grid: list[int], power_limit_w: int | None) -> dict[str, Any]:

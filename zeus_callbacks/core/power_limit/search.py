@@ -54,7 +54,8 @@ Measuring each limit briefly does not miss; most limits are clearly worse, or kn
 few steps, which is what makes the search cheap.
 
 Module map: `chunk` (one sample), `estimates` (a limit's means, variances and power windows), `bursts`
-(slow stretches, and which samples are kept), `costs` (comparisons under the selector), this module (the
+(slow stretches, and which samples are kept), `costs` (comparisons under the selector), `budget` (what
+the search spends), `reference` (the reference's rules and the saving against it), this module (the
 `Search`: policy, budget, choice), `schema` (the saved form), `optimizer` (phases, hooks and I/O).
 """
 
@@ -88,7 +89,12 @@ from zeus_callbacks.core.power_limit.costs import (
 )
 from zeus_callbacks.core.power_limit.estimates import PowerLimitStats, chunk_steps, pooled_noise, rses
 from zeus_callbacks.core.power_limit.grid import power_limit_grid
-from zeus_callbacks.core.power_limit.reference import REFERENCE_VISITS, reference_lost, saving
+from zeus_callbacks.core.power_limit.reference import (
+    REFERENCE_VISITS,
+    kept_reference,
+    reference_lost,
+    saving,
+)
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector, select_power_limit
 
 __all__ = [
@@ -423,25 +429,15 @@ class Search:
         self.stats = stats
 
     def choose(self) -> int:
-        """The selector's choice (`choose_power_limit`), against the reference. Without a valid measurement
-        of the reference, a selector that `needs_reference` does not decide: the reference limit is kept
-        (logged). Raises ValueError when nothing was measured."""
-        ref = self.grid[0]
-        if self.stats.get(ref) is None or not self.stats[ref].steps:
-            needs = needs_reference(self.selector, self.max_power_w)
-            if needs and valid(self.stats):
-                visits = self.stats[ref].visits if ref in self.stats else 0
-                logger.warning(
-                    "GlobalPowerLimitOptimizer: the reference limit %d W has no valid measurement (%d visits, "
-                    "every sample set aside as slowed by a burst or none read); %r judges every other limit "
-                    "against it, so %d W is kept rather than a limit judged against another.",
-                    ref,
-                    visits,
-                    self.selector,
-                    ref,
-                )
-                return ref
-        return choose_power_limit(self.stats, self.selector, self.max_power_w, self.profile_steps, ref)
+        """The selector's choice (`choose_power_limit`), against the reference; the reference itself when it
+        has no valid measurement and the selector needs it (`kept_reference`). Raises ValueError when
+        nothing was measured."""
+        kept = kept_reference(self.stats, self.grid, self.selector, self.max_power_w)
+        if kept is not None:
+            return kept
+        return choose_power_limit(
+            self.stats, self.selector, self.max_power_w, self.profile_steps, self.grid[0]
+        )
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per measured limit, highest first: mean step time and energy, cost, steps, pruned."""
