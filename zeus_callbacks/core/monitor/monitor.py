@@ -263,7 +263,9 @@ class ZeusMonitor:
         self._windows[key] = (start, counters, indices, cpu)
 
     def end_window(self, key: str, sync_execution: bool = True, cancel: bool = False) -> Measurement:
-        """Close the window `key` and return its time and energy (zeros when `cancel`, and not logged).
+        """Close the window `key` and return its time and energy, each GPU's with its bound (`gpu_energy_bound`:
+        the sensor's gain, the counter's refresh against the window, sampled or approximated power;
+        docs/energy-uncertainty.md). Zeros when `cancel`, and not logged.
 
         Raises:
             ValueError: no window named `key` is open.
