@@ -119,6 +119,23 @@ def test_a_directory_reached_through_another_users_link_is_refused(
     assert list(private.iterdir()) == []
 
 
+def test_the_energy_ledger_behind_another_users_link_is_refused(tmp_path: Path, user, caplog) -> None:
+    """Rule: the ledger (appended to, not replaced) is opened in a directory walked as every file's is.
+    Fails on a0ffbee: root appended to a ledger it created where another user's link led."""
+    from zeus_callbacks.core.accounting.identity import JobIdentity
+    from zeus_callbacks.core.accounting.ledger import LedgerEntry, append
+
+    private = tmp_path / "root-only"
+    private.mkdir(mode=0o700)
+    link = tmp_path / "ledgers"
+    link.symlink_to(private)
+    give_to(link, user)
+    entry = LedgerEntry(JobIdentity("local", "1", "root", "node1"), "end", ("GPU-1",), 1.0, 1.0)
+    with caplog.at_level("WARNING", logger="zeus_callbacks"):
+        assert not append(link / "energy.jsonl", entry)
+    assert f"symbolic link owned by {user.pw_name}" in caplog.text and list(private.iterdir()) == []
+
+
 def test_journal_and_simulated_state_dirs_behind_another_users_link_are_refused(tmp_path: Path, user) -> None:
     """Rule: the journal directory and the simulated GPUs' state directory are not reached through a link
     another user owns at any component. Fails on a0ffbee: the journal's checks resolved the parents

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from zeus_callbacks.core import files
 from zeus_callbacks.core.accounting.identity import JobIdentity
 from zeus_callbacks.core.device.errors import InvalidInputError
 
@@ -118,8 +119,12 @@ def append(path: str | os.PathLike[str], entry: LedgerEntry) -> bool:
     """
     line = entry.to_line()
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, 0o600)
+    try:  # its directories walked without another user's links (`files.open_directory`), as every file's
+        dir_fd = files.open_directory(Path(path).parent)
+        try:
+            fd = os.open(Path(path).name, flags, 0o600, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
             raise _not_a_ledger(path, "is a symlink, a folder or a device") from None
