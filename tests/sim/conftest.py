@@ -1,14 +1,22 @@
 """The simulator's tests check what NVML answers (values, units, refreshes, windows) with an ideal sensor gain:
-the figures the boards' traces and dumps give, unscaled. The gain itself (`ZEUS_CALLBACKS_SIM_IDEAL`'s
-`sensor_gain`) is tested in tests/monitor/test_uncertainty.py."""
+the figures the boards' traces and dumps give, unscaled, in this process and in the processes it starts (the
+exported `ZEUS_CALLBACKS_SIM_IDEAL`). The gain itself (`sensor_gain`) is tested in
+tests/monitor/test_uncertainty.py."""
 
 from __future__ import annotations
 
 import pytest
 
+from zeus_callbacks import sim
 from zeus_callbacks.sim import system
 
 
 @pytest.fixture(autouse=True)
 def _ideal_sensor_gain(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(system, "sensor_gain", lambda uuid: 1.0)
+    monkeypatch.setattr(system, "sensor_gain", lambda uuid: 1.0)  # nodes built here, whatever their `ideal`
+    simulate = sim.simulate
+
+    def ideal_gain(spec: str, *, ideal: str = "", **kw) -> sim.SimulatedSystem:
+        return simulate(spec, ideal=",".join(filter(None, (ideal, "sensor_gain"))), **kw)
+
+    monkeypatch.setattr(sim, "simulate", ideal_gain)
