@@ -13,10 +13,14 @@ Two uses:
   is the time-cost tradeoff over each instruction's lower convex hull of options, solved in well under a
   second at 8 stages x 32 microbatches; its optimum is a lower bound on every plan, so it *proves* how far a
   plan is from the optimum. Its durations, rounded to the next faster option, are a feasible start that the
-  planner's local search improves (usually better than the greedy alone); when the proven gap is still above
-  `GAP_GOAL`, HiGHS' branch and bound runs with `mip_rel_gap=GAP_GOAL` for at most a number of nodes and the
-  better plan wins. Small pipelines are thereby solved to within `GAP_GOAL`; larger ones come with their
-  proven gap.
+  planner's local search improves (usually better than the greedy alone). That plan is typically 0.1-0.2 %
+  above the LP bound at every target on profiles with many clocks (issue 36: A40-like profiles with a flat,
+  power-capped top), while the optimum lies in between; the LP alone cannot tell. So, while the proven gap
+  is above `GAP_GOAL`, HiGHS' branch and bound is asked whether any plan is `GAP_GOAL` cheaper than the best
+  (`_Program.cheaper_than`: an objective cutoff, with reduced-cost fixing from the LP): its cuts at the root
+  usually answer "none" within a few nodes, which proves the best plan within `GAP_GOAL`. When they do not,
+  branch and bound searches for the cheapest plan among those below that cutoff, with a node limit; the
+  plan it finds becomes the best, and its dual bound is the proof.
 
 The planner's search is bounded by work (branch-and-bound nodes), never by seconds: HiGHS is deterministic
 for a given node limit, so the same profile gives the same plan, and the same proven gap, on an idle and on a
@@ -31,6 +35,7 @@ import contextlib
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -50,10 +55,14 @@ logger = logging.getLogger(__name__)
 
 GAP_GOAL = 1e-3
 """Relative distance to the optimum (0.1 %) below which the planner stops improving a plan."""
-# Branch and bound closes 0.1 % within a few dozen nodes up to about this many option binaries (small
-# pipelines or few clocks: the exact test's programs need at most 25); on larger programs it does not within
-# thousands of nodes, so it is not tried there.
-_MAX_BINARIES = 1000
+# Branch and bound asked for a plan 0.1 % cheaper than the best (`_Program.cheaper_than`) is run on programs of
+# at most this many option binaries (after Pareto filtering); larger ones keep the LP relaxation's bound.
+_MAX_BINARIES = 20000
+# Work limits of `refine` per target: calls of branch and bound, and nodes of the first (`_prove`).
+_PROOF_ROUNDS = 3
+_FIRST_NODES = 10
+# What `cheaper_than` is asked to prove: a hair inside `GAP_GOAL`, so that rounding never reports 0.1000001 %.
+_PROOF_GAP = GAP_GOAL * (1 - 1e-6)
 
 
 def scipy_available() -> bool:
@@ -133,10 +142,10 @@ def lower_bound(
 
     problem = PlanSearch(as_dag(dag), options, p_blk_w)
     program = _Program.build(problem.dag, problem.times, problem.costs, sum(problem.p_blk), target_time_s)
-    result = program.solve(integral=False)
-    if result.status != 0:
+    relaxed = program.relaxation()
+    if relaxed is None:
         raise ValueError(f"`lower_bound(target_time_s={target_time_s!r})`: no plan meets the target.")
-    return float(result.fun)
+    return relaxed.bound_j
 
 
 def refine(
@@ -145,45 +154,76 @@ def refine(
     """A plan at least as good as `levels` under `target_time_s`, and a proven lower bound on the optimum.
 
     Tries the LP relaxation's durations rounded to the next faster option and improved by the planner's local
-    search; then, if the best plan is still not proven within `GAP_GOAL`, HiGHS' branch and bound for at most
-    `node_limit` nodes (0: never). Nothing depends on the clock: the same inputs give the same result.
+    search; then, while the best plan is not proven within `GAP_GOAL`, asks HiGHS' branch and bound for a
+    plan `GAP_GOAL` cheaper (`_prove`). Nothing depends on the clock: the same inputs give the same result.
 
     Args:
         problem: The planner's problem (Pareto options per instruction, fastest first).
         levels: A feasible plan (option index per instruction) to improve on; not modified.
         target_time_s: Deadline on the iteration time (s).
-        node_limit: HiGHS branch-and-bound node limit (`mip_max_nodes`).
+        node_limit: HiGHS branch-and-bound node limit (`mip_max_nodes`) per question (0: never asked).
         max_passes: Local-search passes after rounding.
 
     Returns:
         The best levels found and a lower bound on the energy (J) of every plan within the deadline.
     """
     program = _Program.build(problem.dag, problem.times, problem.costs, sum(problem.p_blk), target_time_s)
-    best, best_energy = list(levels), problem.plan(levels).energy_j
-    relaxed = program.solve(integral=False)
-    if relaxed.status != 0 or relaxed.x is None:
-        logger.debug("LP relaxation not solved (HiGHS status %s).", relaxed.status)
-        return best, -np.inf
-    bound = float(relaxed.fun)
+    best = _Incumbent(problem, target_time_s, list(levels))
+    relaxed = program.relaxation()
+    if relaxed is None:
+        return best.levels, -np.inf
     rounded = program.rounded_down(relaxed.x, problem.times)
     problem.optimize(rounded, target_time_s, priced=True, max_passes=max_passes)
-    energy = problem.plan(rounded).energy_j
-    if energy < best_energy and problem.feasible(rounded, target_time_s):
-        best, best_energy = rounded, energy
-    if best_energy <= bound * (1 + GAP_GOAL) or node_limit <= 0 or program.first[-1] > _MAX_BINARIES:
-        return best, bound
-    result = program.solve(integral=True, mip_rel_gap=GAP_GOAL, node_limit=node_limit)
-    if result.x is not None:
-        found = program.levels(result.x)
-        # HiGHS meets the deadline to its feasibility tolerance: repair a hair's overrun (and fill).
-        problem.optimize(found, target_time_s, priced=True, max_passes=0)
-        energy = problem.plan(found).energy_j
-        if energy < best_energy and problem.feasible(found, target_time_s):
-            best, best_energy = found, energy
-    dual = getattr(result, "mip_dual_bound", None)
-    if dual is not None and np.isfinite(dual):
-        bound = max(bound, float(dual))
-    return best, bound
+    best.offer(rounded, repair=False)
+    bound = relaxed.bound_j
+    if node_limit > 0 and program.first[-1] <= _MAX_BINARIES:
+        bound = _prove(program, relaxed, best, node_limit)
+    return best.levels, bound
+
+
+def _prove(program: _Program, relaxed: _Relaxation, best: _Incumbent, node_limit: int) -> float:
+    """Improve `best` and the bound until it is proven within `GAP_GOAL`, in at most `_PROOF_ROUNDS` calls of
+    branch and bound (`cheaper_than`). The first only asks whether any plan is `GAP_GOAL` cheaper than the
+    best, in at most `_FIRST_NODES` nodes: "none" proves it, as the root's cuts usually do. The next ones
+    search for the cheapest plan, with HiGHS' heuristics, in at most `node_limit` nodes. Returns the bound."""
+    bound = relaxed.bound_j
+    for round_ in range(_PROOF_ROUNDS):
+        if best.energy_j <= bound * (1 + GAP_GOAL):
+            break
+        first = round_ == 0
+        nodes = min(node_limit, _FIRST_NODES) if first else node_limit
+        found, dual = program.cheaper_than(best.energy_j / (1 + _PROOF_GAP), relaxed, nodes, prove_only=first)
+        bound = max(bound, dual)
+        best.offer(found)
+    return bound
+
+
+class _Incumbent:
+    """The best plan found under the deadline: its levels and energy."""
+
+    def __init__(self, problem: PlanSearch, target_time_s: float, levels: list[int]) -> None:
+        self._problem, self._target_s = problem, target_time_s
+        self.levels, self.energy_j = levels, problem.plan(levels).energy_j
+
+    def offer(self, levels: list[int] | None, repair: bool = True) -> None:
+        """Keep `levels` if it meets the deadline with less energy. With `repair` (HiGHS' plans: HiGHS meets
+        the deadline to its feasibility tolerance) a hair's overrun is sped up first, and slack filled."""
+        if levels is None:
+            return
+        if repair:
+            self._problem.optimize(levels, self._target_s, priced=True, max_passes=0)
+        energy = self._problem.plan(levels).energy_j
+        if energy < self.energy_j and self._problem.feasible(levels, self._target_s):
+            self.levels, self.energy_j = levels, energy
+
+
+@dataclass(frozen=True)
+class _Relaxation:
+    """The LP relaxation's optimum: its value (a lower bound, J), solution and reduced costs."""
+
+    bound_j: float
+    x: np.ndarray
+    reduced_costs: np.ndarray
 
 
 @contextlib.contextmanager
@@ -273,26 +313,95 @@ class _Program:
         `node_limit` bounds branch and bound by work; `time_limit_s` (the exact reference's benchmarks only)
         by the clock, which makes the result depend on the host's speed.
         """
-        from scipy.optimize import Bounds, LinearConstraint, milp
-
-        integrality = np.zeros(len(self.cost))
-        if integral:
-            integrality[: self.first[-1]] = 1
         options: dict[str, Any] = {"disp": False, "mip_rel_gap": mip_rel_gap}
         if node_limit is not None:
             options["node_limit"] = int(node_limit)
         if time_limit_s is not None:
             options["time_limit"] = float(time_limit_s)
-        args = {
-            "constraints": LinearConstraint(self.matrix, self.lower, self.upper),
-            "integrality": integrality,
-            "bounds": Bounds(np.zeros(len(self.cost)), self.col_upper),
-        }
-        with _quiet_stdout(integral):
-            result = milp(self.cost, **args, options=options)
-            if result.status == 2:  # HiGHS presolve (scipy 1.17) wrongly finds some models infeasible.
-                result = milp(self.cost, **args, options={**options, "presolve": False})
+        result = self._milp(integral, self.col_upper, None, options)
+        if result.status == 2:  # HiGHS presolve (scipy 1.17) wrongly finds some models infeasible.
+            result = self._milp(integral, self.col_upper, None, {**options, "presolve": False})
         return result
+
+    def relaxation(self) -> _Relaxation | None:
+        """The LP relaxation's optimum with its reduced costs (HiGHS through `linprog`); None if unsolved."""
+        from scipy.optimize import linprog
+
+        matrix = self.matrix.tocsr()
+        equal = self.lower == self.upper
+        args = {
+            "A_ub": matrix[~equal],
+            "b_ub": self.upper[~equal],
+            "A_eq": matrix[equal],
+            "b_eq": self.upper[equal],
+            "bounds": np.column_stack([np.zeros(len(self.cost)), self.col_upper]),
+            "method": "highs",
+        }
+        result = linprog(self.cost, **args)
+        if result.status == 2:  # as in `solve`: presolve's wrong infeasibility
+            result = linprog(self.cost, **args, options={"presolve": False})
+        if result.status != 0 or result.x is None:
+            logger.debug("LP relaxation not solved (HiGHS status %s).", result.status)
+            return None
+        return _Relaxation(float(result.fun), result.x, np.asarray(result.lower.marginals, dtype=float))
+
+    def cheaper_than(
+        self, cutoff_j: float, relaxed: _Relaxation, node_limit: int, prove_only: bool
+    ) -> tuple[list[int] | None, float]:
+        """Branch and bound, for at most `node_limit` nodes, among the plans of energy below `cutoff_j`.
+
+        Every option whose reduced cost alone lifts the relaxation above `cutoff_j` is left out (no plan
+        that cheap can choose it). With `prove_only`, the program also gets the row `energy <= cutoff_j` and
+        HiGHS' primal heuristics are off (they cost most of the root's work, and proving "none" needs none);
+        otherwise HiGHS searches for the cheapest plan (to `GAP_GOAL`). Presolve is off: a wrong "infeasible"
+        from it (see `solve`) would be a false proof.
+
+        Returns:
+            The levels of the best plan found (None if none), and a lower bound on every plan's energy:
+            `cutoff_j` when no plan is below it, else the lower of it and branch and bound's dual bound (-inf
+            if HiGHS gives none).
+        """
+        from scipy.sparse import csr_matrix
+
+        num_x = int(self.first[-1])
+        slack = 1e-7 * (1.0 + abs(cutoff_j))  # the reduced costs are exact to HiGHS' tolerances only
+        upper = self.col_upper.copy()
+        upper[:num_x][relaxed.bound_j + relaxed.reduced_costs[:num_x] > cutoff_j + slack] = 0.0
+        options: dict[str, Any] = {
+            "disp": False,
+            "mip_rel_gap": GAP_GOAL,
+            "node_limit": int(node_limit),
+            "presolve": False,
+        }
+        row = None
+        if prove_only:
+            row = (csr_matrix(self.cost.reshape(1, -1)), -np.inf, cutoff_j)
+            options["mip_heuristic_effort"] = 0.0  # passed to HiGHS verbatim (scipy warns that it does)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            result = self._milp(True, upper, row, options)
+        if result.status == 2:
+            return None, cutoff_j
+        dual = getattr(result, "mip_dual_bound", None)
+        bound = min(float(dual), cutoff_j) if dual is not None and np.isfinite(dual) else -np.inf
+        return (None if result.x is None else self.levels(result.x)), bound
+
+    def _milp(
+        self, integral: bool, col_upper: np.ndarray, row: tuple[Any, float, float] | None, options: dict
+    ) -> Any:
+        from scipy.optimize import Bounds, LinearConstraint, milp
+
+        integrality = np.zeros(len(self.cost))
+        if integral:
+            integrality[: self.first[-1]] = 1
+        constraints = [LinearConstraint(self.matrix, self.lower, self.upper)]
+        if row is not None:
+            constraints.append(LinearConstraint(*row))
+        bounds = Bounds(np.zeros(len(self.cost)), col_upper)
+        with _quiet_stdout(integral):
+            return milp(
+                self.cost, constraints=constraints, integrality=integrality, bounds=bounds, options=options
+            )
 
     def levels(self, x: np.ndarray) -> list[int]:
         """The option chosen for each node by an integral solution."""

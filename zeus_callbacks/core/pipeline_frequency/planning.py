@@ -146,16 +146,17 @@ def _shown(sequences: Mapping[int, Sequence[TraceKey]]) -> dict[int, str]:
 
 def options_from_rows(rows: Iterable[ProfileRow]) -> dict[OptionKey, list[FrequencyOption]]:
     """The planner's options table from profile rows (keyed by `ProfileRow.key`: per stage and kind, or per
-    model chunk where measured so), each type's options from the highest clock down.
+    model chunk where measured so), each type's options from the highest clock down, as measured.
 
-    A lower clock never makes an instruction faster, so a measured time shorter than at a higher clock
-    (noise) is raised to it: otherwise the plan would slow the critical path for a speed-up that is not real.
+    No time is rewritten. A lower clock can really be as fast as a higher one and cheaper (on A40s, every
+    clock of the power-capped region runs at the speed the cap allows, at less power), so raising its time
+    to a faster clock's would hide a saving. The planner itself drops options that are slower than another
+    of their type with no less effective energy (`energy_model.pareto_options`), and a clock measured
+    faster than a higher one by noise simply replaces it; the highest clock stays the all-max reference.
     """
     out: dict[OptionKey, list[FrequencyOption]] = {}
     for r in sorted(rows, key=lambda r: -r.frequency_mhz):  # each key's options from the highest clock
-        opts = out.setdefault(r.key, [])
-        time_s = max(r.time_s, opts[-1].time_s) if opts else r.time_s
-        opts.append(FrequencyOption(r.frequency_mhz, time_s, r.energy_j))
+        out.setdefault(r.key, []).append(FrequencyOption(r.frequency_mhz, r.time_s, r.energy_j))
     return out
 
 
