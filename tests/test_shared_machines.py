@@ -74,21 +74,25 @@ def test_no_write_route_writes_through_a_planted_link(
 
 
 def test_private_files_are_private_and_reports_readable(tmp_path: Path) -> None:
-    """Rule: files written during training are 0600 (a profile, a record, a journal); what is made to be
-    shared (the HTML report, a Zeus² profile) is 0644 less the umask."""
+    """Rule: files written during training are 0600 (a profile, a record, a journal), in directories made
+    0700; what is made to be shared (the HTML report, a Zeus² profile) is 0644 less the umask, in
+    directories made as mkdir makes them."""
     modes = {}
     for route in ("power_limit_profile", "report_html", "zeus2_profile", "journal"):
         name, write = WRITE_ROUTES[route]
-        write(tmp_path / route / name)
-        modes[route] = (tmp_path / route / name).stat().st_mode & 0o777
+        write(tmp_path / route / "new" / name)
+        modes[route] = (
+            (tmp_path / route / "new" / name).stat().st_mode & 0o777,
+            (tmp_path / route).stat().st_mode & 0o777,
+        )
     umask = os.umask(0)
     os.umask(umask)
     shared = 0o644 & ~umask
     assert modes == {
-        "power_limit_profile": 0o600,
-        "report_html": shared,
-        "zeus2_profile": shared,
-        "journal": 0o600,
+        "power_limit_profile": (0o600, 0o700),
+        "report_html": (shared, 0o700),  # its run's records, written first, are private
+        "zeus2_profile": (shared, 0o777 & ~umask),
+        "journal": (0o600, 0o700),
     }
 
 

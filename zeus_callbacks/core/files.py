@@ -163,7 +163,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o600) -> None:
     """Replace the file `path` with `data` atomically and durably (see the module's docstring); missing
-    directories are made (mode 700). `mode` is the new file's (less the umask).
+    directories are made (mode 700 for a private file, else 777; less the umask). `mode` is the new file's
+    (less the umask).
 
     Raises:
         UnsafePathError: a directory of `path` is reached through another user's symbolic link.
@@ -177,7 +178,8 @@ def _replace(path: Path, payload: bytes, mode: int, keep_open: bool = False) -> 
     """`_write_new` in `path`'s directory, walked and made by `open_directory`; an error names `path`."""
     if path.name in ("", ".", ".."):
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", str(path))
-    dir_fd = open_directory(path.parent, create=True)
+    # Missing directories of a private file are private; of one made to be shared, as mkdir makes them.
+    dir_fd = open_directory(path.parent, create=True, mode=0o777 if mode & 0o044 else 0o700)
     try:
         fd = _write_new(dir_fd, path.name, payload, mode, keep_open)
         with contextlib.suppress(OSError):  # the rename is durable once the directory is (EINVAL on some)
