@@ -56,8 +56,10 @@ logger = logging.getLogger(__name__)
 GAP_GOAL = 1e-3
 """Relative distance to the optimum (0.1 %) below which the planner stops improving a plan."""
 # Branch and bound asked for a plan 0.1 % cheaper than the best (`_Program.cheaper_than`) is run on programs of
-# at most this many option binaries (after Pareto filtering); larger ones keep the LP relaxation's bound.
-_MAX_BINARIES = 20000
+# at most this many option binaries (after Pareto filtering); larger ones keep the LP relaxation's bound. The
+# A40-like 8x12 profile of `benchmarks/pipeline_measured_options.py` (75 clocks) has 7,248, proven in 1-10 s
+# per target; at 8x24 (14,496) the root's first 10 nodes took 100 s without an answer.
+_MAX_BINARIES = 8000
 # Work limits of `refine` per target: calls of branch and bound, and nodes of the first (`_prove`).
 _PROOF_ROUNDS = 3
 _FIRST_NODES = 10

@@ -12,9 +12,11 @@ How a plan is found (`solve`, and every `frontier` point):
 2. With scipy (the `pipeline` extra), `exact.refine`: the LP relaxation of the exact integer program (each
    instruction on the lower convex hull of its options: a time-cost tradeoff LP) gives a lower bound on
    every plan; its durations rounded to the next faster option are improved by local search (below); while
-   the best plan is not proven within 0.1 % of that bound, HiGHS' branch and bound runs for at most a number
-   of nodes (never a number of seconds: the same inputs give the same plan on any machine) on small
-   programs. The gap proven is kept with the plan (`Plan.proven_gap`) and logged (INFO when above 0.1 %).
+   the best plan is not proven within 0.1 % of that bound, HiGHS' branch and bound is asked whether any
+   plan is 0.1 % cheaper (an objective cutoff: its root's cuts usually answer "none", a proof), then for
+   the cheapest plan, each time for at most a number of nodes (never a number of seconds: the same inputs
+   give the same plan on any machine). The gap proven is kept with the plan (`Plan.proven_gap`) and logged
+   (INFO when above 0.1 %).
 3. Local search repairs the greedy's mistakes: an *exchange* speeds one instruction up, freezes it and hands
    the freed slack to the others; an *ejection* slows one down past its slack and speeds up the cheapest
    instructions on the paths that overrun.
@@ -22,10 +24,12 @@ How a plan is found (`solve`, and every `frontier` point):
 Why this mix (measured on `benchmarks/pipeline_planner.py`'s profiles, 4x8 to 8x32, 29 clocks, and 100
 random small pipelines with 3-8 clocks): the greedy with local search alone ends 0.4-1.5 % above the LP bound
 and takes up to 20 s at 8x32 off the all-max time; rounding the LP and searching locally from there ends
-0.1-0.25 % above the bound (at 4x8, where the optimum is known, the bound is 0.13 % below it, and the plan
-0.06 % above it) in about a second at 8x32. HiGHS' branch and bound alone needs 4-30 s to close 0.1 % at 4x8 and does not within a
-minute from 4x16 on (nor restricted to the LP's neighbourhood), but closes small programs (the 3-8-clock
-pipelines of the exact test) in milliseconds: there it makes the plan provably within 0.1 %. Unlike
+0.1-0.25 % above the bound in about a second at 8x32. The optimum lies between the two, and the LP cannot
+tell where: on A40-like profiles with a flat, power-capped top (issue 36,
+`benchmarks/pipeline_measured_options.py`, 8x12, 75 clocks) the rounded plan is 0.13-0.16 % above the LP at every target, and the cutoff
+question proves it within 0.1 % in 1-10 s per target (one target of ten needed the cheapest-plan search,
+about 2 minutes of work). HiGHS' branch and bound alone, without the cutoff, needs 20-35 s for its root on
+the same programs. Programs of more than `exact._MAX_BINARIES` option binaries keep the LP bound. Unlike
 Phillips-Dessouky (lowtime), nothing is quantised: plans use the profiled options as measured. Without scipy
 the planner runs steps 1 and 3 only, over several deadlines, and cannot tell its distance to the optimum.
 """

@@ -171,10 +171,13 @@ def fit_clock_times(rows: Iterable[ProfileRow]) -> list[ProfileRow]:
 
     Why: a clock's instructions are measured over a few consecutive steps, so a change of the host's load
     (on simulated GPUs, the host's CPU time is part of each instruction) moves all of them alike, by more
-    than one step of the sweep changes the time (45 MHz at 1740 MHz: 2.6%). Read clock by clock, with a
-    lower clock raised to the time of a higher one (`options_from_rows`), a lucky clock or an unlucky
-    maximum makes the next clocks look as fast as the maximum, and the plan lowers instructions on the
-    critical path for a saving that costs time; one curve through the whole sweep prices every step.
+    than one step of the sweep changes the time (45 MHz at 1740 MHz: 2.6%). Read clock by clock
+    (`options_from_rows`), a lucky clock or an unlucky maximum makes a lower clock look as fast as the
+    maximum, and the plan lowers instructions on the critical path for a saving that costs time; one curve
+    through the whole sweep prices every step. The curve has no flat top, so it suits the optimizer's own
+    sweep (a few clocks from the maximum down, on GPUs whose cap does not bind there); a profile measured
+    with care over a power-capped range is planned as measured (`plan_pipeline(fit_times=False)`, the
+    `pipeline-plan` command).
     """
     groups: dict[OptionKey, list[ProfileRow]] = {}
     for r in rows:
