@@ -57,12 +57,19 @@ _warned: set[str] = set()
 _logger = logging.getLogger(__name__)
 
 
-class UnsafePathError(OSError):
+class _Said(OSError):
+    """An `OSError` whose message is a sentence about its file: `<file> <strerror>`."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.filename is None else f"{self.filename} {self.strerror}"
+
+
+class UnsafePathError(_Said):
     """A path that goes through a symbolic link another user owns, or names something other than a regular
     file; `strerror` says what and what to do."""
 
 
-class ForeignFileError(OSError):
+class ForeignFileError(_Said):
     """A file that chooses a GPU setting but another user owns (or anyone may write); `strerror` says whose
     it is and what to do."""
 
@@ -83,8 +90,8 @@ def _check_link(st: os.stat_result, shown: str) -> None:
     if not _trusted(st.st_uid):
         raise UnsafePathError(
             errno.EPERM,
-            f"goes through a symbolic link owned by {user_name(st.st_uid)}, who could point it anywhere; "
-            "it is not followed. Pass the path it leads to, or a directory of your own",
+            f"is a symbolic link owned by {user_name(st.st_uid)}, who could point it anywhere: it is not "
+            "followed. Pass the path it leads to, or a directory of your own",
             shown,
         )
 
@@ -246,9 +253,7 @@ def _open_regular(path: str) -> int:
                 path = os.path.join(parent, os.readlink(name, dir_fd=dir_fd))
                 continue
             if not stat.S_ISREG(st.st_mode):  # refused before opening: a FIFO would block, a device act
-                raise UnsafePathError(
-                    errno.EINVAL, f"is not a regular file ({_kind(st.st_mode)}); pass a file", path
-                )
+                raise UnsafePathError(errno.EINVAL, f"is not a regular file ({_kind(st.st_mode)})", path)
             return os.open(name, _READ_FLAGS, dir_fd=dir_fd)
         finally:
             os.close(dir_fd)

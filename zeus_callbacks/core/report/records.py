@@ -219,7 +219,7 @@ def read_record(path: Path) -> RankRecord:
     try:
         data = json.loads(read_regular(path).decode("utf-8"))  # a FIFO is refused, not waited on
     except UnsafePathError as e:
-        raise InvalidInputError(f"{path}: {e.strerror}; expected a run record (JSON).") from None
+        raise InvalidInputError(f"{e}: expected a run record (JSON).") from None
     except UnicodeDecodeError:
         raise InvalidInputError(f"{path}: not a text file; expected a run record (JSON).") from None
     except ValueError as e:
