@@ -96,6 +96,26 @@ def _check_link(st: os.stat_result, shown: str) -> None:
         )
 
 
+def _make(fd: int, name: str, mode: int, here: str) -> None:
+    try:
+        os.mkdir(name, mode, dir_fd=fd)
+    except FileExistsError:
+        pass  # made meanwhile by another process: opened next
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, here) from None
+
+
+def _link_target(fd: int, name: str, here: str, error: OSError) -> str:
+    """Where the link `name` in `fd` leads, if this user or root owns it (`error`: why it was not opened)."""
+    if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+        raise OSError(error.errno, error.strerror, here) from None
+    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    if not stat.S_ISLNK(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), here) from None
+    _check_link(st, here)
+    return os.readlink(name, dir_fd=fd)
+
+
 def _walk(fd: int, parts: deque[str], shown: str, create: bool, mode: int) -> int:
     """Open the directories `parts` one by one from the directory `fd` (closed on the way); returns the
     last one's descriptor."""
@@ -111,27 +131,19 @@ def _walk(fd: int, parts: deque[str], shown: str, create: bool, mode: int) -> in
             except FileNotFoundError:
                 if not create:
                     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), here) from None
-                with contextlib.suppress(FileExistsError):  # made meanwhile by another process: opened next
-                    os.mkdir(name, mode, dir_fd=fd)
+                _make(fd, name, mode, here)
                 parts.appendleft(name)
                 continue
             except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise OSError(e.errno, e.strerror, here) from None
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                if not stat.S_ISLNK(st.st_mode):
-                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), here) from None
-                _check_link(st, here)
+                target = _link_target(fd, name, here, e)
                 links += 1
                 if links > _MAX_LINKS:
                     raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), here) from None
-                target = os.readlink(name, dir_fd=fd)
-                if target.startswith("/"):
+                if target.startswith("/"):  # else its parts follow from this directory, `shown`
                     os.close(fd)
                     fd = -1
-                    fd = os.open("/", _DIR_FLAGS)
+                    fd, shown = os.open("/", _DIR_FLAGS), "/"
                 parts.extendleft(reversed(target.split("/")))
-                shown = here
                 continue
             os.close(fd)
             fd, shown = next_fd, here
