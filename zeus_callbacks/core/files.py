@@ -204,10 +204,8 @@ def _replace(path: Path, payload: bytes, mode: int, keep_open: bool = False) -> 
         with contextlib.suppress(OSError):  # the rename is durable once the directory is (EINVAL on some)
             os.fsync(dir_fd)
         return fd
-    except OSError as e:
-        if e.filename is None:
-            raise type(e)(e.errno, e.strerror, str(path)) from None
-        raise
+    except OSError as e:  # about the file, whatever name (a temporary's) the call gave
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         os.close(dir_fd)
 
