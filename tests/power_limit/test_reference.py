@@ -181,6 +181,14 @@ def test_the_time_lost_is_never_negative_and_a_speed_up_is_said_as_measured():
     assert np.isfinite(figures["energy_saved_margin_pct"])
 
 
+def test_a_reference_that_read_no_energy_gives_no_ratio():
+    """Fails (ZeroDivisionError, at the end of training) when the reference's windows read 0 J: a
+    `search="sweep"` of 4 steps of 10 ms on a 100 ms counter did (found running it under Slurm)."""
+    stats = {300: _stats(300, 0.01, 0.0, 4, rel_sd=0.0), 250: _stats(250, 0.0104, 5.7, 4)}
+    assert saving(stats, [300, 250], 250) == {"reference_power_limit_w": 300}
+    assert "has no valid measurement" in saving_text(saving(stats, [300, 250], 250))
+
+
 def test_the_demo_prints_no_negative_slowdown():
     """Fails if the demo's table prints a chosen limit measured faster than the reference as a negative
     time lost (main printed 'energy saved 15.5%, time lost -0.6%' on an idle host)."""

@@ -61,13 +61,17 @@ def saving(stats: dict[int, PowerLimitStats], grid: list[int], power_limit_w: in
 
     `time_lost_pct` is never negative: a lower limit never makes steps faster, so a measured speed-up is
     noise (or a wiggle of a trace) and the slowdown's best estimate is none; the measured figure is
-    `time_lost_measured_pct`. Only `reference_power_limit_w` when either limit has no valid measurement.
+    `time_lost_measured_pct`. Only `reference_power_limit_w` when either limit has no valid measurement, or
+    the reference's measured no energy.
     """
     if not grid:
         return {}
     out: dict[str, Any] = {"reference_power_limit_w": grid[0]}
     ref, best = stats.get(grid[0]), stats.get(power_limit_w if power_limit_w is not None else -1)
     if ref is None or not ref.steps or best is None or not best.steps:
+        return out
+    if not (ref.mean_time_s > 0 and ref.mean_energy_j > 0):
+        # e.g. `search="sweep"` windows shorter than the energy counter's refresh read 0 J: no ratio to give
         return out
     if best is ref:
         return {**out, **dict.fromkeys(_FIGURES, 0.0)}
