@@ -15,6 +15,7 @@ import pytest
 from zeus_callbacks import sim
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.device.gpus import get_gpus
+from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.grid import power_limit_grid
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
@@ -385,3 +386,24 @@ def test_ranks_profile_the_intersection_under_the_lowest_limit_in_force(
     assert sum("ranges differ" in line for line in r0["said"]) == 1
     assert not any("ranges differ" in line for line in r1["said"])
     assert (r0["restored"], r1["restored"]) == (300_000, 250_000)
+
+
+# -- every node type -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "dump", sorted(p.name.removesuffix(".nvidia-smi-a.txt") for p in DUMPS.glob("*-a.txt"))
+)
+def test_the_optimizer_chooses_on_every_dumped_node_and_gives_each_gpu_back(dump) -> None:
+    """Every shipped node type: the optimizer profiles its grid and chooses within it (or, with no settable
+    limit, stands down), every step within the range profiled, and each GPU gets its own limit back."""
+    system = _node(dump)
+    before = [g.power_limit_mw for g in system.gpus]
+    opt = GlobalPowerLimitOptimizer(ZeusMonitor(), Energy(), warmup_steps=1, profile_steps=6, pl_step=50)
+    limits = _train(opt, system)
+    if opt.phase == "inactive":
+        assert dump == "GTX680"  # Power Limit: N/A
+    else:
+        assert opt.optimal_power_limit_w in opt.grid and len(opt.grid) >= 2
+        assert all(opt.grid[-1] * 1000 <= mw <= opt.grid[0] * 1000 for step in limits[1:] for mw in step)
+    opt.on_train_end()  # the choice stays in force until the process ends; then the guard restores
+    guard().restore()
+    assert [g.power_limit_mw for g in system.gpus] == before
