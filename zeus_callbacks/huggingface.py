@@ -21,16 +21,13 @@ from typing import Any, ClassVar
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from typing_extensions import override
 
-from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.monitor.epoch_log import EpochLog
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.monitor.reporting import (
-    EnergyReporter,
-    Rates,
-)
+from zeus_callbacks.core.monitor.session import EnergySession
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
+from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
-from zeus_callbacks.core.power_limit.session import PowerLimitOptions, PowerLimitSession
+from zeus_callbacks.core.power_limit.session import PowerLimitSession
 from zeus_callbacks.huggingface_checkpoints import (
     TRAINER_STATE_NAME,
     checkpoint_state,
@@ -76,9 +73,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class HFZeusMonitor(_LogsFirst):
+class HFZeusMonitor(_RestoresOnException, _LogsFirst):
     """Report the GPUs' energy to the trainer's loggers (`report_to`) and `state.log_history`.
 
+    Drives an `EnergySession` (the adapter contract, in `zeus_callbacks.core.monitor.session`):
+    `on_train_begin` → `start`, `on_step_begin`/`on_step_end` → `step_begin`/`step_end`, `on_log` →
+    `interval_metrics` (`summary` on the end-of-training log), `on_train_end` → `summary` if no log took it,
+    then `end`; `train()` raising → `fail` with `ZeusTrainerMixin` / `restoring_gpus` (no collective).
     At every log event the logs get the energy of the logging interval (`energy/interval_j`, its average
     power and duration, per GPU too, and `energy/simulated`); the end-of-training summary also gets the
     run's totals (`energy/total_j`, ...). The names come from `EnergyReporter`.
@@ -112,36 +113,32 @@ class HFZeusMonitor(_LogsFirst):
         price_per_kwh: float | str | None = None,
         report_path: str | Path | None = None,
     ) -> None:
-        if not isinstance(monitor, ZeusMonitor):
-            raise TypeError(
-                f"`HFZeusMonitor(monitor={monitor!r})`: expected a zeus_callbacks.ZeusMonitor "
-                "(`from zeus_callbacks import ZeusMonitor`)."
-            )
+        self._session = EnergySession(
+            type(self).__name__, monitor, carbon_intensity, price_per_kwh, report_path
+        )
         self.monitor = monitor
-        rates = Rates.resolve(carbon_intensity, price_per_kwh)
-        self._reporter = EnergyReporter(monitor, rates=rates, report_path=report_path)
 
     @override
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_train_begin` → `EnergyReporter.start` (the run and the first interval begin)."""
+        """`on_train_begin` → `EnergySession.start` (the run and the first interval begin)."""
         super().on_train_begin(args, state, control, **kwargs)
-        self._reporter.start()
+        self._session.start()
 
     @override
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_step_begin` → `EnergyReporter.step_begin` (the report's energy per step)."""
-        self._reporter.step_begin()
+        """`on_step_begin` → `EnergySession.step_begin` (one call per optimizer step)."""
+        self._session.step_begin()
 
     @override
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_step_end` → `EnergyReporter.step_end`."""
-        self._reporter.step_end()
+        """`on_step_end` → `EnergySession.step_end`."""
+        self._session.step_end()
 
     @override
     def on_log(
@@ -152,18 +149,25 @@ class HFZeusMonitor(_LogsFirst):
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """`on_log` → `EnergyReporter.interval`, or `EnergyReporter.stop` (the run's totals, not the last
-        few ms) on the end-of-training summary (the log that carries `train_runtime`); the figures are
+        """`on_log` → `EnergySession.interval_metrics`, or `EnergySession.summary` (the run's totals, not the
+        last few ms) on the end-of-training summary (the log that carries `train_runtime`); the figures are
         added to `logs` and `state.log_history`."""
         final = logs is not None and "train_runtime" in logs
-        _log(state, logs, self._reporter.stop() if final else self._reporter.interval())
+        _log(state, logs, self._session.summary() if final else self._session.interval_metrics())
 
     @override
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_train_end` → `EnergyReporter.stop` if no summary log did (totals go to `state.log_history`)."""
-        _log(state, None, self._reporter.stop())
+        """`on_train_end` → `EnergySession.summary` if no summary log did (totals go to
+        `state.log_history`), then `EnergySession.end`."""
+        _log(state, None, self._session.summary())
+        self._session.end()
+
+    @override
+    def _train_failed(self) -> None:
+        """`trainer.train()` raised → `EnergySession.fail` (the windows closed, no collective)."""
+        self._session.fail()
 
 
 def _saved_state(state: TrainerState, name: str) -> Any:
@@ -196,14 +200,9 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s) (under torch.distributed, this rank's).
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
-        wait_steps: Steps to let pass before profiling starts.
-        warmup_steps: Steps run at a power limit before it is measured.
-        profile_steps: Steps measured at each power limit (the most, for the adaptive search).
-        pl_step: Stride between profiled power limits (W).
-        profile_path: JSON profile: loaded if it exists, written (by rank 0) as profiling goes.
-        search: `"adaptive"` (default) or `"sweep"` (every limit, as Zeus).
-        report_path: Write the run's HTML report there at the end of training; None: no report.
-        allow_raising_limit: Let the search go above the limit in force when training started.
+        wait_steps, warmup_steps, profile_steps, pl_step, profile_path: Zeus's, positional as in Zeus.
+        search, allow_raising_limit, report_path: by keyword. Every option is documented, named and
+            defaulted once, in `PowerLimitOptions`.
 
     Raises:
         ValueError: a bad argument; the message names it.
@@ -223,18 +222,9 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
     # Instances built by users, newest last: the candidates for `monitor=None` (see `__init__`).
     _built: ClassVar[list[weakref.ref[HFGlobalPowerLimitOptimizer]]] = []
 
+    @takes_power_limit_options(zeus_positional=True)
     def __init__(
-        self,
-        monitor: ZeusMonitor,
-        optimum_selector: OptimumSelector | None = None,
-        wait_steps: int = 1,
-        warmup_steps: int = 10,
-        profile_steps: int = 40,
-        pl_step: int = 25,
-        profile_path: str | Path | None = None,
-        search: str = "adaptive",
-        allow_raising_limit: bool = False,
-        report_path: str | Path | None = None,
+        self, monitor: ZeusMonitor, optimum_selector: OptimumSelector | None = None, **options: Any
     ) -> None:
         self._training = False
         self._checkpoint: Path | None = None  # the checkpoint `train()` resumes from (ZeusTrainerMixin)
@@ -252,18 +242,8 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
                 )
             self._session, self._checkpoint = owner._session, owner._checkpoint
             return
-        options = PowerLimitOptions(
-            optimum_selector,
-            wait_steps,
-            warmup_steps,
-            profile_steps,
-            pl_step,
-            profile_path,
-            search,
-            allow_raising_limit,
-            report_path,
-        )
-        self._session = PowerLimitSession(type(self).__name__, monitor, options)
+        opts = PowerLimitOptions(owner=type(self).__name__, optimum_selector=optimum_selector, **options)
+        self._session = PowerLimitSession(type(self).__name__, monitor, opts)
         self._built[:] = [ref for ref in self._built if ref() is not None] + [weakref.ref(self)]
 
     @property
@@ -279,15 +259,15 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
 
     @property
     def optimizer_state(self) -> dict[str, Any]:
-        """The optimizer's `state_dict()`; setting it (as `Trainer` does on resume) loads it."""
+        """The optimizer's `state_dict()`; setting it (as `Trainer` does on resume) is left to `on_train_begin`,
+        which loads the same state through the session."""
         return self.optimizer.state_dict()
 
     @optimizer_state.setter
     def optimizer_state(self, value: dict[str, Any]) -> None:
-        try:
-            self.optimizer.load_state_dict(value)
-        except InvalidInputError:
-            pass  # `on_train_begin` reads the same state from the trainer state, refuses it and says why
+        # transformers sets it on resume (`restore_callback_states_from_checkpoint`); `on_train_begin` loads
+        # the same state from the trainer state through the session (one path, one refusal message).
+        pass
 
     def _resume(self, saved: Any) -> None:
         """Load the checkpoint's optimizer state (`PowerLimitSession.load_state`); one that is cut short or
@@ -321,9 +301,9 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_train_begin` → `EnergyReporter.start` (energy per logging interval); on a resumed run,
-        `GlobalPowerLimitOptimizer.load_state_dict` with the state the checkpoint's trainer state holds,
-        whatever `restore_callback_states_from_checkpoint` says (`_resume`: a corrupted one is refused)."""
+        """`on_train_begin` → on a resumed run `PowerLimitSession.load_state` with the state the checkpoint's
+        trainer state holds, whatever `restore_callback_states_from_checkpoint` says (`_resume`: a corrupted
+        one is refused), then `PowerLimitSession.start`."""
         super().on_train_begin(args, state, control, **kwargs)
         self._training = True
         if not self._in_zeus_trainer and not state.global_step:

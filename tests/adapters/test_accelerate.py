@@ -200,7 +200,9 @@ def test_prepare_measures_this_process_gpu(accelerator_factory) -> None:
     accelerator = accelerator_factory()
     optimizer = prepare_power_limit_optimizer(accelerator, profile_steps=5)
     assert optimizer.monitor.gpu_indices == [local_gpu_index(accelerator)] == [0]
-    assert optimizer.profile_steps == 5 and optimizer in accelerator._custom_objects
+    # Its session is what the accelerator checkpoints: a resumed state loads through the session.
+    (session,) = accelerator._custom_objects
+    assert optimizer.profile_steps == 5 and session.optimizer is optimizer
     with pytest.raises(ValueError, match=r"profile_steps=0"):
         prepare_power_limit_optimizer(accelerator, profile_steps=0)
 

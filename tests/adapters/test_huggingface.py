@@ -392,7 +392,7 @@ def test_energy_monitor_logs_co2eq_and_cost_beside_energy(node, tmp_path):
 def test_energy_monitor_takes_rates_from_the_environment_and_refuses_bad_ones(node, monkeypatch):
     monkeypatch.setenv("ZEUS_CALLBACKS_CARBON_INTENSITY", "380")
     monkeypatch.setenv("ZEUS_CALLBACKS_ELECTRICITY_PRICE", "US-CA")
-    rates = HFZeusMonitor(ZeusMonitor([0]))._reporter.rates
+    rates = HFZeusMonitor(ZeusMonitor([0]))._session.reporter.rates
     assert rates.carbon_g_per_kwh == 380.0 and 0 < rates.price_per_kwh < 1
     with pytest.raises(ValueError, match="carbon_intensity=-1"):
         HFZeusMonitor(ZeusMonitor([0]), carbon_intensity=-1)

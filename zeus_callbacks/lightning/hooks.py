@@ -21,17 +21,14 @@ from zeus_callbacks.core.heterogeneous.training import (
 )
 from zeus_callbacks.core.monitor.epoch_log import EpochLog
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.monitor.reporting import (
-    EnergyReporter,
-    Rates,
-    pipeline_frequency_metrics,
-)
-from zeus_callbacks.core.monitor.steps import OptimizerSteps
+from zeus_callbacks.core.monitor.reporting import pipeline_frequency_metrics
+from zeus_callbacks.core.monitor.session import EnergySession
 from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
+from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
-from zeus_callbacks.core.power_limit.session import PowerLimitOptions, PowerLimitSession
+from zeus_callbacks.core.power_limit.session import PowerLimitSession
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -65,10 +62,11 @@ def _is_logging_step(trainer: pl.Trainer) -> bool:
 class ZeusMonitorHooks(CallbackHooks):
     """Log the GPU energy of training to the trainer's loggers, per logging interval and for the run.
 
-    Lightning's `on_train_start` opens the run and the first interval (`EnergyReporter.start`); at each
-    logging step (`log_every_n_steps` optimizer steps, from `on_train_batch_end`) or at each
-    `on_train_epoch_end` the interval is closed and logged (`EnergyReporter.interval`); `on_train_end`
-    logs the run's totals (`EnergyReporter.stop`). Intervals are contiguous, so validation run inside
+    A thin adapter of an `EnergySession` (the adapter contract, in `zeus_callbacks.core.monitor.session`):
+    `on_train_start` → `start` (the run and the first interval); `on_train_batch_start`/`_end` →
+    `step_begin`/`step_end`; at each logging step (`log_every_n_steps` optimizer steps) or at each
+    `on_train_epoch_end` → `interval_metrics`, logged; `on_train_end` → `summary` (logged), then `end`;
+    `on_exception` → `fail` (no collective). Intervals are contiguous, so validation run inside
     training counts towards the interval it falls in. Metric names: `energy/interval_j`,
     `energy/interval_time_s`, `energy/interval_avg_power_w`, `energy/gpu<i>_interval_j`,
     `energy/total_j`, `energy/total_time_s`, `energy/total_avg_power_w` and `energy/simulated`.
@@ -114,57 +112,56 @@ class ZeusMonitorHooks(CallbackHooks):
                 f"`LightningZeusMonitor(logging_interval={logging_interval!r})` is not supported. "
                 "Expected 'step' or 'epoch'."
             )
+        self._session = EnergySession(
+            "LightningZeusMonitor", monitor, carbon_intensity, price_per_kwh, report_path
+        )
         self.monitor = monitor
         self.logging_interval = logging_interval
-        rates = Rates.resolve(carbon_intensity, price_per_kwh)
-        self._reporter = EnergyReporter(monitor, rates=rates, report_path=report_path)
-        self._steps = OptimizerSteps()
 
     def total_energy_j(self) -> float:
         """GPU energy of the last finished run (J), summed over this process's monitored GPUs."""
-        return self._reporter.total_energy_j
+        return self._session.total_energy_j
 
     def total_time_s(self) -> float:
         """Duration of the last finished run (s), from train start to train end."""
-        return self._reporter.total_time_s
+        return self._session.total_time_s
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Drives `EnergyReporter.start`: the run and its first interval begin."""
-        self._reporter.start()
+        """Drives `start`: the run and its first interval begin."""
+        self._session.start()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        """Notes where an optimizer step begins (for step intervals under gradient accumulation)."""
-        if self._steps.begin(trainer.global_step):
-            self._reporter.step_begin()
+        """Drives `step_begin` with the optimizer steps so far (steps under gradient accumulation)."""
+        self._session.step_begin(trainer.global_step)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        """Drives `EnergyReporter.interval` after an optimizer step that is a logging step."""
-        stepped = self._steps.end(trainer.global_step)
-        if stepped:
-            self._reporter.step_end()
+        """Drives `step_end`; logs `interval_metrics` after an optimizer step that is a logging step."""
+        stepped = self._session.step_end(trainer.global_step)
         if stepped and self.logging_interval == "step" and _is_logging_step(trainer):
-            _log_metrics(trainer, self._reporter.interval())
+            _log_metrics(trainer, self._session.interval_metrics())
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Drives `EnergyReporter.interval` once per epoch with `logging_interval="epoch"`."""
+        """Logs `interval_metrics` once per epoch with `logging_interval="epoch"`."""
         if self.logging_interval == "epoch":
-            _log_metrics(trainer, self._reporter.interval())
+            _log_metrics(trainer, self._session.interval_metrics())
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Drives `EnergyReporter.stop` and logs the run's totals."""
-        _log_metrics(trainer, self._reporter.stop())
+        """Logs `summary` (the run's totals), then drives `end`."""
+        _log_metrics(trainer, self._session.summary())
+        self._session.end()
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Drives `EnergyReporter.stop` so that the monitor's windows are closed; nothing is logged."""
-        self._reporter.stop()
+        """Drives `fail`: the windows are closed without figures and without a collective (the other ranks
+        may not have failed); nothing is logged."""
+        self._session.fail()
 
 
 class GlobalPowerLimitOptimizerHooks(CallbackHooks):
@@ -198,14 +195,8 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
         monitor: The `ZeusMonitor` measuring this process's GPU, e.g.
             `ZeusMonitor(gpu_indices=[local_rank()])`.
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
-        wait_steps: Optimizer steps to let pass before profiling starts.
-        warmup_steps: Optimizer steps run at a power limit before it is measured.
-        profile_steps: Optimizer steps measured at each power limit (the most, for the adaptive search).
-        pl_step: Stride between profiled power limits (W).
-        profile_path: JSON profile: loaded if it exists, written (by rank 0) as profiling goes.
-        search: `"adaptive"` (default) or `"sweep"` (every limit, as Zeus).
-        report_path: Write the run's HTML report there at the end of training; None: no report.
-        allow_raising_limit: Let the search go above the limit in force when training started.
+        **options: The other options (`wait_steps`, ..., `report_path`), by keyword: `PowerLimitOptions`,
+            where each is documented, named and defaulted once.
 
     Raises:
         ValueError: A bad argument; the message names it.
@@ -222,32 +213,14 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
         chosen_w = plo.optimizer.optimal_power_limit_w
     """
 
+    @takes_power_limit_options()
     def __init__(
-        self,
-        monitor: ZeusMonitor,
-        optimum_selector: OptimumSelector | None = None,
-        wait_steps: int = 1,
-        warmup_steps: int = 10,
-        profile_steps: int = 40,
-        pl_step: int = 25,
-        profile_path: str | Path | None = None,
-        search: str = "adaptive",
-        allow_raising_limit: bool = False,
-        report_path: str | Path | None = None,
+        self, monitor: ZeusMonitor, optimum_selector: OptimumSelector | None = None, **options: Any
     ) -> None:
         super().__init__()
-        options = PowerLimitOptions(
-            optimum_selector,
-            wait_steps,
-            warmup_steps,
-            profile_steps,
-            pl_step,
-            profile_path,
-            search,
-            allow_raising_limit,
-            report_path,
-        )
-        self._session = PowerLimitSession(type(self).__name__, monitor, options)
+        name = type(self).__name__
+        opts = PowerLimitOptions(owner=name, optimum_selector=optimum_selector, **options)
+        self._session = PowerLimitSession(name, monitor, opts)
 
     @property
     def optimizer(self) -> GlobalPowerLimitOptimizer:

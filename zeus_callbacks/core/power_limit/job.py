@@ -1,105 +1,31 @@
-"""What a power-limit optimizer is asked to do (`Options`) and what it learns of its job at set-up (`Job`:
-the grid every rank profiles, the job's GPUs, whether it may change their limits), with the set-up's
-collectives as records whose fields say how they reduce over ranks."""
+"""What a power-limit optimizer learns of its job at set-up (`Job`: the grid every rank profiles, the job's
+GPUs, whether it may change their limits), with the set-up's collectives as records whose fields say how
+they reduce over ranks. What it is asked to do is `options.PowerLimitOptions`'."""
 
 from __future__ import annotations
 
 import logging
-import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from zeus_callbacks.core import distributed as dist
-from zeus_callbacks.core.arguments import bad_argument, require_monitor, whole_number
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.state_guard import job_gpu_overlap
-from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit.grid import ALLOW_RAISING_ENV, power_limit_grid, raising_allowed
+from zeus_callbacks.core.power_limit.grid import ALLOW_RAISING_ENV, power_limit_grid
 from zeus_callbacks.core.power_limit.meter import StepMeter
 from zeus_callbacks.core.power_limit.profile_file import ProfileContext
 from zeus_callbacks.core.power_limit.ranks import JobMembership
-from zeus_callbacks.core.power_limit.search import SEARCHES
-from zeus_callbacks.core.power_limit.selectors import OptimumSelector, ZeusCost
 
 if TYPE_CHECKING:
     from zeus_callbacks.core.device.gpus import GPU
 
-__all__ = ["ALLOW_RAISING_ENV", "Options", "Option", "Job", "find_job", "profile_context"]
+__all__ = ["ALLOW_RAISING_ENV", "Job", "find_job", "profile_context"]
 
 
 logger = logging.getLogger("zeus_callbacks.core.power_limit.optimizer")
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class Options:
-    """The optimizer's constructor arguments, checked (`checked`)."""
-
-    optimum_selector: OptimumSelector
-    wait_steps: int
-    warmup_steps: int
-    profile_steps: int
-    pl_step: int
-    profile_path: Path | None
-    search: str
-    allow_raising_limit: bool = False  # the argument or `ALLOW_RAISING_ENV`
-
-    @classmethod
-    def checked(
-        cls,
-        monitor: ZeusMonitor,
-        optimum_selector: Any,
-        wait_steps: Any,
-        warmup_steps: Any,
-        profile_steps: Any,
-        pl_step: Any,
-        profile_path: Any,
-        search: Any,
-        allow_raising_limit: Any = False,
-    ) -> Options:
-        """The arguments of `GlobalPowerLimitOptimizer(...)`, or a `ValueError`/`TypeError` naming the bad one."""
-        owner = "GlobalPowerLimitOptimizer"
-        require_monitor(owner, monitor)
-        wait_steps = whole_number(owner, "wait_steps", wait_steps, 0)
-        warmup_steps = whole_number(owner, "warmup_steps", warmup_steps, 0)
-        profile_steps = whole_number(owner, "profile_steps", profile_steps, 1)
-        pl_step = whole_number(owner, "pl_step", pl_step, 1)
-        if search not in SEARCHES:
-            raise bad_argument(owner, "search", search, f"must be one of {SEARCHES}")
-        if optimum_selector is not None and not isinstance(optimum_selector, OptimumSelector):
-            want = "must be an OptimumSelector (Time(), Energy(), ...)"
-            raise bad_argument(owner, "optimum_selector", optimum_selector, want)
-        if profile_path is not None and not isinstance(profile_path, (str, os.PathLike)):
-            raise bad_argument(
-                owner, "profile_path", profile_path, "must be a path (str or pathlib.Path) or None"
-            )
-        if not isinstance(allow_raising_limit, bool):
-            raise bad_argument(owner, "allow_raising_limit", allow_raising_limit, "must be True or False")
-        return cls(
-            optimum_selector or ZeusCost(eta_knob=0.5),
-            wait_steps,
-            warmup_steps,
-            profile_steps,
-            int(pl_step),
-            Path(profile_path) if profile_path is not None else None,
-            search,
-            allow_raising_limit or raising_allowed(),
-        )
-
-
-class Option(Generic[_T]):
-    """A read-only attribute of the optimizer: the `Options` field of the same name."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> _T:
-        if obj is None:
-            return self  # type: ignore[return-value]
-        return getattr(obj._options, self.name)
 
 
 @dataclass(frozen=True)
@@ -283,7 +209,7 @@ def _say_capped(top: int, hi: int) -> None:
 
 def profile_context(job: Job, meter: StepMeter, pl_step: int) -> ProfileContext:
     """What this job's profile is measured on (a profile is only reused on the same)."""
-    from zeus_callbacks import __version__
+    from zeus_callbacks.version import __version__
 
     lo, hi = job.grid[-1], job.grid[0]
     return ProfileContext(

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.arguments import require_monitor
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.files import warn_write_failed
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.grid import milliwatts
-from zeus_callbacks.core.power_limit.job import Options, find_job, profile_context
+from zeus_callbacks.core.power_limit.job import find_job, profile_context
 from zeus_callbacks.core.power_limit.meter import StepMeter
+from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.phases import Done, Inactive, Profiling, Waiting, Warmup
 from zeus_callbacks.core.power_limit.profile_file import (
     ProfileContext,
@@ -76,21 +77,9 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
     Args:
         monitor: The `ZeusMonitor` measuring this process's GPU(s).
         optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
-        wait_steps: Steps to let pass before profiling starts.
-        warmup_steps: Steps run at a power limit before it is measured (0 allowed): at each limit for
-            the sweeps, at the run's first limit for the adaptive search (later ones settle for one
-            sample's worth of steps, at most this many).
-        profile_steps: Steps measured at each power limit (the most, for the adaptive search).
-        pl_step: Stride between profiled power limits (W); the minimum limit is always profiled.
-        profile_path: JSON file of the profile: loaded if it exists (a complete one is applied at once, a
-            partial one resumes), written (by rank 0) as profiling goes.
-        search: "adaptive" (default: each limit measured only as long as needed, the near-ties
-            measured again), "sweep" (every limit for `profile_steps`, as Zeus) or "zeus" (the sweep,
-            and the end of an epoch interrupts the limit being profiled: back to the highest limit, that
-            limit profiled again from its warm-up in the next epoch, exactly as Zeus).
-        allow_raising_limit: Let the search profile limits above the one in force when the job started, up
-            to the GPUs' maximum (as Zeus does). Also allowed by `ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT=1`.
-            Either way the GPUs get back the limit in force at the start when training ends.
+        wait_steps, warmup_steps, profile_steps, pl_step, profile_path: Zeus's, positional as in Zeus.
+        search, allow_raising_limit: by keyword. Every option is documented, named and defaulted once, in
+            `PowerLimitOptions` (`options`), which checks it.
 
     Raises:
         ValueError: a bad argument, or a `profile_path` that is unreadable or was measured on other
@@ -111,32 +100,15 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         plo.on_train_end()
     """
 
+    @takes_power_limit_options(zeus_positional=True, exclude=("report_path",))
     def __init__(
-        self,
-        monitor: ZeusMonitor,
-        optimum_selector: OptimumSelector | None = None,
-        wait_steps: int = 1,
-        warmup_steps: int = 10,
-        profile_steps: int = 40,
-        pl_step: int = 25,
-        profile_path: str | Path | None = None,
-        search: str = "adaptive",
-        allow_raising_limit: bool = False,
+        self, monitor: ZeusMonitor, optimum_selector: OptimumSelector | None = None, **options: Any
     ) -> None:
-        self._options = Options.checked(
-            monitor,
-            optimum_selector,
-            wait_steps,
-            warmup_steps,
-            profile_steps,
-            pl_step,
-            profile_path,
-            search,
-            allow_raising_limit,
-        )
+        require_monitor("GlobalPowerLimitOptimizer", monitor)
+        self.options = PowerLimitOptions(optimum_selector=optimum_selector, **options)
         self.monitor = monitor
         self._meter = StepMeter(monitor, [monitor.gpus[i] for i in monitor.gpu_indices], self._gpu_failed)
-        self._phase = Waiting(self.wait_steps)
+        self._phase = Waiting(self.options.wait_steps)
         self._started = False
         self._job = None
         self._search = None
@@ -163,7 +135,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
                     self._job is not None
                 ):  # set up before this process knew it was a rank (Lightning's launcher)
                     self._job, self._search = None, None
-                    self._phase = Waiting(self.wait_steps)
+                    self._phase = Waiting(self.options.wait_steps)
                 return
             self._start()
         if isinstance(self._phase, Profiling) and self._phase.held is not None:
@@ -195,8 +167,8 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
             search = self._search
             assert search is not None
             if (
-                self.search == "zeus"
-                and phase.stats.spent_steps + phase.chunk.steps + 1 >= self.profile_steps
+                self.options.search == "zeus"
+                and phase.stats.spent_steps + phase.chunk.steps + 1 >= self.options.profile_steps
             ):
                 phase.held = (self._meter.close_step(),)
             else:
@@ -212,7 +184,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         profiled, and that limit is profiled again from its warm-up at the next step, as Zeus does (also when the
         epoch ends right after the limit's last step: Zeus counts that step at the next one's beginning)."""
         phase = self._phase
-        if self.search != "zeus" or not self._started or not isinstance(phase, (Warmup, Profiling)):
+        if self.options.search != "zeus" or not self._started or not isinstance(phase, (Warmup, Profiling)):
             return
         logger.info(
             "%s at %g W interrupted by the end of an epoch; it is profiled again from its warm-up.",
@@ -238,7 +210,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         if self._search is not None:
             self._search.new_run()
         if isinstance(self._phase, (Warmup, Profiling)):
-            self._phase = Waiting(self.wait_steps)
+            self._phase = Waiting(self.options.wait_steps)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()` (of this version or an earlier one): a finished profile is applied
@@ -258,21 +230,21 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         """Learn the job (`find_job`) and start the search over its grid; load a saved profile: a
         complete one is applied now."""
         self._job = job = find_job(
-            self._meter, self._membership, self.pl_step, self._options.allow_raising_limit
+            self._meter, self._membership, self.options.pl_step, self.options.allow_raising_limit
         )
         if job.inactive:
             self._phase = Inactive(job.inactive)
             return
-        o = self._options
+        o = self.options
         self._search = Search(
-            job.grid, o.optimum_selector, job.max_power_w, o.search, o.warmup_steps, o.profile_steps
+            job.grid, o.selector, job.max_power_w, o.search, o.warmup_steps, o.profile_steps
         )
-        if self.profile_path is not None and self.profile_path.exists():
-            self._use_profile(load_profile(self.profile_path, self._context(), self.profile_steps))
+        if self.options.path is not None and self.options.path.exists():
+            self._use_profile(load_profile(self.options.path, self._context(), self.options.profile_steps))
 
     def _context(self) -> ProfileContext:
         assert self._job is not None
-        return profile_context(self._job, self._meter, self.pl_step)
+        return profile_context(self._job, self._meter, self.options.pl_step)
 
     def _use_profile(self, saved: SavedProfile) -> None:
         """Take a saved profile: apply its answer when it holds one for this selector, else keep its
@@ -283,25 +255,25 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
             logger.warning(
                 "%s is a profile written by Zeus: it does not say which GPU it was measured on, so that could "
                 "not be checked against this job's %s. Using it.",
-                self.profile_path,
+                self.options.path,
                 self._context().describe(),
             )
             search.stats = saved.stats
             self._finish(save=False)
             return
-        same = saved.selector == repr(self.optimum_selector) and saved.search == self.search
+        same = saved.selector == repr(self.options.selector) and saved.search == self.options.search
         search.reuse(saved.stats, same)
         if same and saved.complete or search.next_power_limit() is None and search.stats:
-            logger.info("Loaded the power-limit profile %s.", self.profile_path)
+            logger.info("Loaded the power-limit profile %s.", self.options.path)
             self._finish(save=not same)
             return
         logger.info(
             "Loaded %s power-limit profile from %s%s; profiling what is missing.",
             "the" if saved.complete else "a partial",
-            self.profile_path,
+            self.options.path,
             ""
             if same
-            else f" (searched for {saved.selector or 'another selector'}, not {self.optimum_selector!r})",
+            else f" (searched for {saved.selector or 'another selector'}, not {self.options.selector!r})",
         )
 
     def _start(self) -> None:
@@ -369,7 +341,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         # A revisit (the adaptive search's refinement) adds to the samples of the earlier visits.
         stats, warmup = search.begin_visit(pl, self.energy_refresh_s or 0.0)
         if warmup > 0:
-            self._phase = Warmup(pl, warmup, stats, settling=warmup < self.warmup_steps)
+            self._phase = Warmup(pl, warmup, stats, settling=warmup < self.options.warmup_steps)
         else:
             self._phase = Profiling(pl, stats)
 
@@ -430,7 +402,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
             logging.WARNING if isinstance(self._phase, Done) else logging.INFO,
             "GlobalPowerLimitOptimizer chose the power limit %g W (%s, %d limits profiled%s).",
             pl,
-            self.optimum_selector,
+            self.options.selector,
             len(self.stats),
             ", SIMULATED GPUs" if self.monitor.simulated else "",
         )
@@ -450,19 +422,19 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
 
     # -- I/O ------------------------------------------------------------------------------------
     def _save(self, complete: bool) -> None:
-        if self.profile_path is None or dist.rank() != 0:
+        if self.options.path is None or dist.rank() != 0:
             return
         try:
             save_profile(
-                self.profile_path,
+                self.options.path,
                 self._context(),
                 self.stats,
                 complete,
-                repr(self.optimum_selector),
-                self.search,
+                repr(self.options.selector),
+                self.options.search,
             )
         except OSError as e:  # a full disk, a quota, `ulimit -f`: training goes on
-            warn_write_failed(logger, "power-limit profile", self.profile_path, e)
+            warn_write_failed(logger, "power-limit profile", self.options.path, e)
 
     def _set_power_limit(self, pl: int) -> bool:
         try:

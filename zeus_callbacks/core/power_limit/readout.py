@@ -5,7 +5,6 @@ the numbers and report trackers and users read (`PowerLimitReadout`, the base of
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, ClassVar
 
 from zeus_callbacks.core.callback import Callback
@@ -14,12 +13,12 @@ from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit import states
 from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
 from zeus_callbacks.core.power_limit.grid import milliwatts
-from zeus_callbacks.core.power_limit.job import Job, Option, Options
+from zeus_callbacks.core.power_limit.job import Job
 from zeus_callbacks.core.power_limit.meter import StepMeter
+from zeus_callbacks.core.power_limit.options import PowerLimitOptions, option_names
 from zeus_callbacks.core.power_limit.phases import Done, Inactive, Phase, Profiling, Warmup
 from zeus_callbacks.core.power_limit.schema import state_dict
 from zeus_callbacks.core.power_limit.search import Search, min_measured_steps
-from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 
 __all__ = ["PowerLimitReadout"]
 
@@ -31,7 +30,7 @@ class PowerLimitReadout(Callback):
 
     monitor: ZeusMonitor
     power_limit_w: int | None  # the limit in force (None: the GPUs' own)
-    _options: Options
+    options: PowerLimitOptions  # what it was asked to do
     _meter: StepMeter
     _phase: Phase
     _job: Job | None  # set up: the job's size, permissions and grid known
@@ -39,20 +38,23 @@ class PowerLimitReadout(Callback):
     _started: bool  # a run is going on (its first step began)
     _unfinished: str  # what the last run's end said when it cut profiling short
 
-    optimum_selector: Option[OptimumSelector] = Option()  # the objective
-    wait_steps: Option[int] = Option()  # steps let pass before profiling starts
-    warmup_steps: Option[int] = Option()  # steps run at a power limit before it is measured
-    profile_steps: Option[int] = Option()  # steps measured at each power limit (the most: adaptive search)
-    pl_step: Option[int] = Option()  # stride between profiled power limits (W)
-    profile_path: Option[Path | None] = Option()  # the profile's JSON file, if any
-    search: Option[str] = Option()  # "adaptive", "sweep" or "zeus"
-    allow_raising_limit: Option[bool] = Option()  # may profile above the limit in force at the start
+    def __getattr__(self, name: str) -> Any:
+        """Each option as the attribute of its name, as in Zeus (`plo.wait_steps`, `plo.profile_path`): the
+        `options` record's (`PowerLimitOptions`)."""
+        options = self.__dict__.get("options")
+        if options is not None and name in option_names():
+            return options.path if name == "profile_path" else getattr(options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def min_steps(self) -> int:
         """Samples every limit is measured before it may stop (`min_measured_steps` for the adaptive
         search, else `profile_steps`)."""
-        return min_measured_steps(self.profile_steps) if self.search == "adaptive" else self.profile_steps
+        return (
+            min_measured_steps(self.options.profile_steps)
+            if self.options.search == "adaptive"
+            else self.options.profile_steps
+        )
 
     @property
     def grid(self) -> list[int]:
@@ -109,7 +111,7 @@ class PowerLimitReadout(Callback):
         if isinstance(p, Warmup):
             return states.Warmup(current_power_limit=milliwatts(p.power_limit_w), steps=p.steps_left)
         if isinstance(p, Profiling):
-            left = max(0, self.profile_steps - p.stats.steps)
+            left = max(0, self.options.profile_steps - p.stats.steps)
             return states.Profiling(current_power_limit=milliwatts(p.power_limit_w), steps=left)
         if isinstance(p, Done):
             return states.Done(optimal_power_limit=milliwatts(p.power_limit_w))
@@ -153,8 +155,8 @@ class PowerLimitReadout(Callback):
         ended before profiling finished, `phase` is `incomplete` and `incomplete_reason` says how far it
         got and how many steps a run needs (`phase` itself is `waiting`: for the next run)."""
         out: dict[str, Any] = {
-            "selector": repr(self.optimum_selector),
-            "search": self.search,
+            "selector": repr(self.options.selector),
+            "search": self.options.search,
             "simulated": self.monitor.simulated,
             "num_gpus": self.num_gpus,
             "phase": "incomplete" if self._unfinished and not self._started else self.phase,
@@ -177,17 +179,17 @@ class PowerLimitReadout(Callback):
         sweep's `warmup_steps + profile_steps` per limit; the adaptive search's budget, which grows where
         steps are shorter than the energy counter's refresh (a sample then groups several steps), though
         it usually stops well before it."""
-        return self.wait_steps + (self._search.steps_needed() if self._search is not None else 0)
+        return self.options.wait_steps + (self._search.steps_needed() if self._search is not None else 0)
 
     def _say_unfinished(self) -> str:
         measured = sum(1 for s in self.stats.values() if s.steps)
         carry = (
-            f"it is saved in {self.profile_path}: the next run with the same profile_path carries on"
-            if self.profile_path is not None
+            f"it is saved in {self.options.path}: the next run with the same profile_path carries on"
+            if self.options.path is not None
             else "pass `profile_path=...` to carry the profile to the next run (or resume from a checkpoint: "
             "the profile is in the optimizer's state)"
         )
-        needs = self._search.steps_needed_text(self.wait_steps) if self._search is not None else ""
+        needs = self._search.steps_needed_text(self.options.wait_steps) if self._search is not None else ""
         said = (
             f"training ended before profiling finished ({measured} of {len(self.grid)} power limits measured "
             f"in {self.profiling_steps} steps): {needs}"
@@ -212,7 +214,7 @@ class PowerLimitReadout(Callback):
         `owner` (the callback), why, and what profiling goes on from (`then`, else the profile_path profile
         when it exists, else nothing: profiling starts afresh)."""
         if not then:
-            profile = self.profile_path
+            profile = self.options.path
             then = (
                 f"profiling carries on from the profile {profile}"
                 if profile is not None and profile.exists()

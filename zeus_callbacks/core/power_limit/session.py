@@ -3,8 +3,9 @@
 The adapter contract
 --------------------
 An adapter (HF `Trainer`, Lightning, an Accelerate or plain loop, PyTorch Ignite) builds one
-`PowerLimitSession` from the user's `ZeusMonitor` and `PowerLimitOptions`, and turns its framework's events into
-these calls, and into nothing else:
+`PowerLimitSession` from the user's `ZeusMonitor` and `PowerLimitOptions` (`options`: the one record of the
+options' names and defaults; the adapter's signature comes from it with `takes_power_limit_options`), and
+turns its framework's events into these calls, and into nothing else:
 
 =============================  =================================================================
 framework event                session call
@@ -21,6 +22,23 @@ training raised                `fail()`: no figures and no collective; the GPUs 
 a checkpoint is saved          store `state_dict()` (plain numbers and strings)
 =============================  =================================================================
 
+The energy monitor's adapters drive `zeus_callbacks.core.monitor.session.EnergySession` by the same table,
+less the optimizer's rows (epochs, checkpoints), and with the same failure rule.
+
+Registration points
+-------------------
+The contract is executable: `tests/adapters/test_contract.py` drives every adapter class with its real
+framework through scripted runs (to the end, raising mid-epoch, resumed from a checkpoint, epochs under
+`search="zeus"`) and checks the session calls above. A new adapter is one module here plus one line in that
+test's `ADAPTERS` table (the framework, the kind: `"power_limit"` or `"energy"`, and the class); its options
+come from `PowerLimitOptions` (`tests/adapters/test_contract.py::test_every_adapter_takes_the_options_record`
+reads them from there). The adapters now registered:
+
+- power limit: `HFGlobalPowerLimitOptimizer`, `LightningGlobalPowerLimitOptimizer`,
+  `PowerLimitOptimizerHelper` (and `prepare_power_limit_optimizer`, whose session the user drives through
+  the optimizer's own hooks), `IgnitePowerLimitOptimizer`;
+- energy: `HFZeusMonitor`, `LightningZeusMonitor`, `ZeusMonitorHelper`, `IgniteZeusMonitor`.
+
 Under torch.distributed every rank makes the `interval_metrics` and `summary` calls at the same points: the
 energy figures in them are summed over ranks in one collective. Everything else (what a power limit costs,
 when to change it, the profile file, the report, the refusal of a corrupted state) is decided here or below,
@@ -30,8 +48,6 @@ so that an adapter holds no logic of its own: `duplicates` finds none of it twic
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from zeus_callbacks.core.arguments import require_monitor
@@ -40,47 +56,9 @@ from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.monitor.reporting import EnergyReporter, power_limit_metrics, run_summary
 from zeus_callbacks.core.monitor.steps import OptimizerSteps
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
-from zeus_callbacks.core.power_limit.selectors import OptimumSelector
+from zeus_callbacks.core.power_limit.options import PowerLimitOptions
 
 __all__ = ["PowerLimitOptions", "PowerLimitSession"]
-
-
-@dataclass(frozen=True)
-class PowerLimitOptions:
-    """What the power-limit optimizer is asked to do: every adapter's arguments after the monitor, in
-    Zeus's order, documented here once.
-
-    Attributes:
-        optimum_selector: The objective; default `ZeusCost(eta_knob=0.5)`.
-        wait_steps: Optimizer steps to let pass before profiling starts.
-        warmup_steps: Optimizer steps run at a power limit before it is measured (the adaptive search: at
-            the first limit only; later ones, in force at once, settle for a step or two).
-        profile_steps: Optimizer steps measured at each power limit.
-        pl_step: Stride between profiled power limits (W).
-        profile_path: JSON profile: loaded if it exists, written (by rank 0) as profiling goes.
-        search: "adaptive" (default) or "sweep" (every limit, as Zeus).
-        allow_raising_limit: Let the search go above the limit in force when training started (up to the
-            GPUs' maximum, as Zeus); also `ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT=1`. Default: never above it.
-        report_path: Write the run's HTML report there at the end of training, the power-limit profile and
-            the choice included (`zeus-callbacks report`'s); None: no report.
-    """
-
-    optimum_selector: OptimumSelector | None = None
-    wait_steps: int = 1
-    warmup_steps: int = 10
-    profile_steps: int = 40
-    pl_step: int = 25
-    profile_path: str | Path | None = None
-    search: str = "adaptive"
-    allow_raising_limit: bool = False
-    report_path: str | Path | None = None
-
-    def optimizer_arguments(self) -> dict[str, Any]:
-        """The keyword arguments of `GlobalPowerLimitOptimizer` (all but `report_path`)."""
-        out = asdict(self)
-        out["optimum_selector"] = self.optimum_selector  # as given, not copied
-        del out["report_path"]
-        return out
 
 
 class PowerLimitSession:
@@ -99,7 +77,7 @@ class PowerLimitSession:
     def __init__(self, owner: str, monitor: ZeusMonitor, options: PowerLimitOptions) -> None:
         require_monitor(owner, monitor)
         self.owner = owner
-        self.optimizer = GlobalPowerLimitOptimizer(monitor=monitor, **options.optimizer_arguments())
+        self.optimizer = GlobalPowerLimitOptimizer(monitor, **options.optimizer_arguments())
         self.reporter = EnergyReporter.for_power_limit_optimizer(monitor, report_path=options.report_path)
         self._steps = OptimizerSteps()
 
