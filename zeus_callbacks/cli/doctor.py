@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from zeus_callbacks.cli.devices import discover
-from zeus_callbacks.core.device import node_info, setters, zeusd
+from zeus_callbacks.core.device import global_lock, node_info, setters, zeusd
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.device.gpus import GPU, GPUs, get_gpus
 from zeus_callbacks.core.device.power import energy_refresh_period_s, instant_power_mw
@@ -163,6 +163,13 @@ def check(gpus: GPUs | None = None) -> dict[str, Any]:
         problems.append(
             f"Journal directory {journal.path} {journal.problem}; no GPU setting will be changed."
         )
+    cross_user = global_lock.status()
+    if not cross_user.on:
+        warnings.append(
+            f"The cross-user GPU owner lock is off: {cross_user.problem}. Jobs of other users on these GPUs "
+            "do not see which ones this job changes, nor it theirs. An administrator turns it on once: "
+            f"`{cross_user.fix}` (or point {global_lock.LOCK_DIR_ENV} at such a directory in every job)."
+        )
     if leftovers:
         warnings.append(
             f"{len(leftovers)} setting(s) left changed by dead runs; `zeus-callbacks restore` puts them back."
@@ -174,6 +181,7 @@ def check(gpus: GPUs | None = None) -> dict[str, Any]:
         "permission": perm.__dict__,
         "setters": setter,
         "journal_dir": journal.__dict__,
+        "cross_user_lock": cross_user.__dict__,
         "leftovers": leftovers,
         "gpus": rows,
         "problems": problems,
@@ -221,6 +229,10 @@ def _print_report(r: dict[str, Any]) -> None:
     )
     _print_setters(r["setters"])
     print(f"journal directory: {_fmt(j['path'])} ({'safe' if j['safe'] else j['problem']})")
+    lock = r["cross_user_lock"]
+    print(
+        f"cross-user owner lock: {'on at ' + lock['path'] if lock['on'] else 'off (' + lock['problem'] + ')'}"
+    )
     print(f"settings left by dead runs: {len(r['leftovers'])}")
     for w in r["warnings"]:
         print(f"warning: {w}")

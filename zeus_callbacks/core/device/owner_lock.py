@@ -1,9 +1,11 @@
 """One owner per GPU: a lock held, from the first change of a GPU's settings until they are restored, by the
 one process that may change them.
 
-The lock is a POSIX record lock on `owner-<uuid>.lock` in the journal directory. The kernel releases it when
-the process dies, however it dies, so a stale lock cannot exist; a forked child does not inherit it, so a
-DataLoader worker is never taken for the owner. Measuring needs no lock.
+Two locks make one owner. Within a journal directory (one user's jobs), a POSIX record lock on
+`owner-<uuid>.lock`: the kernel releases it when the process dies, however it dies, and a forked child does
+not inherit it, so a DataLoader worker is never taken for the owner. Across users (each has their own
+journal directory), an owner record in the node's lock directory (`global_lock`), where an administrator
+made one. Measuring needs no lock.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import os
 import threading
 from pathlib import Path
 
-__all__ = ["acquire", "release", "holder", "held"]
+from zeus_callbacks.core.device import global_lock
+from zeus_callbacks.core.device.global_lock import Owner
+
+__all__ = ["Owner", "acquire", "release", "holder", "held", "owner"]
 
 _held: dict[Path, tuple[int, int]] = {}  # lock path -> (fd, pid that took it)
 _lock = threading.Lock()
@@ -34,11 +39,15 @@ def _read_pid(fd: int) -> int | None:
     return None
 
 
-def acquire(directory: Path, uuid: str) -> int | None:
-    """Take the owner lock of GPU `uuid`; None when taken (or already held), else the holder's pid (0: unknown).
+def acquire(directory: Path, uuid: str, label: str, journal: Path | None = None) -> Owner | None:
+    """Take the owner lock of GPU `uuid` (`label` names it in messages), in `directory` and across users;
+    None when taken (or already held), else its owner. `journal`: this process's journal file, which a
+    repair after its death empties.
 
     Raises:
-        OSError: the lock file cannot be opened (the journal directory is unusable).
+        OSError: the lock file cannot be opened (the journal directory is unusable);
+            `global_lock.ClaimError` (one): this process's record cannot be written in the node's lock
+            directory.
     """
     path = _path(directory, uuid)
     with _lock:
@@ -51,7 +60,15 @@ def acquire(directory: Path, uuid: str) -> int | None:
         except OSError:
             pid = _read_pid(fd)
             os.close(fd)
-            return pid or 0
+            return Owner.of(pid or 0, os.geteuid())
+        try:
+            other = global_lock.claim(uuid, label, journal)
+        except BaseException:
+            os.close(fd)
+            raise
+        if other is not None:
+            os.close(fd)  # closing releases the lock
+            return other
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         _held[path] = (fd, os.getpid())
@@ -66,6 +83,7 @@ def release(directory: Path, uuid: str) -> None:
         if held is None or held[1] != os.getpid():
             return
         del _held[path]
+        global_lock.release(uuid)
         with contextlib.suppress(OSError):
             os.ftruncate(held[0], 0)
         os.close(held[0])  # closing releases the lock
@@ -79,8 +97,20 @@ def held(directory: Path, uuid: str) -> bool:
 
 def holder(directory: Path, uuid: str) -> int | None:
     """The pid of another live process owning GPU `uuid` (0: unknown pid), or None when nobody else does."""
-    path = _path(directory, uuid)
-    if held(directory, uuid) or not path.exists():
+    found = owner(directory, uuid)
+    return None if found is None else found.pid
+
+
+def owner(directory: Path, uuid: str) -> Owner | None:
+    """Another live process owning GPU `uuid`, in `directory` or across users, or None when nobody else does."""
+    if held(directory, uuid):
+        return None
+    pid = _local_holder(_path(directory, uuid))
+    return global_lock.owner(uuid) if pid is None else Owner.of(pid, os.geteuid())
+
+
+def _local_holder(path: Path) -> int | None:
+    if not path.exists():
         return None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -30,11 +30,14 @@ def alive(pid: int, start: str | None) -> bool:
     """Whether `pid` runs and is the process that started at `start` (None: any process of that pid)."""
     try:
         os.kill(pid, 0)
+        foreign = False
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's process: /proc says whether it is the one that started then
+        foreign = True
     fields = _stat(pid)
+    if not fields and foreign:
+        return True  # /proc hides it (hidepid): it exists, which is all that can be told
     if fields and fields[0] in ("Z", "X"):  # dead, not yet reaped
         return False
     return start is None or _start_of(fields) == start

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zeus_callbacks.core import distributed as dist
-from zeus_callbacks.core.device import owner_lock, setters
+from zeus_callbacks.core.device import global_lock, owner_lock, setters
 from zeus_callbacks.core.device.backend import active_backend
 from zeus_callbacks.core.device.errors import (
     GPUBusyError,
@@ -32,6 +32,7 @@ from zeus_callbacks.core.device.errors import (
     GPUNotSupportedError,
     GPUStateJournalError,
 )
+from zeus_callbacks.core.device.global_lock import ClaimError
 from zeus_callbacks.core.device.journal import (
     JOURNAL_ENV,
     boot_id,
@@ -123,6 +124,8 @@ class GPUStateGuard:
             self._install()
             if self._watchdog is None and self._path is not None:
                 self._watchdog = Watchdog.start()
+                if self._watchdog is not None:  # another user's job waits while it puts the GPU back
+                    global_lock.note_restorer(self._watchdog.pid)
             if knob == "power_limit":
                 self._warn_if_unexplained(gpu, original)
             return True
@@ -148,11 +151,13 @@ class GPUStateGuard:
             return
         try:
             ensure_trusted_dir(self._dir)
-            pid = owner_lock.acquire(self._dir, gpu.uuid)
+            owner = owner_lock.acquire(self._dir, gpu.uuid, gpu.label, self._path)
+        except ClaimError as e:
+            raise GPUStateJournalError(f"{gpu.label} is left unchanged: this process {e.strerror}.") from None
         except OSError as e:
             raise self._journal_error(gpu, e) from None
-        if pid is not None:
-            who = f"process {pid}" if pid else "another process"
+        if owner is not None:
+            who = str(owner) if owner.pid else "another process"
             raise GPUBusyError(
                 f"{gpu.label} is owned by {who}, which changed its settings first; this process leaves them "
                 "alone (it still measures). Run one job per GPU, or wait until that one ends."
@@ -300,7 +305,13 @@ class GPUStateGuard:
         left alone unless `include_live`. Journals are read only from a trusted directory (see
         `journal.trusted_dir`), and one process at a time repairs them. Returns the entries restored.
         """
-        return [] if self._repairer is None else self._repairer.repair_dead_runs(gpus, include_live)
+        if self._repairer is None:
+            return []
+        restored = self._repairer.repair_dead_runs(gpus, include_live)
+        assert self._dir is not None
+        # A dead process's cross-user owner record goes once its journal no longer holds the GPU.
+        global_lock.release_dead(self._dir, [g.uuid for g in gpus])
+        return restored
 
     def restore_signalled(self, pid: int, start: str | None, gpus: GPUs, signum: int) -> list[JournalEntry]:
         """Put back the settings journaled by the live process `pid`, which received `signum` (SIGTERM,

@@ -81,6 +81,11 @@ class Watchdog:
         os.register_at_fork(after_in_child=self._forget)
         self.ready = self._wait_ready(READY_TIMEOUT_S)
 
+    @property
+    def pid(self) -> int:
+        """The watchdog process's id."""
+        return self._proc.pid
+
     def _take_wakeup_fd(self) -> int | None:
         """Make a new pipe's write end this process's signal wakeup fd; its read end (None: only the main
         thread may set the wakeup fd, so signals are then handled in Python alone)."""
