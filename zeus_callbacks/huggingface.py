@@ -78,8 +78,7 @@ class HFZeusMonitor(_RestoresOnException, _LogsFirst):
 
     Drives an `EnergySession` (the adapter contract, in `zeus_callbacks.core.monitor.session`):
     `on_train_begin` → `start`, `on_step_begin`/`on_step_end` → `step_begin`/`step_end`, `on_log` →
-    `interval_metrics` (`summary` on the end-of-training log), `on_train_end` → `summary` if no log took it,
-    then `end`; `train()` raising → `fail` with `ZeusTrainerMixin` / `restoring_gpus` (no collective).
+    `interval_metrics` (`summary` on the end-of-training log), `on_train_end` → `end`; `train()` raising → `fail` with `ZeusTrainerMixin` / `restoring_gpus` (no collective).
     At every log event the logs get the energy of the logging interval (`energy/interval_j`, its average
     power and duration, per GPU too, and `energy/simulated`); the end-of-training summary also gets the
     run's totals (`energy/total_j`, ...). The names come from `EnergyReporter`.
@@ -159,9 +158,7 @@ class HFZeusMonitor(_RestoresOnException, _LogsFirst):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """`on_train_end` → `EnergySession.summary` if no summary log did (totals go to
-        `state.log_history`), then `EnergySession.end`."""
-        _log(state, None, self._session.summary())
+        """`on_train_end` → `EnergySession.end` (the summary went with the end-of-training log)."""
         self._session.end()
 
     @override
@@ -255,13 +252,13 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
     @override
     def state(self) -> dict[str, Any]:
         """What `Trainer` saves in a checkpoint: the optimizer's `state_dict()` (plain numbers and strings)."""
-        return {"args": {"monitor": None}, "attributes": {"optimizer_state": self.optimizer.state_dict()}}
+        return {"args": {"monitor": None}, "attributes": {"optimizer_state": self._session.state_dict()}}
 
     @property
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's `state_dict()`; setting it (as `Trainer` does on resume) is left to `on_train_begin`,
         which loads the same state through the session."""
-        return self.optimizer.state_dict()
+        return self._session.state_dict()
 
     @optimizer_state.setter
     def optimizer_state(self, value: dict[str, Any]) -> None:

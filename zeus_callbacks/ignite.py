@@ -39,7 +39,7 @@ class IgniteAdapter:
 
         s, self._raised = self._session, Events.EXCEPTION_RAISED
         handlers: list[tuple[Any, Handler]] = [
-            (Events.STARTED, lambda e: s.start()),
+            (Events.STARTED, self._started),
             (Events.ITERATION_STARTED, lambda e: s.step_begin()),
             (Events.ITERATION_COMPLETED, lambda e: s.step_end()),
             *self._handlers(Events),
@@ -56,6 +56,10 @@ class IgniteAdapter:
         for handle in getattr(self, "_handles", ()):
             handle.remove()
 
+    def _started(self, engine: Any) -> None:
+        self._running = True
+        self._session.start()
+
     def _log(self, engine: Any) -> None:
         engine.state.metrics.update(self._session.interval_metrics())
 
@@ -64,7 +68,11 @@ class IgniteAdapter:
         self._session.end()
 
     def _failed(self, engine: Any, error: BaseException) -> None:
-        self._session.fail()
+        # Ignite fires EXCEPTION_RAISED twice for an error in a step (the epoch's run, then the engine's):
+        # the session fails once.
+        if getattr(self, "_running", False):
+            self._running = False
+            self._session.fail()
         # Ignite re-raises only when no EXCEPTION_RAISED handler exists (`Engine._handle_exception`,
         # ignite/engine/engine.py in 0.5.5): this one alone must not swallow the error.
         if len(engine._event_handlers[self._raised]) == 1:

@@ -1,0 +1,349 @@
+"""The adapter contract, executable (issue 39): every adapter class, driven by its real framework on the CPU
+with a simulated GPU through scripted runs, makes exactly the session calls of the contract
+(`zeus_callbacks.core.power_limit.session`, `zeus_callbacks.core.monitor.session`).
+
+The sessions' classes are recorded (each contract method logs its call, then runs as usual), so what is
+checked is what the adapter asks of its session, in the framework's own event order. Registering an adapter:
+one line in `ADAPTERS` (its framework's driver, its kind, the class). The scripted runs:
+
+- `end`: 2 epochs of 4 optimizer steps, to the end;
+- `raise`: the 6th step raises mid-epoch (after 5 steps and 1 epoch);
+- `resume`: 1 epoch saved in the framework's checkpoint, then 1 more epoch resumed from it (the calls of the
+  resumed run are checked; the first run's must include `state_dict`, a power-limit adapter's checkpoint);
+- `zeus`: 3 epochs under `search="zeus"`, where every epoch end must reach the optimizer.
+
+Only the calls' order and counts are asserted (no time, no energy): the outcome is the same on any host.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from zeus_callbacks import ZeusMonitor
+from zeus_callbacks.core.device.gpus import get_gpus
+from zeus_callbacks.core.monitor.session import EnergySession
+from zeus_callbacks.core.power_limit.options import ZEUS_POSITIONAL, PowerLimitOptions
+from zeus_callbacks.core.power_limit.session import PowerLimitSession
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+OPTIONS = {"wait_steps": 1, "warmup_steps": 1, "profile_steps": 2, "pl_step": 100}
+STEPS_PER_EPOCH, RAISE_AFTER = 4, 5
+CONTRACT = (
+    "load_state", "start", "step_begin", "step_end", "epoch_end", "interval_metrics", "summary", "end", "fail",
+    "state_dict",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Adapter:
+    framework: str  # a key of `DRIVERS`
+    kind: str  # "power_limit" (a `PowerLimitSession`) or "energy" (an `EnergySession`)
+    module: str
+    name: str
+
+    @property
+    def cls(self) -> type:
+        pytest.importorskip(DRIVERS[self.framework].needs)
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def build(self, first: Any, search: str = "adaptive", **own: Any) -> Any:
+        """The adapter on `first` (the monitor, or the Accelerate helpers' accelerator)."""
+        if self.kind == "power_limit":
+            return self.cls(first, **OPTIONS, search=search, **own)
+        return self.cls(first, **own)
+
+
+ADAPTERS = [
+    Adapter("hf", "power_limit", "zeus_callbacks.huggingface", "HFGlobalPowerLimitOptimizer"),
+    Adapter("hf", "energy", "zeus_callbacks.huggingface", "HFZeusMonitor"),
+    Adapter("lightning", "power_limit", "zeus_callbacks.lightning", "LightningGlobalPowerLimitOptimizer"),
+    Adapter("lightning", "energy", "zeus_callbacks.lightning", "LightningZeusMonitor"),
+    Adapter("accelerate", "power_limit", "zeus_callbacks.accelerate", "PowerLimitOptimizerHelper"),
+    Adapter("accelerate", "energy", "zeus_callbacks.accelerate", "ZeusMonitorHelper"),
+    Adapter("ignite", "power_limit", "zeus_callbacks.ignite", "IgnitePowerLimitOptimizer"),
+    Adapter("ignite", "energy", "zeus_callbacks.ignite", "IgniteZeusMonitor"),
+]
+
+
+class Failed(RuntimeError):
+    """The scripted failure."""
+
+
+def _loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(4 * STEPS_PER_EPOCH, 8)), batch_size=4)
+
+
+def _fails(steps_done: int, fail: bool) -> None:
+    if fail and steps_done == RAISE_AFTER:
+        raise Failed("training failed mid-epoch")
+
+
+# -- one driver per framework: `run(adapter, tmp_path, epochs, fail, checkpoint, resume, search)` -------------
+class HFDriver:
+    needs = "transformers"
+
+    def run(
+        self,
+        adapter: Adapter,
+        tmp: Path,
+        epochs: int,
+        fail=False,
+        checkpoint=None,
+        resume=None,
+        search="adaptive",
+    ):
+        from hf_trainers import ZeusTrainer, tiny_model
+        from transformers import TrainerCallback, TrainingArguments
+
+        class Data(torch.utils.data.Dataset):
+            def __len__(self) -> int:
+                return 4 * STEPS_PER_EPOCH
+
+            def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+                x = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(i))
+                return {"input_ids": x, "labels": x}
+
+        class Raises(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                _fails(state.global_step, fail)
+
+        saving = {"save_strategy": "epoch"} if checkpoint else {"save_strategy": "no"}
+        args = TrainingArguments(
+            output_dir=str(tmp / "hf"), num_train_epochs=epochs, per_device_train_batch_size=4, use_cpu=True,
+            report_to=[], disable_tqdm=True, logging_steps=2, **saving,
+        )  # fmt: skip
+        callbacks = [adapter.build(ZeusMonitor(gpu_indices=[0]), search), Raises()]
+        trainer = ZeusTrainer(model=tiny_model(), args=args, train_dataset=Data(), callbacks=callbacks)
+        trainer.train(
+            resume_from_checkpoint=str(tmp / "hf" / f"checkpoint-{STEPS_PER_EPOCH}") if resume else None
+        )
+
+
+class LightningDriver:
+    needs = "lightning"
+
+    def run(
+        self,
+        adapter: Adapter,
+        tmp: Path,
+        epochs: int,
+        fail=False,
+        checkpoint=None,
+        resume=None,
+        search="adaptive",
+    ):
+        import lightning.pytorch as L
+
+        class Tiny(L.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.layer = torch.nn.Linear(8, 1)
+
+            def training_step(self, batch, batch_idx):
+                _fails(self.trainer.global_step, fail)
+                return self.layer(batch[0]).pow(2).mean()
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_epochs=epochs, logger=False, log_every_n_steps=2,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[adapter.build(ZeusMonitor(gpu_indices=[0]), search)],
+        )  # fmt: skip
+        trainer.fit(Tiny(), _loader(), ckpt_path=resume)
+        if checkpoint:
+            trainer.save_checkpoint(checkpoint)
+
+
+class AccelerateDriver:
+    needs = "accelerate"
+
+    def run(
+        self,
+        adapter: Adapter,
+        tmp: Path,
+        epochs: int,
+        fail=False,
+        checkpoint=None,
+        resume=None,
+        search="adaptive",
+    ):
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, opt, loader = accelerator.prepare(model, opt, _loader())
+        helper = adapter.build(accelerator, search, log_every_n_steps=2)
+        if resume:
+            accelerator.load_state(resume)
+        done = 0
+        with helper:
+            for _ in range(1 if resume else 0, epochs):  # the loop keeps its own epoch count
+                for (x,) in loader:
+                    with helper.step():
+                        _fails(done, fail)
+                        accelerator.backward(model(x).pow(2).mean())
+                        opt.step()
+                        opt.zero_grad()
+                    done += 1
+                if adapter.kind == "power_limit":
+                    helper.epoch_end()
+        if checkpoint:
+            accelerator.save_state(checkpoint)
+
+
+class IgniteDriver:
+    needs = "ignite"
+
+    def run(
+        self,
+        adapter: Adapter,
+        tmp: Path,
+        epochs: int,
+        fail=False,
+        checkpoint=None,
+        resume=None,
+        search="adaptive",
+    ):
+        from ignite.engine import Engine
+        from ignite.handlers import Checkpoint, DiskSaver
+
+        model = torch.nn.Linear(8, 1)
+
+        def update(engine, batch):
+            _fails(engine.state.iteration - 1, fail)
+            return model(batch[0]).pow(2).mean().item()
+
+        engine = Engine(update)
+        zeus = adapter.build(ZeusMonitor(gpu_indices=[0]), search, log_every_n_steps=2)
+        zeus.attach(engine)
+        objects = {
+            "model": model,
+            "trainer": engine,
+            **({"zeus": zeus} if adapter.kind == "power_limit" else {}),
+        }
+        if resume:
+            (saved,) = Path(resume).glob("*.pt")
+            Checkpoint.load_objects(objects, torch.load(saved, weights_only=False))
+        engine.run(_loader(), max_epochs=epochs)
+        if checkpoint:
+            Checkpoint(objects, DiskSaver(checkpoint, require_empty=False))(engine)
+
+
+DRIVERS: dict[str, Any] = {
+    "hf": HFDriver(),
+    "lightning": LightningDriver(),
+    "accelerate": AccelerateDriver(),
+    "ignite": IgniteDriver(),
+}
+
+
+# -- the recording session --------------------------------------------------------------------------------
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch, sim_gpus) -> Iterator[list[tuple[str, Any]]]:
+    """Every contract call the sessions get, as `(method, result)`, in order."""
+    sim_gpus("a40", energy_refresh_ms=10)
+    seen: list[tuple[str, Any]] = []
+
+    def recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def method(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            seen.append((name, result))
+            return result
+
+        return method
+
+    for cls in (PowerLimitSession, EnergySession):
+        for name in CONTRACT:
+            if hasattr(cls, name):
+                monkeypatch.setattr(cls, name, recording(name, getattr(cls, name)))
+    yield seen
+
+
+def _ids(adapters: list[Adapter]) -> list[Any]:
+    return [pytest.param(a, id=a.name) for a in adapters]
+
+
+def _check_run(
+    calls: list[tuple[str, Any]], adapter: Adapter, steps: int, epochs: int, resumed: bool = False
+):
+    """The calls of one run that ended normally."""
+    names = [n for n, _ in calls if n not in ("step_begin", "state_dict")]
+    closed = sum(1 for n, r in calls if n == "step_end" and r)
+    first = ["load_state", "start"] if resumed and adapter.kind == "power_limit" else ["start"]
+    assert names[: len(first)] == first, names[:5]
+    assert names[-2:] == ["summary", "end"] and names.count("summary") == names.count("end") == 1, names[-5:]
+    assert closed == steps, (closed, steps)
+    assert names.count("epoch_end") == (epochs if adapter.kind == "power_limit" else 0)
+    assert "interval_metrics" in names[len(first) : -2]
+    assert "fail" not in names and names.count("start") == 1
+    assert names.count("load_state") == (1 if resumed and adapter.kind == "power_limit" else 0)
+    assert [n for n, _ in calls].index("step_begin") > names.index("start") - 1
+
+
+@pytest.mark.parametrize("adapter", _ids(ADAPTERS))
+def test_a_run_to_the_end(adapter: Adapter, calls, tmp_path: Path) -> None:
+    DRIVERS[adapter.framework].run(adapter, tmp_path, epochs=2)
+    _check_run(calls, adapter, steps=2 * STEPS_PER_EPOCH, epochs=2)
+    assert get_gpus()[0].power_limit_mw() == 300_000  # the GPU's own limit again
+
+
+@pytest.mark.parametrize("adapter", _ids(ADAPTERS))
+def test_a_run_that_raises_mid_epoch_fails_without_figures(adapter: Adapter, calls, tmp_path: Path) -> None:
+    """`fail` is the last call: no `summary` and no `end` (no collective on a rank that failed)."""
+    with pytest.raises(Failed):
+        DRIVERS[adapter.framework].run(adapter, tmp_path, epochs=2, fail=True)
+    names = [n for n, _ in calls if n not in ("step_begin", "state_dict")]
+    assert names[0] == "start" and names[-1] == "fail" and names.count("fail") == 1, names
+    assert "summary" not in names and "end" not in names
+    assert sum(1 for n, r in calls if n == "step_end" and r) == RAISE_AFTER
+    assert names.count("epoch_end") == (1 if adapter.kind == "power_limit" else 0)
+    assert get_gpus()[0].power_limit_mw() == 300_000
+
+
+@pytest.mark.parametrize("adapter", _ids(ADAPTERS))
+def test_a_run_resumed_from_a_checkpoint(adapter: Adapter, calls, tmp_path: Path) -> None:
+    """A power-limit adapter's checkpoint holds `state_dict()`, and the resumed run `load_state`s it before
+    `start`; an energy monitor's resumed run is a run of its own."""
+    saved = tmp_path / "checkpoint"
+    driver = DRIVERS[adapter.framework]
+    driver.run(adapter, tmp_path, epochs=1, checkpoint=str(saved))
+    assert ("state_dict" in [n for n, _ in calls]) == (adapter.kind == "power_limit")
+    calls.clear()
+    driver.run(adapter, tmp_path, epochs=2, resume=str(saved))
+    _check_run(calls, adapter, steps=STEPS_PER_EPOCH, epochs=1, resumed=True)
+
+
+@pytest.mark.parametrize("adapter", _ids([a for a in ADAPTERS if a.kind == "power_limit"]))
+def test_every_epoch_end_reaches_the_optimizer_under_search_zeus(adapter: Adapter, calls, tmp_path) -> None:
+    DRIVERS[adapter.framework].run(adapter, tmp_path, epochs=3, search="zeus")
+    _check_run(calls, adapter, steps=3 * STEPS_PER_EPOCH, epochs=3)
+
+
+# -- the options record -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("adapter", _ids([a for a in ADAPTERS if a.kind == "power_limit"]))
+def test_every_adapter_takes_the_options_record(adapter: Adapter) -> None:
+    """Names and defaults come from `PowerLimitOptions` alone: every power-limit adapter's signature is the
+    monitor (the helper's accelerator), then every option with the record's default (Zeus's positional ones
+    by position only in Zeus's two classes), then the adapter's own, keyword-only."""
+    record = [(f.name, f.default) for f in fields(PowerLimitOptions) if f.default is not MISSING]
+    params = list(inspect.signature(adapter.cls).parameters.values())[1:]
+    assert [(p.name, p.default) for p in params[: len(record)]] == record
+    positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    zeus_class = adapter.name == "HFGlobalPowerLimitOptimizer"
+    assert positional == list(ZEUS_POSITIONAL if zeus_class else ("optimum_selector",))
+    assert all(p.kind is p.KEYWORD_ONLY for p in params[len(record) :])
+    with pytest.raises(TypeError, match=rf"`{adapter.name}\(\.\.\.\)`.*unexpected keyword argument 'warmup'"):
+        adapter.cls(None, warmup=3)
