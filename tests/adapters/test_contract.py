@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from zeus_callbacks import ZeusMonitor
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.monitor.session import EnergySession
+from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import ZEUS_POSITIONAL, PowerLimitOptions
 from zeus_callbacks.core.power_limit.session import PowerLimitSession
 
@@ -118,6 +119,8 @@ class HFDriver:
                 _fails(state.global_step, fail)
 
         saving = {"save_strategy": "epoch"} if checkpoint else {"save_strategy": "no"}
+        if resume:  # transformers' second path: it rebuilds the callback and sets its saved attributes
+            saving["restore_callback_states_from_checkpoint"] = True
         args = TrainingArguments(
             output_dir=str(tmp / "hf"), num_train_epochs=epochs, per_device_train_batch_size=4, use_cpu=True,
             report_to=[], disable_tqdm=True, logging_steps=2, **saving,
@@ -269,6 +272,11 @@ def calls(monkeypatch: pytest.MonkeyPatch, sim_gpus) -> Iterator[list[tuple[str,
         for name in CONTRACT:
             if hasattr(cls, name):
                 monkeypatch.setattr(cls, name, recording(name, getattr(cls, name)))
+    # The optimizer's own loading, to see that the session is its only caller.
+    load = GlobalPowerLimitOptimizer.load_state_dict
+    monkeypatch.setattr(
+        GlobalPowerLimitOptimizer, "load_state_dict", recording("optimizer.load_state_dict", load)
+    )
     yield seen
 
 
@@ -280,8 +288,10 @@ def _check_run(
     calls: list[tuple[str, Any]], adapter: Adapter, steps: int, epochs: int, resumed: bool = False
 ):
     """The calls of one run that ended normally."""
-    names = [n for n, _ in calls if n not in ("step_begin", "state_dict")]
+    loads = [n for n, _ in calls].count("optimizer.load_state_dict")
+    names = [n for n, _ in calls if n not in ("step_begin", "state_dict", "optimizer.load_state_dict")]
     closed = sum(1 for n, r in calls if n == "step_end" and r)
+    assert loads == names.count("load_state"), "the optimizer's state is loaded around the session"
     first = ["load_state", "start"] if resumed and adapter.kind == "power_limit" else ["start"]
     assert names[: len(first)] == first, names[:5]
     assert names[-2:] == ["summary", "end"] and names.count("summary") == names.count("end") == 1, names[-5:]
@@ -305,7 +315,7 @@ def test_a_run_that_raises_mid_epoch_fails_without_figures(adapter: Adapter, cal
     """`fail` is the last call: no `summary` and no `end` (no collective on a rank that failed)."""
     with pytest.raises(Failed):
         DRIVERS[adapter.framework].run(adapter, tmp_path, epochs=2, fail=True)
-    names = [n for n, _ in calls if n not in ("step_begin", "state_dict")]
+    names = [n for n, _ in calls if n not in ("step_begin", "state_dict", "optimizer.load_state_dict")]
     assert names[0] == "start" and names[-1] == "fail" and names.count("fail") == 1, names
     assert "summary" not in names and "end" not in names
     assert sum(1 for n, r in calls if n == "step_end" and r) == RAISE_AFTER
