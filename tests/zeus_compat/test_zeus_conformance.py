@@ -164,30 +164,39 @@ def test_both_optimizers_are_zeus_callbacks_driven_by_a_callback_set(sim_gpus):
     pfo.close()
 
 
+# Zeus 0.16's `GlobalPowerLimitOptimizer.__init__` and `HFGlobalPowerLimitOptimizer.__init__`
+# (zeus/optimizer/power_limit.py): the reference the two classes Zeus has keep, by position.
+ZEUS_SIGNATURE = [
+    ("monitor", inspect.Parameter.empty),
+    ("optimum_selector", None),
+    ("wait_steps", 1),
+    ("warmup_steps", 10),
+    ("profile_steps", 40),
+    ("pl_step", 25),
+    ("profile_path", None),
+]
+
+
 @pytest.mark.parametrize(
-    ("module", "name", "own"),
+    ("module", "name"),
     [
-        ("zeus_callbacks", "HFGlobalPowerLimitOptimizer", [("report_path", None)]),
-        ("zeus_callbacks.lightning", "LightningGlobalPowerLimitOptimizer", [("report_path", None)]),
-        ("zeus_callbacks.ignite", "IgnitePowerLimitOptimizer", [("report_path", None), ("log_every_n_steps", 50)]),
+        ("zeus_callbacks", "GlobalPowerLimitOptimizer"),
+        ("zeus_callbacks", "HFGlobalPowerLimitOptimizer"),
     ],
 )
-def test_every_power_limit_adapter_has_the_core_signature(module: str, name: str, own: list) -> None:
-    """The core's (Zeus's) arguments, in order, then the adapter's own options, defaulted; the options
-    record (`PowerLimitOptions`) has the same names after the monitor."""
-    import dataclasses
+def test_zeus_classes_take_zeus_arguments_by_position(module: str, name: str) -> None:
+    """Zeus's arguments, in Zeus's order and with Zeus's defaults, positional; every later option (`search`,
+    ...) by keyword only. The other adapters' signatures are checked against the options record in
+    tests/adapters/test_contract.py."""
     import importlib
 
-    from zeus_callbacks.core.power_limit.session import PowerLimitOptions
-
-    pytest.importorskip(module.replace("zeus_callbacks.", "") if module != "zeus_callbacks" else "transformers")
-    adapter = getattr(importlib.import_module(module), name)
-    core = list(inspect.signature(GlobalPowerLimitOptimizer.__init__).parameters.values())
-    params = list(inspect.signature(adapter.__init__).parameters.values())
-    assert [(p.name, p.default) for p in params[: len(core)]] == [(p.name, p.default) for p in core]
-    assert [(p.name, p.default) for p in params[len(core) :]] == own
-    options = [f.name for f in dataclasses.fields(PowerLimitOptions)]
-    assert options == [p.name for p in core[2:]] + ["report_path"]
+    if name.startswith("HF"):
+        pytest.importorskip("transformers")
+    cls = getattr(importlib.import_module(module), name)
+    params = list(inspect.signature(cls).parameters.values())
+    positional = [p for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert [(p.name, p.default) for p in positional] == ZEUS_SIGNATURE
+    assert all(p.kind is p.KEYWORD_ONLY for p in params[len(positional) :])
 
 
 # -- selectors ---------------------------------------------------------------------------------------
