@@ -85,6 +85,19 @@ BENCHMARKS: dict[str, Benchmark] = {
         "Each engine's example on 4 SIMULATED A40s at a real model's sizes: the plan against all-max clocks, "
         "interleaved in the same processes.",
     ),
+    "real-nodes": Benchmark(
+        "The power-limit optimizer on real node types",
+        ("python", "benchmarks/real_nodes.py"),
+        "The power-limit optimizer on every shipped `nvidia-smi -q` dump (SIMULATED: timing modelled from the "
+        "nearest traced GPU): the range profiled, the limit chosen and its saving against the limit in force, "
+        "then the same starting at the maximum, as Zeus does.",
+    ),
+    "pipeline-measured-options": Benchmark(
+        "Planning on the options as measured",
+        ("python", "benchmarks/pipeline_measured_options.py"),
+        "The pipeline planner on A40-like profiles (SIMULATED) with the options as measured, against the former "
+        "monotone rewrite of their times.",
+    ),
     "callback-overhead": Benchmark(
         "HF callbacks' cost per step",
         ("python", "benchmarks/callback_overhead.py"),
