@@ -22,10 +22,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import TOY_STEPS_COUNTER
 from shared_machine_helpers import other_user
 from zeusd_daemon import DOUBLE, ROOT
 
@@ -41,6 +42,13 @@ UUID = "GPU-00000000-1111-2222-3333-444444444444"
 
 
 # -- the lock directory, one process (deterministic) ------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _nothing_held_after() -> Iterator[None]:
+    """A test that failed while holding a claim must not make the next one's claim a no-op."""
+    yield
+    global_lock._held.clear()
+
+
 @pytest.fixture
 def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "lock"
@@ -121,6 +129,16 @@ def test_a_dead_owners_record_is_recovered_with_a_warning(lock_dir: Path, caplog
 def test_a_record_of_a_reused_pid_is_stale(lock_dir: Path) -> None:
     """Rule: pid and start time, as the journal: this process's parent runs, but did not start at tick 1."""
     _record(lock_dir, os.getppid(), "1")
+    assert global_lock.owner(UUID) is None
+
+
+def test_a_record_is_believed_only_for_a_process_of_its_files_owner(lock_dir: Path) -> None:
+    """Rule: a record another user wrote naming a live process that is not theirs (here root's: this
+    process's parent, with its true start time) is forged or stale, and refuses nobody."""
+    user = other_user()
+    parent = os.getppid()
+    path = _record(lock_dir, parent, start_time(parent), uid=user.pw_uid)
+    os.chown(path, user.pw_uid, user.pw_gid)
     assert global_lock.owner(UUID) is None
 
 
@@ -235,6 +253,7 @@ class Node:
     base: Path
     env: dict[str, str]
     gpu: object  # the simulated GPU (its state is the node's)
+    jobs: list[subprocess.Popen] = field(default_factory=list)
 
     def journal(self, user: pwd.struct_passwd) -> Path:
         path = self.base / f"journal-{user.pw_name}"
@@ -245,7 +264,7 @@ class Node:
 
     def start(self, user: pwd.struct_passwd, watts: int, action: str = "own", **env: str) -> subprocess.Popen:
         """A job of `user` that sets `watts` on GPU 0 (or, `action="restore"`, repairs the user's journals)."""
-        return subprocess.Popen(
+        job = subprocess.Popen(
             [sys.executable, "-c", CHILD, str(user.pw_uid), str(user.pw_gid), action, str(watts)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -254,6 +273,8 @@ class Node:
             cwd=self.base,
             env={**self.env, "ZEUS_CALLBACKS_JOURNAL_DIR": str(self.journal(user)), **env},
         )
+        self.jobs.append(job)
+        return job
 
     def records(self) -> list[str]:
         return sorted(p.name for p in (self.base / "lock").iterdir())
@@ -312,9 +333,14 @@ def node(request, sim_gpus, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
         sock.chmod(0o666)  # zeusd's `--socket-permissions 666` (zeusd/src/config.rs): every user may connect
         # The jobs may not change the GPU themselves: whatever changes, zeusd changed.
         env.update({zeusd.SOCK_ENV: str(sock), "ZEUS_CALLBACKS_SIM_FAULTS": "no_cap_sys_admin"})
+    node = Node(base, env, system.gpus[0])
     try:
-        yield Node(base, env, system.gpus[0])
+        yield node
     finally:
+        for job in node.jobs:  # a failed test's jobs must not outlive it (their restore would write here)
+            if job.poll() is None:
+                job.kill()
+            job.communicate(timeout=30)
         if daemon is not None:
             daemon.terminate()
             daemon.communicate(timeout=10)
@@ -396,4 +422,48 @@ def test_a_dead_owners_lock_is_recovered_and_its_user_puts_the_administrators_li
     repair = node.start(alice, 0, action="restore")
     assert _said(repair) == f"restored [{ADMIN_MW}]"
     _end(repair)
+    assert node.gpu.power_limit_mw == ADMIN_MW and node.records() == []
+
+
+TRAINING = r"""
+import os, runpy, sys
+import torch  # noqa: F401 - loaded while /root is readable, as everything the run needs
+import zeus_callbacks.core.power_limit.optimizer  # noqa: F401
+from zeus_callbacks.core.device.gpus import get_gpus
+get_gpus(repair=False)[0].power_limit_mw()  # the simulated GPU, opened as root
+os.setgroups([])
+os.setgid(int(sys.argv[2]))
+os.setuid(int(sys.argv[1]))
+sys.argv = [os.environ["SCRIPT"], "plain"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.system
+@pytest.mark.slow
+def test_the_second_users_optimizer_stands_down_without_profiling_the_owners_gpu(
+    node: Node, users: tuple[pwd.struct_passwd, pwd.struct_passwd]
+) -> None:
+    """Rule: the issue's run: a power-limit optimizer of another user, on the GPU a job owns, says who owns
+    it and trains on without profiling; the GPU ends at the administrator's limit. Fails on a0ffbee: it
+    profiled the owner's GPU (limits other than the owner's 200 W were seen)."""
+    alice, bob = users
+    owner = node.start(alice, 200)
+    assert _said(owner) == "changed"
+    env = {**node.env, "ZEUS_CALLBACKS_JOURNAL_DIR": str(node.journal(bob)), **TOY_STEPS_COUNTER}
+    run = subprocess.run(
+        [sys.executable, "-c", TRAINING, str(bob.pw_uid), str(bob.pw_gid)],
+        env={**env, "SCRIPT": str(Path(__file__).parent / "fault_training.py"), "OUT_DIR": str(node.base)},
+        capture_output=True,
+        text=True,
+        cwd=node.base,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    [line] = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT ") :])
+    assert result["steps"] == 40 and result["seen"] == ["200W"]  # trained on, never profiled
+    [said] = [x for x in run.stderr.splitlines() if "GlobalPowerLimitOptimizer:" in x]
+    assert _owner_words(owner, alice) in said and "training on without it" in said
+    _end(owner)
     assert node.gpu.power_limit_mw == ADMIN_MW and node.records() == []

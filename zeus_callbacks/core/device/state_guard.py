@@ -1,7 +1,8 @@
 """Leave the GPU as it was found: journal every setting before changing it, and undo the changes.
 
 The first change of a setting (power limit, SM clocks, persistence) on a GPU takes the GPU's owner lock
-(`owner_lock`: one process at a time may change a GPU), records the value in force and the route the
+(`owner_lock`: one process at a time may change a GPU; across users through the node's lock directory,
+`global_lock`), records the value in force and the route the
 change takes (`setters`: NVML, or Zeus's daemon zeusd) in a small journal file (`journal`: a directory
 only this user or root may write, files replaced atomically), then changes it; a restore goes through the
 recorded route first. The process restores the recorded values at normal exit, on an uncaught exception, and
