@@ -36,6 +36,7 @@ _ISOLATED_ENV = (
     "ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS",
     "ZEUS_CALLBACKS_JOURNAL_DIR",
     "ZEUS_CALLBACKS_ALLOW_RAISING_POWER_LIMIT",
+    "ZEUS_CALLBACKS_LEDGER",
     "CUDA_VISIBLE_DEVICES",
     "CUDA_DEVICE_ORDER",
 )
@@ -67,6 +68,8 @@ def sim_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
     sim.disable()  # forget a node or GPU set left by code that ran outside a test
     state_dir = tmp_path / "sim-state"
     monkeypatch.setenv("ZEUS_CALLBACKS_SIM_STATE_DIR", str(state_dir))
+    # No cross-user lock directory unless a test makes one: never the machine's /var/lock/zeus_callbacks.
+    monkeypatch.setenv("ZEUS_CALLBACKS_LOCK_DIR", str(tmp_path / "no-cross-user-lock"))
     yield state_dir
     sim.disable()
 
