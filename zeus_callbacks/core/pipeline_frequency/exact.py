@@ -60,9 +60,9 @@ GAP_GOAL = 1e-3
 # A40-like 8x12 profile of `benchmarks/pipeline_measured_options.py` (75 clocks) has 7,248, proven in 1-10 s
 # per target; at 8x24 (14,496) the root's first 10 nodes took 100 s without an answer.
 _MAX_BINARIES = 8000
-# Work limits of `refine` per target: calls of branch and bound, and nodes of the first (`_prove`).
-_PROOF_ROUNDS = 3
+# Nodes of `_prove`'s question; programs of at most `_SMALL_BINARIES` option binaries are searched first.
 _FIRST_NODES = 10
+_SMALL_BINARIES = 1000
 # What `cheaper_than` is asked to prove: a hair inside `GAP_GOAL`, so that rounding never reports 0.1000001 %.
 _PROOF_GAP = GAP_GOAL * (1 - 1e-6)
 
@@ -184,17 +184,18 @@ def refine(
 
 
 def _prove(program: _Program, relaxed: _Relaxation, best: _Incumbent, node_limit: int) -> float:
-    """Improve `best` and the bound until it is proven within `GAP_GOAL`, in at most `_PROOF_ROUNDS` calls of
-    branch and bound (`cheaper_than`). The first only asks whether any plan is `GAP_GOAL` cheaper than the
-    best, in at most `_FIRST_NODES` nodes: "none" proves it, as the root's cuts usually do. The next ones
-    search for the cheapest plan, with HiGHS' heuristics, in at most `node_limit` nodes. Returns the bound."""
+    """Improve `best` and the bound until it is proven within `GAP_GOAL`, with two calls of branch and bound
+    at most (`cheaper_than`): a *question*, whether any plan is `GAP_GOAL` cheaper than the best, in at most
+    `_FIRST_NODES` nodes ("none" proves it, as the root's cuts usually do on large programs), and a *search*
+    for the cheapest plan, in at most `node_limit` nodes (whose dual bound is the proof; on small programs
+    it usually closes the gap alone, so it goes first there). Returns the bound proven."""
     bound = relaxed.bound_j
-    for round_ in range(_PROOF_ROUNDS):
+    small = program.first[-1] <= _SMALL_BINARIES
+    for prove_only in (False, True) if small else (True, False):
         if best.energy_j <= bound * (1 + GAP_GOAL):
             break
-        first = round_ == 0
-        nodes = min(node_limit, _FIRST_NODES) if first else node_limit
-        found, dual = program.cheaper_than(best.energy_j / (1 + _PROOF_GAP), relaxed, nodes, prove_only=first)
+        nodes = min(node_limit, _FIRST_NODES) if prove_only else node_limit
+        found, dual = program.cheaper_than(best.energy_j / (1 + _PROOF_GAP), relaxed, nodes, prove_only)
         bound = max(bound, dual)
         best.offer(found)
     return bound
@@ -354,9 +355,10 @@ class _Program:
 
         Every option whose reduced cost alone lifts the relaxation above `cutoff_j` is left out (no plan
         that cheap can choose it). With `prove_only`, the program also gets the row `energy <= cutoff_j` and
-        HiGHS' primal heuristics are off (they cost most of the root's work, and proving "none" needs none);
-        otherwise HiGHS searches for the cheapest plan (to `GAP_GOAL`). Presolve is off: a wrong "infeasible"
-        from it (see `solve`) would be a false proof.
+        HiGHS' primal heuristics and presolve are off (heuristics cost most of the root's work and proving
+        "none" needs none; a wrong "infeasible" from presolve, see `solve`, would be a false proof); otherwise
+        HiGHS searches for the cheapest plan (to `GAP_GOAL`), and "infeasible" is only believed without
+        presolve.
 
         Returns:
             The levels of the best plan found (None if none), and a lower bound on every plan's energy:
@@ -369,19 +371,17 @@ class _Program:
         slack = 1e-7 * (1.0 + abs(cutoff_j))  # the reduced costs are exact to HiGHS' tolerances only
         upper = self.col_upper.copy()
         upper[:num_x][relaxed.bound_j + relaxed.reduced_costs[:num_x] > cutoff_j + slack] = 0.0
-        options: dict[str, Any] = {
-            "disp": False,
-            "mip_rel_gap": GAP_GOAL,
-            "node_limit": int(node_limit),
-            "presolve": False,
-        }
+        options: dict[str, Any] = {"disp": False, "mip_rel_gap": GAP_GOAL, "node_limit": int(node_limit)}
         row = None
         if prove_only:
             row = (csr_matrix(self.cost.reshape(1, -1)), -np.inf, cutoff_j)
             options["mip_heuristic_effort"] = 0.0  # passed to HiGHS verbatim (scipy warns that it does)
+            options["presolve"] = False
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             result = self._milp(True, upper, row, options)
+            if result.status == 2 and not prove_only:  # presolve's wrong infeasibility (see `solve`)
+                result = self._milp(True, upper, row, {**options, "presolve": False})
         if result.status == 2:
             return None, cutoff_j
         dual = getattr(result, "mip_dual_bound", None)
