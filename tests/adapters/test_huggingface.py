@@ -410,9 +410,9 @@ def test_plain_trainer_is_not_patched_and_its_trackers_ahead_get_no_metrics(node
     plo = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
     trainer = make_trainer(tmp_path, [before, HFZeusMonitor(plo.optimizer.monitor), plo, after], max_steps=10)
     trainer.args.report_to = ["tensorboard"]  # what the line names; no tracker callback is added this late
-    import zeus_callbacks.huggingface as hf_adapter
+    from zeus_callbacks.huggingface.trainer import LogsFirst
 
-    hf_adapter._LogsFirst._said_trackers = False
+    LogsFirst._said_trackers = False
     with caplog.at_level("INFO", logger="zeus_callbacks"):
         trainer.train()
     assert Trainer.train is train and type(trainer).train is train

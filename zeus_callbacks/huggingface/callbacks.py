@@ -1,15 +1,5 @@
-"""HuggingFace `transformers.Trainer` adapters: every transformers class of zeus_callbacks, trainer hooks in,
-core calls out.
-
-- `HFZeusMonitor`: the GPUs' energy per logging interval and for the run, in the trainer's logs.
-- `HFGlobalPowerLimitOptimizer`: Zeus's power-limit optimizer (`GlobalPowerLimitOptimizer`).
-- `HFEpochLog`: each epoch's time, energy and power in Zeus's profiler files (`EpochLog`).
-- re-exported from `huggingface_parallel`: `HFPipelineFrequencyOptimizer` (Perseus for pipeline-parallel
-  steps), `HeterogeneousTrainer` and `HFHeterogeneousCallback` (training on a heterogeneous plan);
-- re-exported from `huggingface_trainer`: `ZeusTrainerMixin` / `restoring_gpus`, the opt-in for GPUs back the
-  moment `train()` raises, cut-short checkpoints skipped, and metrics before the `report_to` trackers.
-  Nothing is patched process-wide.
-"""
+"""The transformers callbacks of the energy monitor, the power-limit optimizer and Zeus's epoch log: trainer hooks
+in, session calls out (`HFZeusMonitor`, `HFGlobalPowerLimitOptimizer`, `HFEpochLog`)."""
 
 from __future__ import annotations
 
@@ -28,7 +18,7 @@ from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 from zeus_callbacks.core.power_limit.session import PowerLimitSession
-from zeus_callbacks.huggingface_checkpoints import (
+from zeus_callbacks.huggingface.checkpoints import (
     TRAINER_STATE_NAME,
     checkpoint_state,
     earlier_checkpoints,
@@ -45,35 +35,19 @@ except ImportError:  # pragma: no cover - transformers < 4.41 keeps no callback 
         """Stand-in for transformers' `ExportableState` (checkpoints of this version carry no callback state)."""
 
 
-from zeus_callbacks.huggingface_parallel import (
-    HeterogeneousTrainer,
-    HFHeterogeneousCallback,
-    HFPipelineFrequencyOptimizer,
-)
-from zeus_callbacks.huggingface_trainer import (
-    ZeusTrainerMixin,
-    _log,
-    _LogsFirst,
-    _RestoresOnException,
-    _ResumesFromCheckpoint,
-    restoring_gpus,
+from zeus_callbacks.huggingface.trainer import (
+    LogsFirst,
+    RestoresOnException,
+    ResumesFromCheckpoint,
+    log_metrics,
 )
 
-__all__ = [
-    "HFZeusMonitor",
-    "HFGlobalPowerLimitOptimizer",
-    "HFPipelineFrequencyOptimizer",
-    "HFHeterogeneousCallback",
-    "HeterogeneousTrainer",
-    "HFEpochLog",
-    "ZeusTrainerMixin",
-    "restoring_gpus",
-]
+__all__ = ["HFZeusMonitor", "HFGlobalPowerLimitOptimizer", "HFEpochLog"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("zeus_callbacks.huggingface")
 
 
-class HFZeusMonitor(_RestoresOnException, _LogsFirst):
+class HFZeusMonitor(RestoresOnException, LogsFirst):
     """Report the GPUs' energy to the trainer's loggers (`report_to`) and `state.log_history`.
 
     Drives an `EnergySession` (the adapter contract, in `zeus_callbacks.core.monitor.session`):
@@ -152,7 +126,7 @@ class HFZeusMonitor(_RestoresOnException, _LogsFirst):
         last few ms) on the end-of-training summary (the log that carries `train_runtime`); the figures are
         added to `logs` and `state.log_history`."""
         final = logs is not None and "train_runtime" in logs
-        _log(state, logs, self._session.summary() if final else self._session.interval_metrics())
+        log_metrics(state, logs, self._session.summary() if final else self._session.interval_metrics())
 
     @override
     def on_train_end(
@@ -173,7 +147,7 @@ def _saved_state(state: TrainerState, name: str) -> Any:
     return optimizer_state_in(state.stateful_callbacks, name) if state.global_step else None
 
 
-class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, _LogsFirst, ExportableState):
+class HFGlobalPowerLimitOptimizer(RestoresOnException, ResumesFromCheckpoint, LogsFirst, ExportableState):
     """Find the best GPU power limit during training and keep it (Zeus's `HFGlobalPowerLimitOptimizer`).
 
     Drives a `PowerLimitSession` (the adapter contract, in `zeus_callbacks.core.power_limit.session`) of
@@ -347,7 +321,9 @@ class HFGlobalPowerLimitOptimizer(_RestoresOnException, _ResumesFromCheckpoint, 
         `power_limit_optimizer/`."""
         final = logs is not None and "train_runtime" in logs
         session = self._session
-        _log(state, logs, session.summary(numbers_only=False) if final else session.interval_metrics(False))
+        log_metrics(
+            state, logs, session.summary(numbers_only=False) if final else session.interval_metrics(False)
+        )
 
     @override
     def on_train_end(

@@ -22,14 +22,14 @@ from zeus_callbacks.core.heterogeneous.training import (
 from zeus_callbacks.core.monitor.reporting import pipeline_frequency_metrics
 from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
-from zeus_callbacks.huggingface_trainer import ZeusTrainerMixin, _log, _LogsFirst, _RestoresOnException
+from zeus_callbacks.huggingface.trainer import LogsFirst, RestoresOnException, ZeusTrainerMixin, log_metrics
 
 __all__ = ["HFPipelineFrequencyOptimizer", "HFHeterogeneousCallback", "HeterogeneousTrainer"]
 
 logger = logging.getLogger("zeus_callbacks.huggingface")
 
 
-class HFPipelineFrequencyOptimizer(_RestoresOnException, _LogsFirst):
+class HFPipelineFrequencyOptimizer(RestoresOnException, LogsFirst):
     """Perseus for a `Trainer` whose training step runs a `torch.distributed.pipelining` schedule.
 
     Drives `zeus_callbacks.PipelineFrequencyOptimizer` (see it for the method and the arguments):
@@ -103,7 +103,7 @@ class HFPipelineFrequencyOptimizer(_RestoresOnException, _LogsFirst):
         **kwargs: Any,
     ) -> None:
         """`on_log` → `PipelineFrequencyOptimizer.metrics`, added to `logs` under `pipeline_frequency_optimizer/`."""
-        _log(state, logs, pipeline_frequency_metrics(self.optimizer.metrics()))
+        log_metrics(state, logs, pipeline_frequency_metrics(self.optimizer.metrics()))
 
     @override
     def on_train_end(
@@ -118,7 +118,7 @@ class HFPipelineFrequencyOptimizer(_RestoresOnException, _LogsFirst):
         self._stage.detach()
 
 
-class HFHeterogeneousCallback(_RestoresOnException):
+class HFHeterogeneousCallback(RestoresOnException):
     """Run this rank's GPU at its planned power limit during `trainer.train()`.
 
     `on_train_begin` → `apply_power_limit(rank_plan, gpu_index)`; `on_train_end`, or `trainer.train()`

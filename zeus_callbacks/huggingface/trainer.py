@@ -13,16 +13,24 @@ from typing import Any, ClassVar
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from typing_extensions import override
 
-from zeus_callbacks.huggingface_checkpoints import (
+from zeus_callbacks.huggingface.checkpoints import (
     complete_checkpoint,
 )
 
-__all__ = ["ZeusTrainerMixin", "restoring_gpus"]
+__all__ = [
+    "ZeusTrainerMixin",
+    "restoring_gpus",
+    "LogsFirst",
+    "RestoresOnException",
+    "ResumesFromCheckpoint",
+    "log_metrics",
+    "undo_gpu_changes",
+]
 
 logger = logging.getLogger("zeus_callbacks.huggingface")
 
 
-class _LogsFirst(TrainerCallback):
+class LogsFirst(TrainerCallback):
     """A callback that adds metrics to the logs. transformers hands the logs to the `report_to` trackers
     before the user's callbacks, so the trackers get these metrics only when the callback runs before them:
     `ZeusTrainerMixin` moves it there. On a plain `Trainer` the metrics reach `state.log_history` and the
@@ -38,8 +46,8 @@ class _LogsFirst(TrainerCallback):
         """`on_train_begin` → say once where the metrics go when the trackers run first."""
         report_to = args.report_to if isinstance(args.report_to, list) else [args.report_to]
         trackers = [t for t in report_to if t and t != "none"]
-        if trackers and not self._in_zeus_trainer and not _LogsFirst._said_trackers:
-            _LogsFirst._said_trackers = True
+        if trackers and not self._in_zeus_trainer and not LogsFirst._said_trackers:
+            LogsFirst._said_trackers = True
             logger.info(
                 "%s's metrics reach state.log_history and the callbacks after it, not the report_to "
                 "trackers %s, which run first: train with a Trainer that mixes in "
@@ -49,7 +57,7 @@ class _LogsFirst(TrainerCallback):
             )
 
 
-def _log(state: TrainerState, logs: dict[str, Any] | None, metrics: dict[str, Any]) -> None:
+def log_metrics(state: TrainerState, logs: dict[str, Any] | None, metrics: dict[str, Any]) -> None:
     """Add `metrics` to the logs being sent and to the copy already kept in `state.log_history`."""
     if logs is not None:
         logs.update(metrics)
@@ -57,7 +65,7 @@ def _log(state: TrainerState, logs: dict[str, Any] | None, metrics: dict[str, An
         state.log_history[-1].update(metrics)
 
 
-class _RestoresOnException(TrainerCallback):
+class RestoresOnException(TrainerCallback):
     """A callback whose GPU changes `ZeusTrainerMixin` / `restoring_gpus` undo the moment `train()` raises.
 
     transformers has no exception hook (Lightning has `on_exception`). Without the opt-in the GPUs get their
@@ -70,16 +78,16 @@ class _RestoresOnException(TrainerCallback):
         raise NotImplementedError
 
 
-class _ResumesFromCheckpoint(TrainerCallback):
+class ResumesFromCheckpoint(TrainerCallback):
     """A callback told which checkpoint `ZeusTrainerMixin.train` resumes from (after skipping cut-short ones)."""
 
     _checkpoint: Path | None = None
 
 
-def _undo_gpu_changes(trainer: Trainer) -> None:
-    """Call `_train_failed` on every `_RestoresOnException` callback of `trainer`; `train()` raised."""
+def undo_gpu_changes(trainer: Trainer) -> None:
+    """Call `_train_failed` on every `RestoresOnException` callback of `trainer`; `train()` raised."""
     for callback in list(getattr(getattr(trainer, "callback_handler", None), "callbacks", ())):
-        if isinstance(callback, _RestoresOnException):
+        if isinstance(callback, RestoresOnException):
             try:
                 callback._train_failed()
             except Exception:  # the training error is the one to see
@@ -94,7 +102,7 @@ def restoring_gpus(trainer: Trainer) -> Iterator[Trainer]:
     try:
         yield trainer
     except BaseException:
-        _undo_gpu_changes(trainer)
+        undo_gpu_changes(trainer)
         raise
 
 
@@ -115,7 +123,7 @@ class ZeusTrainerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         for callback in kwargs.get("callbacks") or ():
-            if isinstance(callback, _LogsFirst):
+            if isinstance(callback, LogsFirst):
                 callback._in_zeus_trainer = True
         super().__init__(*args, **kwargs)
 
@@ -123,15 +131,17 @@ class ZeusTrainerMixin:
         """`Trainer.train`, with the behaviours of the class docstring."""
         trainer: Any = self
         callbacks = trainer.callback_handler.callbacks
-        for callback in [cb for cb in callbacks if isinstance(cb, _LogsFirst)][::-1]:
+        for callback in [cb for cb in callbacks if isinstance(cb, LogsFirst)][::-1]:
             callbacks.remove(callback)
             callbacks.insert(0, callback)
             callback._in_zeus_trainer = True
         if self.skip_cut_short_checkpoints:
             resume_from_checkpoint = complete_checkpoint(trainer.args.output_dir, resume_from_checkpoint)
-            resumed = Path(resume_from_checkpoint) if isinstance(resume_from_checkpoint, (str, Path)) else None
+            resumed = (
+                Path(resume_from_checkpoint) if isinstance(resume_from_checkpoint, (str, Path)) else None
+            )
             for callback in callbacks:
-                if isinstance(callback, _ResumesFromCheckpoint):
+                if isinstance(callback, ResumesFromCheckpoint):
                     callback._checkpoint = resumed
         with restoring_gpus(trainer):
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
