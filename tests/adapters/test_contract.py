@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from zeus_callbacks import ZeusMonitor
+from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.monitor.session import EnergySession
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
@@ -39,6 +40,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 
 OPTIONS = {"wait_steps": 1, "warmup_steps": 1, "profile_steps": 2, "pl_step": 100}
 STEPS_PER_EPOCH, RAISE_AFTER = 4, 5
+COLLECTIVES = ("all_reduce", "all_reduce_record", "broadcast_object", "all_gather_object")
 CONTRACT = (
     "load_state", "start", "step_begin", "step_end", "epoch_end", "interval_metrics", "summary", "end", "fail",
     "state_dict",
@@ -261,8 +263,8 @@ def calls(monkeypatch: pytest.MonkeyPatch, sim_gpus) -> Iterator[list[tuple[str,
     seen: list[tuple[str, Any]] = []
 
     def recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def method(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
+        def method(*args, **kwargs):
+            result = original(*args, **kwargs)
             seen.append((name, result))
             return result
 
@@ -272,6 +274,9 @@ def calls(monkeypatch: pytest.MonkeyPatch, sim_gpus) -> Iterator[list[tuple[str,
         for name in CONTRACT:
             if hasattr(cls, name):
                 monkeypatch.setattr(cls, name, recording(name, getattr(cls, name)))
+    # The collectives, to see that a rank that failed enters none (its peers may not have failed).
+    for name in COLLECTIVES:
+        monkeypatch.setattr(dist, name, recording(name, getattr(dist, name)))
     # The optimizer's own loading, to see that the session is its only caller.
     load = GlobalPowerLimitOptimizer.load_state_dict
     monkeypatch.setattr(
@@ -289,7 +294,11 @@ def _check_run(
 ):
     """The calls of one run that ended normally."""
     loads = [n for n, _ in calls].count("optimizer.load_state_dict")
-    names = [n for n, _ in calls if n not in ("step_begin", "state_dict", "optimizer.load_state_dict")]
+    names = [
+        n
+        for n, _ in calls
+        if n not in ("step_begin", "state_dict", "optimizer.load_state_dict", *COLLECTIVES)
+    ]
     closed = sum(1 for n, r in calls if n == "step_end" and r)
     assert loads == names.count("load_state"), "the optimizer's state is loaded around the session"
     first = ["load_state", "start"] if resumed and adapter.kind == "power_limit" else ["start"]
@@ -315,8 +324,15 @@ def test_a_run_that_raises_mid_epoch_fails_without_figures(adapter: Adapter, cal
     """`fail` is the last call: no `summary` and no `end` (no collective on a rank that failed)."""
     with pytest.raises(Failed):
         DRIVERS[adapter.framework].run(adapter, tmp_path, epochs=2, fail=True)
-    names = [n for n, _ in calls if n not in ("step_begin", "state_dict", "optimizer.load_state_dict")]
-    assert names[0] == "start" and names[-1] == "fail" and names.count("fail") == 1, names
+    every = [n for n, _ in calls]
+    failing_step = len(every) - every[::-1].index("step_begin")
+    assert every[failing_step:] == ["fail"], every[failing_step - 3 :]  # no collective after the failure
+    names = [
+        n
+        for n, _ in calls
+        if n not in ("step_begin", "state_dict", "optimizer.load_state_dict", *COLLECTIVES)
+    ]
+    assert names[0] == "start" and names.count("fail") == 1, names
     assert "summary" not in names and "end" not in names
     assert sum(1 for n, r in calls if n == "step_end" and r) == RAISE_AFTER
     assert names.count("epoch_end") == (1 if adapter.kind == "power_limit" else 0)
