@@ -124,7 +124,9 @@ def test_helper_logs_to_the_accelerators_trackers(accelerator_factory, burn_cpu)
     # aside every sample of the maximum limit on a toy step (as in the HF and Lightning tests), and then there
     # is nothing to compare with. What holds on any machine: the log says what the report says.
     saved = plo.optimizer.report().get("energy_saved_pct")
-    assert summary.get("power_limit_optimizer/energy_saved_pct") == (None if saved is None else pytest.approx(saved))
+    assert summary.get("power_limit_optimizer/energy_saved_pct") == (
+        None if saved is None else pytest.approx(saved)
+    )
 
 
 @pytest.mark.system

@@ -72,7 +72,9 @@ def test_chooses_applies_restores_and_puts_the_figures_in_the_metrics(a40, burn_
     seen: list[int] = []
     trainer = _trainer(burn_cpu, seen)
     report = tmp_path / "run.html"
-    plo = IgnitePowerLimitOptimizer(ZeusMonitor(gpu_indices=[0]), **FAST, report_path=report, log_every_n_steps=5)
+    plo = IgnitePowerLimitOptimizer(
+        ZeusMonitor(gpu_indices=[0]), **FAST, report_path=report, log_every_n_steps=5
+    )
     plo.attach(trainer)
     _until_done(trainer, plo)
     trainer.run(_loader(200), max_epochs=1)
@@ -86,7 +88,11 @@ def test_chooses_applies_restores_and_puts_the_figures_in_the_metrics(a40, burn_
     assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
     assert guard().entries == [] and plo.optimizer.monitor.open_windows == []
     (record,) = load_run(run_dir_for(report))
-    assert record.finished and record.power_limit.optimal_power_limit_w == optimal and "SIMULATED" in report.read_text()
+    assert (
+        record.finished
+        and record.power_limit.optimal_power_limit_w == optimal
+        and "SIMULATED" in report.read_text()
+    )
     plo.detach()
     assert not trainer.has_event_handler(plo._completed)
 

@@ -188,7 +188,9 @@ def test_optimizer_chooses_applies_and_restores(
     # set aside every sample of the maximum limit on a toy step (issue 21: a loaded full-suite run did), and
     # then there is nothing to compare with. What holds on any machine: the log says what the report says.
     saved = plo.optimizer.report().get("energy_saved_pct")
-    assert _column(rows, "power_limit_optimizer/energy_saved_pct") == ([] if saved is None else [pytest.approx(saved)])
+    assert _column(rows, "power_limit_optimizer/energy_saved_pct") == (
+        [] if saved is None else [pytest.approx(saved)]
+    )
     # The interval's energy at logging steps (no LightningZeusMonitor of this monitor logs it), and the report.
     assert _column(rows, "power_limit_optimizer/energy_interval_j")
     (record,) = load_run(run_dir_for(report))
@@ -241,7 +243,9 @@ def test_energy_monitor_logs_co2eq_and_cost(gpu0: ZeusMonitor, tmp_path: Path, b
 
 
 @pytest.mark.system
-def test_energy_monitor_report_path_writes_the_run_report(gpu0: ZeusMonitor, tmp_path: Path, burn_cpu) -> None:
+def test_energy_monitor_report_path_writes_the_run_report(
+    gpu0: ZeusMonitor, tmp_path: Path, burn_cpu
+) -> None:
     from zeus_callbacks.core.report import load_run, run_dir_for
 
     flavour = Flavour("lightning.pytorch", "zeus_callbacks.lightning")

@@ -149,7 +149,9 @@ def test_both_optimizers_are_zeus_callbacks_driven_by_a_callback_set(sim_gpus):
     from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 
     sim_gpus("a40")
-    pfo = PipelineFrequencyOptimizer(rank=0, pp_rank=0, pp_degree=1, world_size=1, wait_steps=0, profile_steps=1)
+    pfo = PipelineFrequencyOptimizer(
+        rank=0, pp_rank=0, pp_degree=1, world_size=1, wait_steps=0, profile_steps=1
+    )
     plo = GlobalPowerLimitOptimizer(ZeusMonitor(gpu_indices=[0]))
     assert isinstance(pfo, Callback) and isinstance(plo, Callback)
     callbacks = CallbackSet([plo, pfo])
