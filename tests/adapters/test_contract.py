@@ -78,6 +78,18 @@ ADAPTERS = [
 ]
 
 
+@dataclass(frozen=True)
+class Run:
+    """One scripted run: its epochs of `STEPS_PER_EPOCH` steps, whether the step after `RAISE_AFTER` raises,
+    where it saves its checkpoint and which one it resumes from, and the search."""
+
+    epochs: int
+    fail: bool = False
+    checkpoint: str | None = None
+    resume: str | None = None
+    search: str = "adaptive"
+
+
 class Failed(RuntimeError):
     """The scripted failure."""
 
@@ -91,20 +103,11 @@ def _fails(steps_done: int, fail: bool) -> None:
         raise Failed("training failed mid-epoch")
 
 
-# -- one driver per framework: `run(adapter, tmp_path, epochs, fail, checkpoint, resume, search)` -------------
+# -- one driver per framework: `run(adapter, tmp_path, Run(...))` ------------------------------------------
 class HFDriver:
     needs = "transformers"
 
-    def run(
-        self,
-        adapter: Adapter,
-        tmp: Path,
-        epochs: int,
-        fail=False,
-        checkpoint=None,
-        resume=None,
-        search="adaptive",
-    ):
+    def run(self, adapter: Adapter, tmp: Path, run: Run) -> None:
         from hf_trainers import ZeusTrainer, tiny_model
         from transformers import TrainerCallback, TrainingArguments
 
@@ -118,35 +121,26 @@ class HFDriver:
 
         class Raises(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
-                _fails(state.global_step, fail)
+                _fails(state.global_step, run.fail)
 
-        saving = {"save_strategy": "epoch"} if checkpoint else {"save_strategy": "no"}
-        if resume:  # transformers' second path: it rebuilds the callback and sets its saved attributes
+        saving = {"save_strategy": "epoch"} if run.checkpoint else {"save_strategy": "no"}
+        if run.resume:  # transformers' second path: it rebuilds the callback and sets its saved attributes
             saving["restore_callback_states_from_checkpoint"] = True
         args = TrainingArguments(
-            output_dir=str(tmp / "hf"), num_train_epochs=epochs, per_device_train_batch_size=4, use_cpu=True,
+            output_dir=str(tmp / "hf"), num_train_epochs=run.epochs, per_device_train_batch_size=4, use_cpu=True,
             report_to=[], disable_tqdm=True, logging_steps=2, **saving,
         )  # fmt: skip
-        callbacks = [adapter.build(ZeusMonitor(gpu_indices=[0]), search), Raises()]
+        callbacks = [adapter.build(ZeusMonitor(gpu_indices=[0]), run.search), Raises()]
         trainer = ZeusTrainer(model=tiny_model(), args=args, train_dataset=Data(), callbacks=callbacks)
         trainer.train(
-            resume_from_checkpoint=str(tmp / "hf" / f"checkpoint-{STEPS_PER_EPOCH}") if resume else None
+            resume_from_checkpoint=str(tmp / "hf" / f"checkpoint-{STEPS_PER_EPOCH}") if run.resume else None
         )
 
 
 class LightningDriver:
     needs = "lightning"
 
-    def run(
-        self,
-        adapter: Adapter,
-        tmp: Path,
-        epochs: int,
-        fail=False,
-        checkpoint=None,
-        resume=None,
-        search="adaptive",
-    ):
+    def run(self, adapter: Adapter, tmp: Path, run: Run) -> None:
         import lightning.pytorch as L
 
         class Tiny(L.LightningModule):
@@ -155,96 +149,78 @@ class LightningDriver:
                 self.layer = torch.nn.Linear(8, 1)
 
             def training_step(self, batch, batch_idx):
-                _fails(self.trainer.global_step, fail)
+                _fails(self.trainer.global_step, run.fail)
                 return self.layer(batch[0]).pow(2).mean()
 
             def configure_optimizers(self):
                 return torch.optim.SGD(self.parameters(), lr=0.01)
 
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_epochs=epochs, logger=False, log_every_n_steps=2,
+            accelerator="cpu", devices=1, max_epochs=run.epochs, logger=False, log_every_n_steps=2,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[adapter.build(ZeusMonitor(gpu_indices=[0]), search)],
+            callbacks=[adapter.build(ZeusMonitor(gpu_indices=[0]), run.search)],
         )  # fmt: skip
-        trainer.fit(Tiny(), _loader(), ckpt_path=resume)
-        if checkpoint:
-            trainer.save_checkpoint(checkpoint)
+        trainer.fit(Tiny(), _loader(), ckpt_path=run.resume)
+        if run.checkpoint:
+            trainer.save_checkpoint(run.checkpoint)
 
 
 class AccelerateDriver:
     needs = "accelerate"
 
-    def run(
-        self,
-        adapter: Adapter,
-        tmp: Path,
-        epochs: int,
-        fail=False,
-        checkpoint=None,
-        resume=None,
-        search="adaptive",
-    ):
+    def run(self, adapter: Adapter, tmp: Path, run: Run) -> None:
         from accelerate import Accelerator
 
         accelerator = Accelerator(cpu=True)
         model = torch.nn.Linear(8, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         model, opt, loader = accelerator.prepare(model, opt, _loader())
-        helper = adapter.build(accelerator, search, log_every_n_steps=2)
-        if resume:
-            accelerator.load_state(resume)
+        helper = adapter.build(accelerator, run.search, log_every_n_steps=2)
+        if run.resume:
+            accelerator.load_state(run.resume)
         done = 0
         with helper:
-            for _ in range(1 if resume else 0, epochs):  # the loop keeps its own epoch count
+            for _ in range(1 if run.resume else 0, run.epochs):  # the loop keeps its own epoch count
                 for (x,) in loader:
                     with helper.step():
-                        _fails(done, fail)
+                        _fails(done, run.fail)
                         accelerator.backward(model(x).pow(2).mean())
                         opt.step()
                         opt.zero_grad()
                     done += 1
                 if adapter.kind == "power_limit":
                     helper.epoch_end()
-        if checkpoint:
-            accelerator.save_state(checkpoint)
+        if run.checkpoint:
+            accelerator.save_state(run.checkpoint)
 
 
 class IgniteDriver:
     needs = "ignite"
 
-    def run(
-        self,
-        adapter: Adapter,
-        tmp: Path,
-        epochs: int,
-        fail=False,
-        checkpoint=None,
-        resume=None,
-        search="adaptive",
-    ):
+    def run(self, adapter: Adapter, tmp: Path, run: Run) -> None:
         from ignite.engine import Engine
         from ignite.handlers import Checkpoint, DiskSaver
 
         model = torch.nn.Linear(8, 1)
 
         def update(engine, batch):
-            _fails(engine.state.iteration - 1, fail)
+            _fails(engine.state.iteration - 1, run.fail)
             return model(batch[0]).pow(2).mean().item()
 
         engine = Engine(update)
-        zeus = adapter.build(ZeusMonitor(gpu_indices=[0]), search, log_every_n_steps=2)
+        zeus = adapter.build(ZeusMonitor(gpu_indices=[0]), run.search, log_every_n_steps=2)
         zeus.attach(engine)
         objects = {
             "model": model,
             "trainer": engine,
             **({"zeus": zeus} if adapter.kind == "power_limit" else {}),
         }
-        if resume:
-            (saved,) = Path(resume).glob("*.pt")
+        if run.resume:
+            (saved,) = Path(run.resume).glob("*.pt")
             Checkpoint.load_objects(objects, torch.load(saved, weights_only=False))
-        engine.run(_loader(), max_epochs=epochs)
-        if checkpoint:
-            Checkpoint(objects, DiskSaver(checkpoint, require_empty=False))(engine)
+        engine.run(_loader(), max_epochs=run.epochs)
+        if run.checkpoint:
+            Checkpoint(objects, DiskSaver(run.checkpoint, require_empty=False))(engine)
 
 
 DRIVERS: dict[str, Any] = {
@@ -309,12 +285,13 @@ def _check_run(
     assert "interval_metrics" in names[len(first) : -2]
     assert "fail" not in names and names.count("start") == 1
     assert names.count("load_state") == (1 if resumed and adapter.kind == "power_limit" else 0)
-    assert [n for n, _ in calls].index("step_begin") > names.index("start") - 1
+    every = [n for n, _ in calls]
+    assert every.index("start") < every.index("step_begin")  # no step before the run starts
 
 
 @pytest.mark.parametrize("adapter", _ids(ADAPTERS))
 def test_a_run_to_the_end(adapter: Adapter, calls, tmp_path: Path) -> None:
-    DRIVERS[adapter.framework].run(adapter, tmp_path, epochs=2)
+    DRIVERS[adapter.framework].run(adapter, tmp_path, Run(epochs=2))
     _check_run(calls, adapter, steps=2 * STEPS_PER_EPOCH, epochs=2)
     assert get_gpus()[0].power_limit_mw() == 300_000  # the GPU's own limit again
 
@@ -323,7 +300,7 @@ def test_a_run_to_the_end(adapter: Adapter, calls, tmp_path: Path) -> None:
 def test_a_run_that_raises_mid_epoch_fails_without_figures(adapter: Adapter, calls, tmp_path: Path) -> None:
     """`fail` is the last call: no `summary` and no `end` (no collective on a rank that failed)."""
     with pytest.raises(Failed):
-        DRIVERS[adapter.framework].run(adapter, tmp_path, epochs=2, fail=True)
+        DRIVERS[adapter.framework].run(adapter, tmp_path, Run(epochs=2, fail=True))
     every = [n for n, _ in calls]
     failing_step = len(every) - every[::-1].index("step_begin")
     assert every[failing_step:] == ["fail"], every[failing_step - 3 :]  # no collective after the failure
@@ -345,16 +322,16 @@ def test_a_run_resumed_from_a_checkpoint(adapter: Adapter, calls, tmp_path: Path
     `start`; an energy monitor's resumed run is a run of its own."""
     saved = tmp_path / "checkpoint"
     driver = DRIVERS[adapter.framework]
-    driver.run(adapter, tmp_path, epochs=1, checkpoint=str(saved))
+    driver.run(adapter, tmp_path, Run(epochs=1, checkpoint=str(saved)))
     assert ("state_dict" in [n for n, _ in calls]) == (adapter.kind == "power_limit")
     calls.clear()
-    driver.run(adapter, tmp_path, epochs=2, resume=str(saved))
+    driver.run(adapter, tmp_path, Run(epochs=2, resume=str(saved)))
     _check_run(calls, adapter, steps=STEPS_PER_EPOCH, epochs=1, resumed=True)
 
 
 @pytest.mark.parametrize("adapter", _ids([a for a in ADAPTERS if a.kind == "power_limit"]))
 def test_every_epoch_end_reaches_the_optimizer_under_search_zeus(adapter: Adapter, calls, tmp_path) -> None:
-    DRIVERS[adapter.framework].run(adapter, tmp_path, epochs=3, search="zeus")
+    DRIVERS[adapter.framework].run(adapter, tmp_path, Run(epochs=3, search="zeus"))
     _check_run(calls, adapter, steps=3 * STEPS_PER_EPOCH, epochs=3)
 
 

@@ -47,12 +47,64 @@ __all__ = ["HFZeusMonitor", "HFGlobalPowerLimitOptimizer", "HFEpochLog"]
 logger = logging.getLogger("zeus_callbacks.huggingface")
 
 
-class HFZeusMonitor(RestoresOnException, LogsFirst):
+class SessionCallback(RestoresOnException, LogsFirst):
+    """The trainer hooks that drive either session the same way (`PowerLimitSession`, `EnergySession`; the
+    contract is in `zeus_callbacks.core.power_limit.session`): `on_step_begin`/`on_step_end` → `step_begin`/
+    `step_end` (transformers' step hooks fire once per optimizer step), `on_log` → `interval_metrics`, or
+    `summary` on the end-of-training log (the one that carries `train_runtime`), the figures added to `logs`
+    and `state.log_history`; `on_train_end` → `end`; `train()` raising → `fail` (with `ZeusTrainerMixin` /
+    `restoring_gpus`: no collective). A subclass sets `_session` and starts it at `on_train_begin`."""
+
+    _session: PowerLimitSession | EnergySession
+
+    @override
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_step_begin` → `step_begin` (one call per optimizer step)."""
+        self._session.step_begin()
+
+    @override
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_step_end` (after the optimizer step) → `step_end`."""
+        self._session.step_end()
+
+    @override
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """`on_log` → `interval_metrics`, or `summary` (the run's totals) on the end-of-training log; added
+        to `logs` and `state.log_history` (strings too: the trainer's logs take them)."""
+        final = logs is not None and "train_runtime" in logs
+        session = self._session
+        log_metrics(state, logs, session.summary(False) if final else session.interval_metrics(False))
+
+    @override
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_train_end` → `end`."""
+        self._session.end()
+
+    @override
+    def _train_failed(self) -> None:
+        """`trainer.train()` raised → `fail`."""
+        self._session.fail()
+
+
+class HFZeusMonitor(SessionCallback):
     """Report the GPUs' energy to the trainer's loggers (`report_to`) and `state.log_history`.
 
     Drives an `EnergySession` (the adapter contract, in `zeus_callbacks.core.monitor.session`):
-    `on_train_begin` → `start`, `on_step_begin`/`on_step_end` → `step_begin`/`step_end`, `on_log` →
-    `interval_metrics` (`summary` on the end-of-training log), `on_train_end` → `end`; `train()` raising → `fail` with `ZeusTrainerMixin` / `restoring_gpus` (no collective).
+    `on_train_begin` → `start`, the rest as `SessionCallback` says; `train()` raising → `fail` with
+    `ZeusTrainerMixin` / `restoring_gpus` (no collective).
     At every log event the logs get the energy of the logging interval (`energy/interval_j`, its average
     power and duration, per GPU too, and `energy/simulated`); the end-of-training summary also gets the
     run's totals (`energy/total_j`, ...). The names come from `EnergyReporter`.
@@ -99,47 +151,6 @@ class HFZeusMonitor(RestoresOnException, LogsFirst):
         super().on_train_begin(args, state, control, **kwargs)
         self._session.start()
 
-    @override
-    def on_step_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_step_begin` → `EnergySession.step_begin` (one call per optimizer step)."""
-        self._session.step_begin()
-
-    @override
-    def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_step_end` → `EnergySession.step_end`."""
-        self._session.step_end()
-
-    @override
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        """`on_log` → `EnergySession.interval_metrics`, or `EnergySession.summary` (the run's totals, not the
-        last few ms) on the end-of-training summary (the log that carries `train_runtime`); the figures are
-        added to `logs` and `state.log_history`."""
-        final = logs is not None and "train_runtime" in logs
-        log_metrics(state, logs, self._session.summary() if final else self._session.interval_metrics())
-
-    @override
-    def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_train_end` → `EnergySession.end` (the summary went with the end-of-training log)."""
-        self._session.end()
-
-    @override
-    def _train_failed(self) -> None:
-        """`trainer.train()` raised → `EnergySession.fail` (the windows closed, no collective)."""
-        self._session.fail()
-
 
 def _saved_state(state: TrainerState, name: str) -> Any:
     """The optimizer state a resumed run's trainer state holds for the callback class `name`, or None on a
@@ -147,7 +158,7 @@ def _saved_state(state: TrainerState, name: str) -> Any:
     return optimizer_state_in(state.stateful_callbacks, name) if state.global_step else None
 
 
-class HFGlobalPowerLimitOptimizer(RestoresOnException, ResumesFromCheckpoint, LogsFirst, ExportableState):
+class HFGlobalPowerLimitOptimizer(SessionCallback, ResumesFromCheckpoint, ExportableState):
     """Find the best GPU power limit during training and keep it (Zeus's `HFGlobalPowerLimitOptimizer`).
 
     Drives a `PowerLimitSession` (the adapter contract, in `zeus_callbacks.core.power_limit.session`) of
@@ -287,20 +298,6 @@ class HFGlobalPowerLimitOptimizer(RestoresOnException, ResumesFromCheckpoint, Lo
         self._session.start()
 
     @override
-    def on_step_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_step_begin` → `PowerLimitSession.step_begin` (one call per optimizer step)."""
-        self._session.step_begin()
-
-    @override
-    def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        """`on_step_end` (after the optimizer step) → `PowerLimitSession.step_end`."""
-        self._session.step_end()
-
-    @override
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -308,36 +305,18 @@ class HFGlobalPowerLimitOptimizer(RestoresOnException, ResumesFromCheckpoint, Lo
         self._session.epoch_end()
 
     @override
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        """`on_log` → `PowerLimitSession.interval_metrics`, or on the end-of-training summary (the log with
-        `train_runtime`) `PowerLimitSession.summary`; added to `logs` and `state.log_history` under
-        `power_limit_optimizer/`."""
-        final = logs is not None and "train_runtime" in logs
-        session = self._session
-        log_metrics(
-            state, logs, session.summary(numbers_only=False) if final else session.interval_metrics(False)
-        )
-
-    @override
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """`on_train_end` → `PowerLimitSession.end` (the GPUs get their settings back)."""
-        self._session.end()
+        super().on_train_end(args, state, control, **kwargs)
         self._training, self._checkpoint = False, None
 
     @override
     def _train_failed(self) -> None:
         """`trainer.train()` raised → `PowerLimitSession.fail` (the GPUs' settings back, the energy windows
         closed, the report marked failed)."""
-        self._session.fail()
+        super()._train_failed()
         self._training, self._checkpoint = False, None
 
 

@@ -94,12 +94,13 @@ class EnergySession:
         self.reporter.step_end()
         return True
 
-    def interval_metrics(self) -> dict[str, Any]:
+    def interval_metrics(self, numbers_only: bool = True) -> dict[str, Any]:
         """The energy since the last log event (`energy/interval_j`, ...). A collective under
-        torch.distributed: every rank calls it at the same points."""
+        torch.distributed: every rank calls it at the same points. `numbers_only`: as the power-limit
+        session's (these figures are all numbers)."""
         return self.reporter.interval()
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, numbers_only: bool = True) -> dict[str, Any]:
         """The run's totals (`energy/total_j`, ...); the windows close and the report is written. A
         collective; empty once the run is closed."""
         return self.reporter.stop()
