@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from zeus_callbacks.accelerate import (
     PowerLimitOptimizerHelper,
+    ZeusMonitorHelper,
     local_gpu_index,
     prepare_power_limit_optimizer,
 )
@@ -127,6 +128,30 @@ def test_helper_logs_to_the_accelerators_trackers(accelerator_factory, burn_cpu)
     assert summary.get("power_limit_optimizer/energy_saved_pct") == (
         None if saved is None else pytest.approx(saved)
     )
+
+
+@pytest.mark.system
+def test_energy_helper_logs_intervals_and_totals_to_the_trackers(accelerator_factory, burn_cpu) -> None:
+    tracker = Tracker()
+    accelerator = accelerator_factory(log_with=[tracker], gradient_accumulation_steps=2)
+    accelerator.init_trackers("zeus")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 1), SimulatedKernels(0, 0.004))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(TensorDataset(torch.randn(4 * 20, 8)), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    with ZeusMonitorHelper(accelerator, log_every_n_steps=5) as energy:
+        for (x,) in loader:
+            with energy.step(), accelerator.accumulate(model):
+                burn_cpu(0.003)
+                accelerator.backward(model(x).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+    # 20 micro-batches are 10 optimizer steps: intervals at steps 5 and 10, then the run's totals.
+    assert [step for _, step in tracker.logged] == [5, 10, 10]
+    assert all("energy/interval_j" in values for values, _ in tracker.logged[:2])
+    totals = tracker.logged[-1][0]
+    assert totals["energy/total_j"] == energy.total_energy_j > 0 and totals["energy/simulated"] == 1.0
+    assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
 
 
 @pytest.mark.system

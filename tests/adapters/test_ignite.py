@@ -15,7 +15,7 @@ from zeus_callbacks.sim import SimulatedKernels
 
 ignite_engine = pytest.importorskip("ignite.engine")
 ignite_handlers = pytest.importorskip("ignite.handlers")
-from zeus_callbacks.ignite import IgnitePowerLimitOptimizer  # noqa: E402
+from zeus_callbacks.ignite import IgnitePowerLimitOptimizer, IgniteZeusMonitor  # noqa: E402
 
 pytestmark = pytest.mark.system  # other processes or the real clock (tests/tiers.py)
 
@@ -139,3 +139,19 @@ def test_an_ignite_checkpoint_resumes_without_profiling(a40, burn_cpu, tmp_path:
     assert resumed.optimizer.optimal_power_limit_w == optimal
     assert seen == [optimal] * 10  # applied from the first step
     assert get_gpus()[0].power_limit_mw() == MAX_W * 1000
+
+
+def test_energy_monitor_puts_intervals_and_the_run_energy_in_the_metrics(a40, burn_cpu) -> None:
+    trainer = _trainer(burn_cpu, [])
+    energy = IgniteZeusMonitor(ZeusMonitor(gpu_indices=[0]), log_every_n_steps=5)
+    energy.attach(trainer)
+    seen: list[float] = []
+    trainer.add_event_handler(
+        ignite_engine.Events.ITERATION_COMPLETED(every=5),
+        lambda e: seen.append(e.state.metrics["energy/interval_j"]),
+    )
+    trainer.run(_loader(20), max_epochs=1)
+    metrics = trainer.state.metrics
+    assert len(seen) == 4 and all(j >= 0 for j in seen)
+    assert metrics["energy/total_j"] > 0 and metrics["energy/simulated"] == 1.0
+    assert energy._session.monitor.open_windows == []
