@@ -76,6 +76,7 @@ _CORE = {
     "plan": "zeus_callbacks.core.heterogeneous.planner",
     "profile_power_limits": "zeus_callbacks.core.heterogeneous.profiler",
     "profile_batch_size": "zeus_callbacks.core.heterogeneous.profiler",
+    "saving_text": "zeus_callbacks.core.report.saving",
     "RankPlan": _HETEROGENEOUS_TRAINING,
     "rank_plan": _HETEROGENEOUS_TRAINING,
     "rank_plans": _HETEROGENEOUS_TRAINING,
@@ -192,6 +193,7 @@ if TYPE_CHECKING:  # pragma: no cover
         load_profile,
     )
     from zeus_callbacks.core.heterogeneous.profiler import profile_batch_size, profile_power_limits  # noqa: F401
+    from zeus_callbacks.core.report.saving import saving_text  # noqa: F401
     from zeus_callbacks.core.heterogeneous.training import (  # noqa: F401
         RankPlan,
         UnevenDistributedSampler,

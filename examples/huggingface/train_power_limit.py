@@ -24,8 +24,8 @@ from zeus_callbacks import (
     MaxSlowdownConstraint,
     ZeusMonitor,
     local_rank,
+    saving_text,
 )
-from zeus_callbacks.core.report.saving import saving_text
 
 SEQ_LEN = 64
 
