@@ -27,9 +27,9 @@ and takes up to 20 s at 8x32 off the all-max time; rounding the LP and searching
 0.1-0.25 % above the bound in about a second at 8x32. The optimum lies between the two, and the LP cannot
 tell where: on A40-like profiles with a flat, power-capped top (issue 36,
 `benchmarks/pipeline_measured_options.py`, 8x12, 75 clocks) the rounded plan is 0.13-0.16 % above the LP at every target, and the cutoff
-question proves it within 0.1 % in 1-10 s per target (one target of ten needed the cheapest-plan search,
-about 2 minutes of work). HiGHS' branch and bound alone, without the cutoff, needs 20-35 s for its root on
-the same programs. Programs of more than `exact._MAX_BINARIES` option binaries keep the LP bound. Unlike
+question proves it within 0.1 % in 0.4-4 s at nine targets of ten; the tenth took an unanswered question
+(25 s) and the cheapest-plan search (32 s): 71 s for an 8-point frontier. HiGHS' branch and bound alone,
+without the cutoff, needs 20-35 s for its root on the same programs. Programs of more than `exact._MAX_BINARIES` option binaries keep the LP bound. Unlike
 Phillips-Dessouky (lowtime), nothing is quantised: plans use the profiled options as measured. Without scipy
 the planner runs steps 1 and 3 only, over several deadlines, and cannot tell its distance to the optimum.
 """
