@@ -193,7 +193,6 @@ if TYPE_CHECKING:  # pragma: no cover
         load_profile,
     )
     from zeus_callbacks.core.heterogeneous.profiler import profile_batch_size, profile_power_limits  # noqa: F401
-    from zeus_callbacks.core.report.saving import saving_text  # noqa: F401
     from zeus_callbacks.core.heterogeneous.training import (  # noqa: F401
         RankPlan,
         UnevenDistributedSampler,
@@ -237,6 +236,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer  # noqa: F401
     from zeus_callbacks.core.pipeline_frequency.pipelining import instrument  # noqa: F401
     from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer  # noqa: F401
+    from zeus_callbacks.core.report.saving import saving_text  # noqa: F401
     from zeus_callbacks.core.zeus_utils import get_env, zeus_cost  # noqa: F401
     from zeus_callbacks.huggingface import (  # noqa: F401
         HeterogeneousTrainer,
