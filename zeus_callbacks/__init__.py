@@ -36,6 +36,7 @@ from zeus_callbacks.core.device.errors import (
 from zeus_callbacks.core.monitor.monitor import Measurement, MeasurementState, ZeusMonitor
 from zeus_callbacks.core.power_limit.selectors import (
     Energy,
+    MaxPowerConstraint,
     MaxSlowdownConstraint,
     OptimumSelector,
     PowerLimitMeasurement,
@@ -160,6 +161,7 @@ __all__ = [
     "Time",
     "Energy",
     "ZeusCost",
+    "MaxPowerConstraint",
     "MaxSlowdownConstraint",
     "ZeusCallbacksError",
     "GPUError",

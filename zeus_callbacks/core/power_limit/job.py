@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.state_guard import job_gpu_overlap
-from zeus_callbacks.core.power_limit.grid import ALLOW_RAISING_ENV, power_limit_grid
+from zeus_callbacks.core.power_limit.grid import ALLOW_RAISING_ENV, milliwatts, power_limit_grid
 from zeus_callbacks.core.power_limit.meter import StepMeter
+from zeus_callbacks.core.power_limit.power_budget import POWER_BUDGET_ENV
 from zeus_callbacks.core.power_limit.profile_file import ProfileContext
 from zeus_callbacks.core.power_limit.ranks import JobMembership
 
@@ -73,6 +74,7 @@ class Job:
     may_set: bool = True
     grid: list[float] = field(default_factory=list)
     inactive: str = ""
+    within_budget: bool = False  # a power budget lowered the grid's top: it is set before anything else
 
     @property
     def max_power_w(self) -> float:
@@ -99,15 +101,23 @@ def _model_hash(name: str) -> int:
     return zlib.crc32(name.encode())  # < 2**32: exact in the float all_reduce carries
 
 
-def find_job(meter: StepMeter, membership: JobMembership, pl_step: int, allow_raising: bool = False) -> Job:
+def find_job(
+    meter: StepMeter,
+    membership: JobMembership,
+    pl_step: int,
+    allow_raising: bool = False,
+    budget_w: Callable[[int], float | None] | None = None,
+) -> Job:
     """Learn the job (collectives when every rank takes part: `meter.collective` is set here).
 
     The grid spans the range every GPU of the job accepts (boards of one model may differ: real V100 nodes
     hold 100 W and 150 W minimums side by side), and tops out at the lowest limit in force when the job
-    started unless `allow_raising`.
+    started unless `allow_raising`, and never above a power budget: `budget_w(num_gpus)`, each GPU's share
+    (W) of its job's budget, or None.
 
     Raises:
-        ValueError: the job mixes GPU models, or its GPUs' ranges have no limit in common.
+        ValueError: the job mixes GPU models, its GPUs' ranges have no limit in common, or the budget is
+            below every limit they accept.
     """
     gpus = meter.gpus
     meter.collective = dist.is_distributed() and membership.settle()
@@ -154,9 +164,19 @@ def find_job(meter: StepMeter, membership: JobMembership, pl_step: int, allow_ra
         )
     if (job_range.union_lo_mw, job_range.union_hi_mw) != (lo, hi):
         _say_ranges_differ(gpus[0].name, boards, lo, hi)
+    size = meter.reduce(_JobSize(len(gpus), int(not all(g.may_change_settings() for g in gpus))))
     top = hi if allow_raising else max(lo, min(hi, job_range.in_force_mw))
     if top < hi:
         _say_capped(top, hi)
+    budget = budget_w(size.gpus) if budget_w is not None else None
+    if budget is not None and milliwatts(budget) < top:
+        top = _budget_top(budget, lo, top)
+        return Job(
+            size.gpus,
+            size.denied_ranks == 0,
+            power_limit_grid(lo / 1000, top / 1000, pl_step),
+            within_budget=True,
+        )
     if top == lo:
         why = f"the only power limit {'every GPU accepts' if top == hi else 'not above the one in force'}"
         logger.warning(
@@ -165,8 +185,29 @@ def find_job(meter: StepMeter, membership: JobMembership, pl_step: int, allow_ra
             why,
         )
         return Job(len(gpus), inactive=f"{lo / 1000:g} W is {why}")
-    size = meter.reduce(_JobSize(len(gpus), int(not all(g.may_change_settings() for g in gpus))))
     return Job(size.gpus, size.denied_ranks == 0, power_limit_grid(lo / 1000, top / 1000, pl_step))
+
+
+def _budget_top(budget_w: float, lo_mw: int, top_mw: int) -> int:
+    """The grid's top under a power budget of `budget_w` per GPU (said once, by rank 0).
+
+    Raises:
+        ValueError: the budget is below the GPUs' lowest settable limit.
+    """
+    cap = milliwatts(budget_w)
+    if cap < lo_mw:
+        raise ValueError(
+            f"GlobalPowerLimitOptimizer: the power budget, {budget_w:g} W per GPU, is below the lowest limit the "
+            f"GPUs accept ({lo_mw / 1000:g} W): raise the budget (MaxPowerConstraint, {POWER_BUDGET_ENV}) or "
+            "run on GPUs that go that low."
+        )
+    if dist.rank() == 0:
+        logger.info(
+            "GlobalPowerLimitOptimizer: no power limit above the budget, %g W per GPU (of %g W in force), is set.",
+            budget_w,
+            top_mw / 1000,
+        )
+    return min(cap, top_mw)
 
 
 def _ranges(boards: Sequence[_Board]) -> str:

@@ -17,6 +17,7 @@ from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.files import warn_write_failed
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.power_limit import power_budget
 from zeus_callbacks.core.power_limit.grid import milliwatts
 from zeus_callbacks.core.power_limit.job import find_job, profile_context
 from zeus_callbacks.core.power_limit.meter import StepMeter
@@ -229,16 +230,19 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
     def _setup(self) -> None:
         """Learn the job (`find_job`) and start the search over its grid; load a saved profile: a
         complete one is applied now."""
+        o = self.options
         self._job = job = find_job(
-            self._meter, self._membership, self.options.pl_step, self.options.allow_raising_limit
+            self._meter,
+            self._membership,
+            o.pl_step,
+            o.allow_raising_limit,
+            budget_w=lambda num_gpus: power_budget.per_gpu_cap_w(o.selector, num_gpus),
         )
         if job.inactive:
             self._phase = Inactive(job.inactive)
             return
-        o = self.options
-        self._search = Search(
-            job.grid, o.selector, job.max_power_w, o.search, o.warmup_steps, o.profile_steps
-        )
+        selector = power_budget.for_job(o.selector, job.num_gpus)
+        self._search = Search(job.grid, selector, job.max_power_w, o.search, o.warmup_steps, o.profile_steps)
         if self.options.path is not None and self.options.path.exists():
             self._use_profile(load_profile(self.options.path, self._context(), self.options.profile_steps))
 
@@ -298,6 +302,8 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
                 "profile_path it reports the limit it would apply."
             )
             return
+        if self._job is not None and self._job.within_budget and isinstance(self._phase, Waiting):
+            self._set_power_limit(self.grid[0])  # within the budget before the first step, waiting included
         if isinstance(self._phase, Waiting) and self._phase.steps_left <= 0:
             self._begin_next()
 

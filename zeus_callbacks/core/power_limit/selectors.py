@@ -15,6 +15,7 @@ __all__ = [
     "Energy",
     "ZeusCost",
     "MaxSlowdownConstraint",
+    "MaxPowerConstraint",
     "select_power_limit",
 ]
 
@@ -179,6 +180,57 @@ class MaxSlowdownConstraint(OptimumSelector):
     def __repr__(self) -> str:
         extra = "" if self.prefer == "least_energy" else f", prefer={self.prefer!r}"
         return f"MaxSlowdownConstraint(factor={self.factor!r}{extra})"
+
+
+class MaxPowerConstraint(OptimumSelector):
+    """The fastest operating point whose measured average power keeps the job within a power budget.
+
+    The budget is `watts` per GPU (`per="gpu"`, default) or for the whole job (`per="job"`: shared evenly
+    by its GPUs). It also caps the power limits the optimizer profiles (no GPU is set above its share,
+    profiling included), as `ZEUS_CALLBACKS_POWER_BUDGET_W` (W per GPU) does for every job of a site.
+    Ties go to the higher power limit, as for every selector.
+
+    Args:
+        watts: The budget (W), > 0.
+        per: "gpu" or "job".
+
+    Raises:
+        ValueError: `watts` is not a positive number, or an unknown `per`.
+    """
+
+    SCOPES = ("gpu", "job")
+
+    def __init__(self, watts: float, per: str = "gpu") -> None:
+        if isinstance(watts, bool) or not isinstance(watts, (int, float)) or not 0 < watts < float("inf"):
+            raise ValueError(
+                f"`MaxPowerConstraint(watts={watts!r})`: expected a power budget in watts > 0, e.g. 250."
+            )
+        if per not in self.SCOPES:
+            raise ValueError(f"`MaxPowerConstraint(per={per!r})`: must be one of {self.SCOPES}.")
+        self.watts = float(watts)
+        self.per = per
+        self._job_watts: float | None = None  # set on the copy `for_job` returns
+
+    def per_gpu_w(self, num_gpus: int) -> float:
+        """Each GPU's share of the budget (W)."""
+        return self.watts / num_gpus if self.per == "job" else self.watts
+
+    def for_job(self, num_gpus: int) -> MaxPowerConstraint:
+        """A copy that knows the job's budget (its `num_gpus` GPUs'), for `score`."""
+        bound = MaxPowerConstraint(self.watts, self.per)
+        bound._job_watts = self.per_gpu_w(num_gpus) * num_gpus
+        return bound
+
+    def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
+        time_s, energy_j = np.asarray(time_s, dtype=float), np.asarray(energy_j, dtype=float)
+        budget = self._job_watts if self._job_watts is not None else max_power_w
+        with np.errstate(divide="ignore", invalid="ignore"):
+            power = np.where(time_s > 0, energy_j / time_s, np.inf)
+        return np.where(power <= budget, time_s, np.inf)
+
+    def __repr__(self) -> str:
+        extra = "" if self.per == "gpu" else f", per={self.per!r}"
+        return f"MaxPowerConstraint(watts={self.watts!r}{extra})"
 
 
 def _takes_max_power(select) -> bool:
