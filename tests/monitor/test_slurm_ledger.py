@@ -82,3 +82,25 @@ def test_two_task_job_lands_in_the_ledger(slurm, tmp_path):
     (total,) = json.loads(out)["totals"]
     assert total["key"] == job_id and total["ranks"] == 2 and total["gpus"] == 2
     assert total["energy_j"] == pytest.approx(sum(e.energy_j for e in entries))
+
+
+def test_a_job_under_a_sites_budget_stays_within_it(slurm, tmp_path):
+    """A site's budget (ZEUS_CALLBACKS_POWER_BUDGET_W, W per GPU) set for the job: no limit above it, and
+    each task's measured power within it up to the measurement's own bound."""
+    ledger = tmp_path / "ledger.jsonl"
+    script = tmp_path / "train.py"
+    script.write_text(_TRAIN)
+    env = {
+        "ZEUS_CALLBACKS_SIMULATE": "2*a40:imagenet/resnet50/256",
+        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(tmp_path / "gpus"),
+        "ZEUS_CALLBACKS_LEDGER": str(ledger),
+        "ZEUS_CALLBACKS_POWER_BUDGET_W": "200",
+    }
+    port = str(slurm_cluster._free_port())
+    result = slurm.srun("-n", "2", "-p", "gpu", sys.executable, str(script), port, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    entries = read([ledger]).entries
+    assert len(entries) == 2 and all(e.power_limit_w is not None and e.power_limit_w <= 200 for e in entries)
+    for e in entries:
+        assert e.energy_bound_j is not None
+        assert (e.energy_j - e.energy_bound_j) / e.time_s <= 200
