@@ -21,7 +21,8 @@ Two uses:
   usually answer "none" within a few nodes, which proves the best plan within `GAP_GOAL`. When they do not,
   branch and bound searches for the cheapest plan among those below that cutoff, with a node limit; the
   plan it finds becomes the best, and its dual bound is the proof. Small programs (`_SMALL_BINARIES`) are
-  searched first, which usually closes the gap alone there.
+  searched first, which usually closes the gap alone there; programs above `_MAX_BINARIES` keep the LP
+  bound (e.g. 8 stages x 24 microbatches x 75 clocks).
 
 The planner's search is bounded by work (branch-and-bound nodes), never by seconds: HiGHS is deterministic
 for a given node limit, so the same profile gives the same plan, and the same proven gap, on an idle and on a
