@@ -67,6 +67,13 @@ def test_numbers_energy_co2_cost():
     assert "<td>5 s</td><td>2,000 J</td>" in row.replace("5.00 s", "5 s")
 
 
+def test_the_run_energy_shows_its_bound_where_the_record_has_one():
+    record = synthetic_record()
+    assert "± " not in render_report([record])  # an older record, or a GPU without a counter: no bound
+    record.total_energy_bound_j = [100.0, 75.0]
+    assert "3,500 J ± 175 J" in render_report([record])
+
+
 def test_sources_of_intensity_and_price_are_shown():
     record = synthetic_record()
     record.carbon_intensity_source, record.price_source = (

@@ -39,6 +39,9 @@ def test_records_steps_samples_and_the_optimizers_choice(tmp_path: Path):
     # Energy per step sums to the counter's total over the run (steps fill the run: no time between).
     for k in range(2):
         assert sum(s.energy_j[k] for s in record.steps) == pytest.approx(record.total_energy_j[k], rel=1e-6)
+    # Each GPU's run energy carries its bound (issue 41): the sensor's 5% at least, far below the energy.
+    for e, b in zip(record.total_energy_j, record.total_energy_bound_j, strict=True):
+        assert 0.05 * e <= b < 0.2 * e
     # The optimizer's report, typed.
     pl = record.power_limit
     assert pl is not None and pl.optimal_power_limit_w == opt.optimal_power_limit_w and pl.applied

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from zeus_callbacks.core.device.power import energy_refresh_period_s
 from zeus_callbacks.core.monitor.power_readings import _is_ga100
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ __all__ = [
     "power_sensor",
     "EnergyBound",
     "sensor_error_j",
+    "run_energy_bound_j",
 ]
 
 PART_TIME_POWER = (
@@ -205,3 +207,10 @@ class EnergyBound:
         most that long at the power around its ends, as the counter's refresh is."""
         edge = self.edge_power_w(energy_j, elapsed_s)
         return sensor_error_j(energy_j, elapsed_s) + _GROW * (variation_j + edge * self.sensor.lag_s)
+
+
+def run_energy_bound_j(gpu: GPU, energy_j: float, elapsed_s: float) -> float | None:
+    """The bound of `energy_j` read off `gpu`'s energy counter over `elapsed_s` (a whole run, read outside a
+    monitor window: the run report's)."""
+    refresh = energy_refresh_period_s(gpu) or 0.0
+    return EnergyBound(power_sensor(gpu), refresh).counter(energy_j, elapsed_s)

@@ -130,6 +130,13 @@ def _run_energy(records: list[RankRecord]) -> float | None:
     return None if not values or None in values else sum(values)  # type: ignore[arg-type]
 
 
+def _run_energy_bound(records: list[RankRecord]) -> float | None:
+    """The run energy's bound (J): every GPU's summed, None where one lacks it (an older record, a GPU
+    without a counter)."""
+    bounds = [b for r in records for b in (r.total_energy_bound_j or [None] * len(r.gpus))]
+    return None if not bounds or None in bounds else sum(bounds)  # type: ignore[arg-type]
+
+
 def _cards(records: list[RankRecord], sim: bool) -> str:
     energy = _run_energy(records)
     first = records[0]
@@ -140,7 +147,10 @@ def _cards(records: list[RankRecord], sim: bool) -> str:
     if energy is None:
         cards.append(("Energy", "unknown", '<div class="n">a GPU did not answer</div>'))
     else:
-        cards.append(("GPU energy", _energy(energy), label))
+        bound = _run_energy_bound(records)
+        cards.append(
+            ("GPU energy", _energy(energy) + ("" if bound is None else f" ± {_energy(bound)}"), label)
+        )
         if duration > 0:
             cards.append(("Mean power, all GPUs", f"{fmt(energy / duration)} W", label))
         cards.append(

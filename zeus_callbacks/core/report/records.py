@@ -156,6 +156,7 @@ class RankRecord:
     samples: list[PowerSample] = field(default_factory=list)
     steps: list[StepSpan] = field(default_factory=list)
     total_energy_j: list[float | None] = field(default_factory=list)
+    total_energy_bound_j: list[float | None] = field(default_factory=list)  # how far the truth may lie (J)
     sample_interval_s: float = 0.5
     carbon_intensity_gco2_per_kwh: float | None = None
     price_per_kwh: float | None = None
@@ -276,11 +277,18 @@ def _record(data: dict[str, Any]) -> RankRecord:
     record = _build(RankRecord, raw, "record")
     # `_build` turned the lists into tuples; the record's own lists stay lists.
     record.gpus, record.samples, record.steps = list(record.gpus), samples, steps
+    _check_totals(record)
+    return record
+
+
+def _check_totals(record: RankRecord) -> None:
+    """The run's figures are numbers (per GPU: its energy and bound, lists again after `_build`)."""
     record.total_energy_j = list(record.total_energy_j)
-    for v in record.total_energy_j:
-        _number(v, "total_energy_j")
+    record.total_energy_bound_j = list(record.total_energy_bound_j)
+    for name in ("total_energy_j", "total_energy_bound_j"):
+        for v in getattr(record, name):
+            _number(v, name)
     for name in ("duration_s", "started_unix_s"):
         _number(getattr(record, name), name, optional=False)
     for name in ("carbon_intensity_gco2_per_kwh", "price_per_kwh"):
         _number(getattr(record, name), name)
-    return record

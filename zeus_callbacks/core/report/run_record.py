@@ -15,6 +15,7 @@ from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.power import instant_power_mw
 from zeus_callbacks.core.files import warn_write_failed
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.monitor.uncertainty import run_energy_bound_j
 from zeus_callbacks.core.report.pipeline_plan import pipeline_plan
 from zeus_callbacks.core.report.records import (
     GPUInfo,
@@ -266,6 +267,10 @@ class RunRecorder:
         rec.total_energy_j = [
             None if a is None or b is None else max(0.0, b - a)
             for a, b in zip(self._counter0, end, strict=True)
+        ]
+        rec.total_energy_bound_j = [
+            None if e is None else run_energy_bound_j(g, e, self._clock() - self._t0)
+            for g, e in zip(self._gpus, rec.total_energy_j, strict=True)
         ]
         for opt in optimizers:
             opt = getattr(opt, "optimizer", opt)
