@@ -69,7 +69,7 @@ def sim_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
     state_dir = tmp_path / "sim-state"
     monkeypatch.setenv("ZEUS_CALLBACKS_SIM_STATE_DIR", str(state_dir))
     # No cross-user lock directory unless a test makes one: never the machine's /var/lock/zeus_callbacks.
-    monkeypatch.setenv("ZEUS_CALLBACKS_LOCK_DIR", str(tmp_path / "no-cross-user-lock"))
+    monkeypatch.setenv("ZEUS_CALLBACKS_LOCK_DIR", "/nonexistent/zeus_callbacks-lock")
     yield state_dir
     sim.disable()
 

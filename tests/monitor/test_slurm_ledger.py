@@ -40,6 +40,21 @@ dist.destroy_process_group()
 """
 
 
+def _srun_training(slurm, tmp_path: Path, ledger: Path, **env: str) -> subprocess.CompletedProcess:
+    """`srun -n 2` of `_TRAIN` on the simulated node `env` names, appending to `ledger`; it must succeed."""
+    script = tmp_path / "train.py"
+    script.write_text(_TRAIN)
+    env = {
+        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(tmp_path / "gpus"),
+        "ZEUS_CALLBACKS_LEDGER": str(ledger),
+        **env,
+    }
+    port = str(slurm_cluster._free_port())
+    result = slurm.srun("-n", "2", "-p", "gpu", sys.executable, str(script), port, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 @pytest.fixture
 def slurm(tmp_path: Path):
     cluster = slurm_cluster.start(tmp_path / "slurm")
@@ -49,16 +64,7 @@ def slurm(tmp_path: Path):
 
 def test_two_task_job_lands_in_the_ledger(slurm, tmp_path):
     ledger = tmp_path / "ledger.jsonl"
-    script = tmp_path / "train.py"
-    script.write_text(_TRAIN)
-    env = {
-        "ZEUS_CALLBACKS_SIMULATE": "2*a40",
-        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(tmp_path / "gpus"),
-        "ZEUS_CALLBACKS_LEDGER": str(ledger),
-    }
-    port = str(slurm_cluster._free_port())
-    result = slurm.srun("-n", "2", "-p", "gpu", sys.executable, str(script), port, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _srun_training(slurm, tmp_path, ledger, ZEUS_CALLBACKS_SIMULATE="2*a40")
     assert sorted(line.split()[1] for line in result.stdout.splitlines() if line.startswith("task")) == [
         "0",
         "1",
@@ -88,17 +94,13 @@ def test_a_job_under_a_sites_budget_stays_within_it(slurm, tmp_path):
     """A site's budget (ZEUS_CALLBACKS_POWER_BUDGET_W, W per GPU) set for the job: no limit above it, and
     each task's measured power within it up to the measurement's own bound."""
     ledger = tmp_path / "ledger.jsonl"
-    script = tmp_path / "train.py"
-    script.write_text(_TRAIN)
-    env = {
-        "ZEUS_CALLBACKS_SIMULATE": "2*a40:imagenet/resnet50/256",
-        "ZEUS_CALLBACKS_SIM_STATE_DIR": str(tmp_path / "gpus"),
-        "ZEUS_CALLBACKS_LEDGER": str(ledger),
-        "ZEUS_CALLBACKS_POWER_BUDGET_W": "200",
-    }
-    port = str(slurm_cluster._free_port())
-    result = slurm.srun("-n", "2", "-p", "gpu", sys.executable, str(script), port, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    _srun_training(
+        slurm,
+        tmp_path,
+        ledger,
+        ZEUS_CALLBACKS_SIMULATE="2*a40:imagenet/resnet50/256",
+        ZEUS_CALLBACKS_POWER_BUDGET_W="200",
+    )
     entries = read([ledger]).entries
     assert len(entries) == 2 and all(e.power_limit_w is not None and e.power_limit_w <= 200 for e in entries)
     for e in entries:
