@@ -95,3 +95,22 @@ def test_licence_files_go_into_the_sdist_and_the_wheel() -> None:
         "core/heterogeneous/data/zeus2_aws",
     ]:
         assert f"zeus_callbacks/{folder}/" in notice, folder
+
+
+def test_readme_is_short_and_points_to_the_docs() -> None:
+    """The README stays a front page (at most 10 KB): the two commands, the tiers, where the docs are; every
+    file it links to exists."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 10 * 1024, (
+        f"README.md is {len(readme.encode())} bytes: move detail to docs/"
+    )
+    for command in [
+        'python3 -m venv .venv && . .venv/bin/activate && pip install "torch==2.13.0" -e ".[all]" && zeus-callbacks demo',
+        '. .venv/bin/activate && DS_BUILD_OPS=0 pip install -e ".[dev,megatron,deepspeed]" && python -m pytest -q -n 4',
+        'python -m pytest -q -m "not system"',
+        "mkdocs serve",
+    ]:
+        assert command in readme, command
+    links = re.findall(r"\]\(((?!https?://)[^)#]+)\)", readme)
+    assert "docs/getting-started.md" in links
+    assert not [link for link in links if not (ROOT / link).exists()]
