@@ -54,11 +54,11 @@ def _table(by: str, rows: list) -> str:
     head = (
         by.upper(),
         "JOBS",
-        "RUNS",
+        "PROCS",
         "RANKS",
         "GPUS",
         "ENERGY kWh",
-        "± kWh",
+        "±",
         "GPU-h",
         "CO2eq kg",
         "COST",
@@ -73,8 +73,10 @@ def _table(by: str, rows: list) -> str:
                 str(r.runs),
                 str(r.ranks),
                 str(r.gpus),
-                f"{r.energy_j / 3.6e6:.4f}",
-                "?" if r.energy_bound_j is None else f"{r.energy_bound_j / 3.6e6:.4f}",
+                f"{r.energy_j / 3.6e6:.4g}",
+                "?"
+                if r.energy_bound_j is None or not r.energy_j
+                else f"{100 * r.energy_bound_j / r.energy_j:.1f}%",
                 f"{r.gpu_hours:.3f}",
                 "-" if r.co2eq_g is None else f"{r.co2eq_g / 1000:.3f}",
                 "-" if r.cost is None else f"{r.cost:.2f}",

@@ -209,9 +209,11 @@ def _lines(path: Path) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class JobTotal:
-    """A group's sums (a job, a user or a partition): energy with its bound, GPU time, the runs and ranks.
+    """A group's sums (a job, a user or a partition): energy with its bound, GPU time, the processes and ranks.
 
-    `energy_bound_j` is None when any line lacks its bound; `gpu_hours` is each rank's time times its GPUs.
+    `runs` counts process runs (each rank's process is one; a requeued or resumed job's ranks start new ones),
+    `ranks` the newest line of each. `energy_bound_j` is None when any line lacks its bound; `gpu_hours` is
+    each rank's time times its GPUs.
     """
 
     key: str
