@@ -330,7 +330,9 @@ def _step_section(args: argparse.Namespace) -> None:
     if zeus is not None:
         kinds.append("zeus: PowerMonitor")
     steps = {name: _calibrated_step(host_s, wait_s) for name, host_s, wait_s in STEP_KINDS}
-    rel = {(k, s): [] for k in kinds for s in steps}  # step time against the block without observers before it
+    rel = {
+        (k, s): [] for k in kinds for s in steps
+    }  # step time against the block without observers before it
     step_ms = {(k, s): [] for k in kinds for s in steps}
     gil = {k: [] for k in kinds}  # GIL time taken from the training thread per wall s, per round
     procs = {k: [] for k in kinds}  # other processes' CPU per wall s, per round
@@ -381,7 +383,8 @@ def _step_section(args: argparse.Namespace) -> None:
     print("-" * len(header))
     for kind in kinds:
         cols = [
-            (statistics.median(step_ms[kind, name]), statistics.median(rel[kind, name]) * 100) for name in steps
+            (statistics.median(step_ms[kind, name]), statistics.median(rel[kind, name]) * 100)
+            for name in steps
         ]
         (h_ms, h_rel), (g_ms, g_rel) = cols
         gil_ms = statistics.median(gil[kind]) * STEP_S * 1000

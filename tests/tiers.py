@@ -35,9 +35,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(autouse=True)
-def tier_check(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[None]:
+def tier_check(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Fail a deterministic-tier test that started another process."""
     if request.node.get_closest_marker(SYSTEM) is not None:
         yield
@@ -53,8 +51,14 @@ def tier_check(
 
         return wrapper
 
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", track("a subprocess", subprocess.Popen._execute_child))
-    monkeypatch.setattr(multiprocessing.util, "spawnv_passfds", track("a spawned process", multiprocessing.util.spawnv_passfds))
+    monkeypatch.setattr(
+        subprocess.Popen, "_execute_child", track("a subprocess", subprocess.Popen._execute_child)
+    )
+    monkeypatch.setattr(
+        multiprocessing.util,
+        "spawnv_passfds",
+        track("a spawned process", multiprocessing.util.spawnv_passfds),
+    )
     monkeypatch.setattr(os, "fork", track("a forked process", os.fork))
     yield
     did = sorted(set(started))

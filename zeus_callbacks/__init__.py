@@ -185,6 +185,7 @@ def __getattr__(name: str) -> object:
         )
     return _lazy_getattr(name)
 
+
 if TYPE_CHECKING:  # pragma: no cover
     from zeus_callbacks.core.device.gpus import get_gpus  # noqa: F401
     from zeus_callbacks.core.distributed import local_rank  # noqa: F401

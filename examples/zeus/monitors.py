@@ -59,9 +59,13 @@ def main() -> None:
     # --- end Zeus ---
 
     label = " (SIMULATED)" if power_monitor.simulated else ""
-    print(f"power timeline{label}: {len(timeline[0])} samples, energy {energy[0]:.1f} J over {end - start:.1f} s")
+    print(
+        f"power timeline{label}: {len(timeline[0])} samples, energy {energy[0]:.1f} J over {end - start:.1f} s"
+    )
     print(f"temperature{label}: {temperature[0]} C")
-    print(f"carbon{label}: {carbon.gpu_carbon_emission[0]:.4f} gCO2eq for {carbon.gpu_energy[0]:.1f} J at 380 g/kWh")
+    print(
+        f"carbon{label}: {carbon.gpu_carbon_emission[0]:.4f} gCO2eq for {carbon.gpu_energy[0]:.1f} J at 380 g/kWh"
+    )
     print(f"cost{label}: {cost.gpu_energy_cost[0]:.6f} for {cost.gpu_energy[0]:.1f} J at 0.15 per kWh")
 
 

@@ -312,4 +312,6 @@ def test_simulate_called_directly_names_the_unofficial_pynvml(unofficial_pynvml,
     code = "import zeus_callbacks.sim as sim\nsim.simulate('a40')\n"
     proc = run_python(code, env=unofficial_pynvml)
     assert proc.returncode == 1
-    assert "UnofficialPynvmlError" in proc.stderr and UNOFFICIAL_PYNVML_FIX in proc.stderr, proc.stderr[-2000:]
+    assert "UnofficialPynvmlError" in proc.stderr and UNOFFICIAL_PYNVML_FIX in proc.stderr, proc.stderr[
+        -2000:
+    ]

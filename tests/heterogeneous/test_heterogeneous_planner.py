@@ -134,9 +134,7 @@ def test_extrapolation_is_flagged():
 def test_memory_limit_is_respected(tmp_path):
     capped = plan([A10, T4], [4, 4], 4096, ZeusCost(0.5), max_batch_size=[600, None])
     assert capped.types[0].local_batch <= 600
-    raw = json.loads(
-        (shipped_profiles_dir() / "cifar_a10.json").read_text()
-    )
+    raw = json.loads((shipped_profiles_dir() / "cifar_a10.json").read_text())
     raw["metadata"] = {"gpu": "A10G", "max_batch_size": 600, "idle_power_w": 25.0, "steps_per_window": 5}
     path = tmp_path / "a10g.json"
     path.write_text(json.dumps(raw))

@@ -41,7 +41,13 @@ class _Double:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 url = urllib.parse.urlparse(self.path)
-                double.requests.append((url.path, dict(urllib.parse.parse_qsl(url.query)), {k.lower(): v for k, v in self.headers.items()}))
+                double.requests.append(
+                    (
+                        url.path,
+                        dict(urllib.parse.parse_qsl(url.query)),
+                        {k.lower(): v for k, v in self.headers.items()},
+                    )
+                )
                 status, body = double.answers.get(url.path, (404, {"error": "no such path"}))
                 data = json.dumps(body).encode()
                 self.send_response(status)
@@ -163,12 +169,16 @@ def _openei_answer(label: str, rate: float) -> dict:
 def test_openei_client_reads_the_labelled_tariff_from_its_api(sim_gpus, double):
     server = double({"/utility_rates": (200, _openei_answer("539f6a23ec4f024411ec8bf9", 0.21))})
     client = OpenEIClient(
-        (37.77, -122.42), "539f6a23ec4f024411ec8bf9", "Commercial", api_key="key", base_url=f"{server.url}/utility_rates"
+        (37.77, -122.42),
+        "539f6a23ec4f024411ec8bf9",
+        "Commercial",
+        api_key="key",
+        base_url=f"{server.url}/utility_rates",
     )
     system = sim_gpus("a40", virtual_clock=True)
     m = _run_window(EnergyCostMonitor(client), system)
     assert m.gpu_energy_cost[0] == pytest.approx(m.gpu_energy[0] / J_PER_KWH * 0.21, rel=1e-9)
-    (path, query, _), = server.requests  # the tariff is read once
+    ((path, query, _),) = server.requests  # the tariff is read once
     assert query["api_key"] == "key" and query["sector"] == "Commercial" and query["detail"] == "full"
     assert float(query["lat"]) == 37.77 and float(query["lon"]) == -122.42
 
@@ -179,16 +189,23 @@ def test_openei_failures_are_clear(double, monkeypatch):
     with pytest.raises(ZeusElectricityPriceHTTPError, match="OPENEI_API_KEY"):
         OpenEIClient((0, 0), "x").get_current_electricity_prices()
     with pytest.raises(ZeusElectricityPriceNotFoundError, match="labelled 'x'"):
-        OpenEIClient((0, 0), "x", api_key="k", base_url=f"{server.url}/missing").get_current_electricity_prices()
+        OpenEIClient(
+            (0, 0), "x", api_key="k", base_url=f"{server.url}/missing"
+        ).get_current_electricity_prices()
     with pytest.raises(ZeusElectricityPriceHTTPError, match="HTTP 500"):
-        OpenEIClient((0, 0), "x", api_key="k", base_url=f"{server.url}/broken").get_current_electricity_prices()
+        OpenEIClient(
+            (0, 0), "x", api_key="k", base_url=f"{server.url}/broken"
+        ).get_current_electricity_prices()
 
 
 def test_electricitymaps_client_prices_a_window_by_the_latest_intensity(sim_gpus, double):
     # ElectricityMaps v3: `latest` {zone, carbonIntensity, datetime, ...}; `history` {zone, history: [...]}.
     server = double(
         {
-            "/v3/carbon-intensity/latest": (200, {"zone": "DE", "carbonIntensity": 302, "datetime": "2026-12-03T08:00:00.000Z"}),
+            "/v3/carbon-intensity/latest": (
+                200,
+                {"zone": "DE", "carbonIntensity": 302, "datetime": "2026-12-03T08:00:00.000Z"},
+            ),
             "/v3/carbon-intensity/history": (
                 200,
                 {"zone": "DE", "history": [{"carbonIntensity": 280, "datetime": "2020-01-01T00:00:00.000Z"}]},

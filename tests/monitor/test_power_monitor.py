@@ -50,7 +50,9 @@ def test_each_generation_offers_the_domains_nvml_documents(sim_gpus, spec: str, 
 
 def test_a_domain_the_gpu_lacks_is_refused_with_what_it_offers(sim_gpus) -> None:
     sim_gpus("a100", virtual_clock=True)
-    with pytest.raises(InvalidInputError, match=r"does not offer 'device_average' \(it offers \['device_instant'\]\)"):
+    with pytest.raises(
+        InvalidInputError, match=r"does not offer 'device_average' \(it offers \['device_instant'\]\)"
+    ):
         PowerMonitor(update_period=0.05, power_domains=["device_average"], background=False)
     monitor = PowerMonitor(update_period=0.05, power_domains=[PowerDomain.DEVICE_INSTANT], background=False)
     with pytest.raises(InvalidInputError, match="not being monitored"):
@@ -64,7 +66,9 @@ def test_a_mixed_node_monitors_the_domains_every_gpu_offers(sim_gpus) -> None:
 
 
 @pytest.mark.parametrize(("spec", "domains"), [("a40", ["device_average"]), ("v100", ["device_instant"])])
-def test_without_field_values_power_usage_stands_for_its_domain(sim_gpus, spec: str, domains: list[str]) -> None:
+def test_without_field_values_power_usage_stands_for_its_domain(
+    sim_gpus, spec: str, domains: list[str]
+) -> None:
     """An old driver's NVML lacks nvmlDeviceGetFieldValues: nvmlDeviceGetPowerUsage is the 1-second average on
     Ampere (except GA100) and newer, the instant reading before."""
     sim_gpus(spec, virtual_clock=True, faults="missing=nvmlDeviceGetFieldValues")

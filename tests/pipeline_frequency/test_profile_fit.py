@@ -53,7 +53,9 @@ def judged(rows: list[ProfileRow], fit: bool) -> tuple[float, float]:
     sequences = {s: [i.kind for i in o] for s, o in enumerate(order)}
     out = plan_pipeline(sequences, rows, P_BLK, "1f1b", fit_times=fit)
     planned = {
-        inst: f for s, o in enumerate(order) for inst, f in zip(o, out["plan_frequencies_mhz"][s], strict=True)
+        inst: f
+        for s, o in enumerate(order)
+        for inst, f in zip(o, out["plan_frequencies_mhz"][s], strict=True)
     }
     truth = options_from_rows(true_rows())
     p_blk = [P_BLK[s] for s in range(4)]

@@ -306,7 +306,9 @@ def test_state_outlives_the_process(sim_gpus, run_python, burn_cpu):
 
 
 @pytest.mark.system
-def test_another_process_sees_the_work_in_progress_of_the_last_process_that_synchronised(sim_gpus, run_python):
+def test_another_process_sees_the_work_in_progress_of_the_last_process_that_synchronised(
+    sim_gpus, run_python
+):
     """A sampler in another process (PowerMonitor's) reads the power of work not synchronised yet: the
     worker's CPU time since its last synchronisation, read from /proc. Before the worker's first
     synchronisation, and once it has exited, the GPU reads idle (the reader, which never issued work,

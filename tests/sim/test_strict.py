@@ -255,7 +255,9 @@ def test_interruptible_sync_when_ideal(sim_gpus, burn_cpu):
         sent_at, handled_at, duration = _signal_during_sync(system, burn_cpu)
         if sent_at < duration - 0.05:  # well within the wait
             break
-    assert sent_at < duration - 0.05, f"the timer never fired during the wait in 5 attempts (last: {sent_at:.2f} s)"
+    assert sent_at < duration - 0.05, (
+        f"the timer never fired during the wait in 5 attempts (last: {sent_at:.2f} s)"
+    )
     assert duration > 0.2 and handled_at < duration
 
 

@@ -96,9 +96,13 @@ def test_distributed_examples(tmp_path: Path, script: str) -> None:
 def test_monitors_example(tmp_path: Path) -> None:
     """Zeus's PowerMonitor, TemperatureMonitor, CarbonEmissionMonitor and EnergyCostMonitor, imports changed."""
     out = _run([sys.executable, str(EXAMPLES / "monitors.py")], tmp_path, "a40")
-    samples, energy = re.search(r"power timeline \(SIMULATED\): (\d+) samples, energy ([\d.]+) J", out).groups()
+    samples, energy = re.search(
+        r"power timeline \(SIMULATED\): (\d+) samples, energy ([\d.]+) J", out
+    ).groups()
     assert int(samples) >= 2 and float(energy) > 0
-    grams, joules = map(float, re.search(r"carbon \(SIMULATED\): ([\d.]+) gCO2eq for ([\d.]+) J", out).groups())
+    grams, joules = map(
+        float, re.search(r"carbon \(SIMULATED\): ([\d.]+) gCO2eq for ([\d.]+) J", out).groups()
+    )
     assert grams == pytest.approx(joules / 3.6e6 * 380, rel=0.01, abs=1e-4)
     cost, joules = map(float, re.search(r"cost \(SIMULATED\): ([\d.]+) for ([\d.]+) J", out).groups())
     assert cost == pytest.approx(joules / 3.6e6 * 0.15, rel=0.01, abs=1e-6)

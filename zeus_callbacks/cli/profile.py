@@ -137,7 +137,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _batch_env(
-    args: argparse.Namespace, b: int, out: Path, power_limits: list[int] | None, sim_specs: dict[int, str] | None
+    args: argparse.Namespace,
+    b: int,
+    out: Path,
+    power_limits: list[int] | None,
+    sim_specs: dict[int, str] | None,
 ) -> dict[str, str]:
     """The environment of batch size `b`'s run: what `profile_power_limits` reads."""
     env = {
@@ -156,7 +160,9 @@ def _batch_env(
     return env
 
 
-def _batch_failure(b: int, returncode: int | None, result: BatchSizeRun | None, timeout: float | None) -> str | None:
+def _batch_failure(
+    b: int, returncode: int | None, result: BatchSizeRun | None, timeout: float | None
+) -> str | None:
     """Why batch size `b`'s run failed, in one line; None when it gave a result or ran out of memory."""
     if returncode is None:
         return f"batch size {b} ran past --timeout {timeout}s"

@@ -155,7 +155,9 @@ def carbon_intensity_regions() -> dict[str, RegionIntensity]:
     with (DATA / "carbon_intensity.csv").open() as f:
         rows = csv.DictReader(line for line in f if not line.startswith("#"))
         return {
-            r["region"]: RegionIntensity(r["region"], r["name"], float(r["g_per_kwh"]), int(r["year"]), r["source"])
+            r["region"]: RegionIntensity(
+                r["region"], r["name"], float(r["g_per_kwh"]), int(r["year"]), r["source"]
+            )
             for r in rows
         }
 
@@ -238,7 +240,9 @@ class ElectrictyMapsClient(_Hourly, CarbonIntensityProvider):
             )
         self.zone, self.estimate, self.emission_factor_type = zone, bool(estimate), emission_factor_type
         self.api_key = api_key if api_key is not None else os.environ.get(ELECTRICITYMAPS_KEY_ENV)
-        self.base_url = (base_url or os.environ.get(ELECTRICITYMAPS_URL_ENV) or _ELECTRICITYMAPS_URL).rstrip("/")
+        self.base_url = (base_url or os.environ.get(ELECTRICITYMAPS_URL_ENV) or _ELECTRICITYMAPS_URL).rstrip(
+            "/"
+        )
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 3600:
             raise InvalidInputError(
                 f"`ElectrictyMapsClient(timeout_s={timeout_s!r})`: expected seconds in (0, 3600)."
@@ -356,8 +360,12 @@ class CarbonEmissionMonitor:
         sync_execution_with: Literal["torch", "jax", "cupy"] = "torch",
     ) -> None:
         self.carbon_intensity_provider = _provider(carbon_intensity_provider)
-        self.zeus_monitor = ZeusMonitor(gpu_indices=gpu_indices, cpu_indices=cpu_indices, sync_execution_with=sync_execution_with)
-        self._splitter = PeriodSplitter(self.zeus_monitor, self.carbon_intensity_provider.update_period, self._remember)
+        self.zeus_monitor = ZeusMonitor(
+            gpu_indices=gpu_indices, cpu_indices=cpu_indices, sync_execution_with=sync_execution_with
+        )
+        self._splitter = PeriodSplitter(
+            self.zeus_monitor, self.carbon_intensity_provider.update_period, self._remember
+        )
         self._known: dict[datetime, float] = {}  # period start -> intensity, as resolved
         self.current_keys: set[str] = set()
 

@@ -90,7 +90,10 @@ class PeriodSplitter:
             self._open[key] = [(period_start(t, self._period), t, self._counters())]
             if self._thread is None:
                 self._thread = threading.Thread(
-                    target=_run, args=(weakref.ref(self), self._stop), name="zeus-callbacks-periods", daemon=True
+                    target=_run,
+                    args=(weakref.ref(self), self._stop),
+                    name="zeus-callbacks-periods",
+                    daemon=True,
                 )
                 self._thread.start()
                 weakref.finalize(self, self._stop.set)
@@ -162,13 +165,18 @@ def _run(ref: weakref.ref, stop: threading.Event) -> None:
         del splitter
 
 
-def split(total: dict[int, float] | None, parts: list[Part], rate: list[float], gpu: bool) -> dict[int, float] | None:
+def split(
+    total: dict[int, float] | None, parts: list[Part], rate: list[float], gpu: bool
+) -> dict[int, float] | None:
     """Σ over parts of `total` x share x rate (per index): GPU parts by their energy share, others by time."""
     if total is None:
         return None
     out = {}
     for i, value in total.items():
-        out[i] = sum(value * (p.gpu_share.get(i, p.time_share) if gpu else p.time_share) * r for p, r in zip(parts, rate, strict=True))
+        out[i] = sum(
+            value * (p.gpu_share.get(i, p.time_share) if gpu else p.time_share) * r
+            for p, r in zip(parts, rate, strict=True)
+        )
     return out
 
 
@@ -184,6 +192,8 @@ def weigh(
     )
 
 
-def measurement_parts(m: Measurement) -> tuple[dict[int, float], dict[int, float] | None, dict[int, float] | None]:
+def measurement_parts(
+    m: Measurement,
+) -> tuple[dict[int, float], dict[int, float] | None, dict[int, float] | None]:
     """A measurement's GPU, CPU and DRAM energies (J)."""
     return m.gpu_energy, m.cpu_energy, m.dram_energy

@@ -91,7 +91,9 @@ def _measured_domains(
         return requested
     supported = [d for d in PowerDomain if all(d in o for o in offered)]
     if not supported:
-        each = ", ".join(f"{g.label}: {sorted(x.value for x in o)}" for g, o in zip(gpus, offered, strict=True))
+        each = ", ".join(
+            f"{g.label}: {sorted(x.value for x in o)}" for g, o in zip(gpus, offered, strict=True)
+        )
         raise InvalidInputError(
             f"`PowerMonitor(gpu_indices={indices})`: these GPUs offer no power domain in common ({each})."
         )

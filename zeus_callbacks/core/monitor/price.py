@@ -117,7 +117,9 @@ class RegionElectricityPrice(FixedElectricityPrice):
                 f"{', '.join(sorted(table))}. Pass your own with FixedElectricityPrice(price_per_kwh)."
             )
         if sector not in sectors:
-            raise InvalidInputError(f"`RegionElectricityPrice(sector={sector!r})`: one of {', '.join(sectors)}.")
+            raise InvalidInputError(
+                f"`RegionElectricityPrice(sector={sector!r})`: one of {', '.join(sectors)}."
+            )
         row = table[key]
         super().__init__(float(row[sector]) / 100)
         self.region, self.name, self.sector, self.year = key, row["name"], sector, int(row["year"])
@@ -171,7 +173,9 @@ class OpenEIClient(ElectricityPriceProvider):
         try:
             self.lat, self.long = (float(x) for x in location)
         except (TypeError, ValueError):
-            raise InvalidInputError(f"`OpenEIClient(location={location!r})`: expected (latitude, longitude).") from None
+            raise InvalidInputError(
+                f"`OpenEIClient(location={location!r})`: expected (latitude, longitude)."
+            ) from None
         if not (-90 <= self.lat <= 90 and -180 <= self.long <= 180):
             raise InvalidInputError(
                 f"`OpenEIClient(location={location!r})`: latitude in [-90, 90], longitude in [-180, 180]."
@@ -181,11 +185,15 @@ class OpenEIClient(ElectricityPriceProvider):
                 f"`OpenEIClient(label={label!r})`: give the rate's label from OpenEI's Utility Rate Database."
             )
         if sector not in _SECTORS:
-            raise InvalidInputError(f"`OpenEIClient(sector={sector!r})`: one of {', '.join(map(repr, _SECTORS))}.")
+            raise InvalidInputError(
+                f"`OpenEIClient(sector={sector!r})`: one of {', '.join(map(repr, _SECTORS))}."
+            )
         if isinstance(radius, bool) or not isinstance(radius, int) or not 0 <= radius <= 200:
             raise InvalidInputError(f"`OpenEIClient(radius={radius!r})`: miles, an integer in [0, 200].")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 3600:
-            raise InvalidInputError(f"`OpenEIClient(timeout_s={timeout_s!r})`: expected seconds in (0, 3600).")
+            raise InvalidInputError(
+                f"`OpenEIClient(timeout_s={timeout_s!r})`: expected seconds in (0, 3600)."
+            )
         self.label, self.sector, self.radius, self.timeout_s = label, sector, radius, float(timeout_s)
         self.api_key = api_key if api_key is not None else os.environ.get(OPENEI_KEY_ENV)
         self.base_url = (base_url or os.environ.get(OPENEI_URL_ENV) or _OPENEI_URL).rstrip("/")
@@ -208,7 +216,13 @@ class OpenEIClient(ElectricityPriceProvider):
                 "sector": self.sector,
             }
         )
-        data = get_json(f"{self.base_url}?{query}", {}, self.timeout_s, ZeusElectricityPriceHTTPError, "Reading the tariff")
+        data = get_json(
+            f"{self.base_url}?{query}",
+            {},
+            self.timeout_s,
+            ZeusElectricityPriceHTTPError,
+            "Reading the tariff",
+        )
         entry = _find(data, self.label)
         keys = ("energyratestructure", "energyweekdayschedule", "energyweekendschedule")
         if entry is None or any(not isinstance(entry.get(k), list) for k in keys):
@@ -216,7 +230,13 @@ class OpenEIClient(ElectricityPriceProvider):
                 f"OpenEI has no energy tariff labelled {self.label!r} within {self.radius} miles of "
                 f"({self.lat}, {self.long}) in sector {self.sector!r}: check the label, or widen radius."
             )
-        return dict(zip(("energy_rate_structure", "energy_weekday_schedule", "energy_weekend_schedule"), (entry[k] for k in keys), strict=True))
+        return dict(
+            zip(
+                ("energy_rate_structure", "energy_weekday_schedule", "energy_weekend_schedule"),
+                (entry[k] for k in keys),
+                strict=True,
+            )
+        )
 
 
 def rate_at(tariff: dict[str, list], when: datetime) -> float:
@@ -235,7 +255,9 @@ def rate_at(tariff: dict[str, list], when: datetime) -> float:
             "schedules whose tiers are in energy_rate_structure."
         ) from None
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < math.inf:
-        raise ZeusElectricityPriceNotFoundError(f"The tariff's rate for {when:%B, hour %H} is {rate!r}, not a price.")
+        raise ZeusElectricityPriceNotFoundError(
+            f"The tariff's rate for {when:%B, hour %H} is {rate!r}, not a price."
+        )
     return float(rate)
 
 
@@ -298,7 +320,9 @@ class EnergyCostMonitor:
                 "ElectricityPriceProvider (FixedElectricityPrice(0.15), OpenEIClient(...)) or a price per kWh."
             )
         self.electricity_price_provider = provider
-        self.zeus_monitor = ZeusMonitor(gpu_indices=gpu_indices, cpu_indices=cpu_indices, sync_execution_with=sync_execution_with)
+        self.zeus_monitor = ZeusMonitor(
+            gpu_indices=gpu_indices, cpu_indices=cpu_indices, sync_execution_with=sync_execution_with
+        )
         self._splitter = PeriodSplitter(self.zeus_monitor, timedelta(hours=1))
         self._tariff: dict[str, list] | None = None
         self.current_keys: set[str] = set()

@@ -99,7 +99,11 @@ class TemperatureMonitor:
                     self._series[index].add(t, temperature_c(gpu))
                 except GPUError as e:
                     self._skipped[index] = str(e)
-                    why = "has no temperature sensor" if isinstance(e, GPUNotSupportedError) else "stopped answering"
+                    why = (
+                        "has no temperature sensor"
+                        if isinstance(e, GPUNotSupportedError)
+                        else "stopped answering"
+                    )
                     logger.warning("TemperatureMonitor: %s %s (%s); left out.", gpu.label, why, e)
 
     def stop(self) -> None:

@@ -166,7 +166,9 @@ def check_gpu_indices(owner: str, gpu_indices: object, visible: int, cpu_only: b
                 raise TypeError
             indices.append(operator.index(i))
         except TypeError:
-            raise InvalidInputError(f"{call}: {i!r} is not a GPU index; expected whole numbers, e.g. [0].") from None
+            raise InvalidInputError(
+                f"{call}: {i!r} is not a GPU index; expected whole numbers, e.g. [0]."
+            ) from None
     bad = [i for i in indices if not 0 <= i < visible]
     if bad:
         raise InvalidInputError(
