@@ -114,3 +114,18 @@ def test_readme_is_short_and_points_to_the_docs() -> None:
     links = re.findall(r"\]\(((?!https?://)[^)#]+)\)", readme)
     assert "docs/getting-started.md" in links
     assert not [link for link in links if not (ROOT / link).exists()]
+
+
+def test_every_public_name_has_an_api_entry() -> None:
+    """Each name the package root offers (`__all__` and the framework adapters it loads lazily) is rendered on
+    an API page, so the strict build checks its docstring; a new public name without one fails here."""
+    import zeus_callbacks
+
+    api = "\n".join(page.read_text() for page in (DOCS / "api").glob("*.md"))
+    names = set(zeus_callbacks.__all__) | set(zeus_callbacks._ADAPTERS)
+    missing = [
+        name
+        for name in sorted(names)
+        if not re.search(rf"(^::: zeus_callbacks(\.\w+)*\.{name}$|^\s+- {name}$)", api, re.M)
+    ]
+    assert not missing, f"no API entry in docs/api/ for {missing}"
