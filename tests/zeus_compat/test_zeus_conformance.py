@@ -4,7 +4,7 @@ Written from Zeus's documentation, examples and the behaviour its test suite che
 the plain loop with every hook of Zeus's `Callback`, Zeus-style selectors, Zeus's state classes, saved
 profiles (written by Zeus and by us, reused with each selector), interrupted epochs, the Hugging Face
 signature, and the monitor's windows. Where zeus_callbacks differs on purpose, the test checks both the
-default and the one argument that gives Zeus's behaviour (README, "Coming from Zeus").
+default and the one argument that gives Zeus's behaviour (docs/zeus-migration.md, "Coming from Zeus").
 """
 
 from __future__ import annotations
