@@ -21,24 +21,24 @@ from zeus_callbacks import sim
 OTHER_USER = "zc-shared-test"
 
 
-def other_user() -> pwd.struct_passwd:
-    """An unprivileged account of this node (made once with `useradd`); skips without root or useradd."""
+def other_user(name: str = OTHER_USER) -> pwd.struct_passwd:
+    """An unprivileged account `name` of this node (made once with `useradd`); skips without root or useradd."""
     if os.geteuid() != 0:
         pytest.skip("needs root: another user's files are made by chown-ing them to a second account")
     try:
-        return pwd.getpwnam(OTHER_USER)
+        return pwd.getpwnam(name)
     except KeyError:
         pass
     if shutil.which("useradd") is None:
         pytest.skip("needs useradd to make a second account")
     made = subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER],
+        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
         capture_output=True,
         text=True,
     )
     if made.returncode != 0:
-        pytest.skip(f"useradd refused to make a second account: {made.stderr.strip()}")
-    return pwd.getpwnam(OTHER_USER)
+        pytest.skip(f"useradd refused to make the account {name}: {made.stderr.strip()}")
+    return pwd.getpwnam(name)
 
 
 def give_to(path: Path, user: pwd.struct_passwd) -> None:

@@ -282,19 +282,7 @@ class Node:
 
 def _user(name: str) -> pwd.struct_passwd:
     """An unprivileged account of this node (made once with `useradd`)."""
-    other_user()  # skips without root or useradd
-    try:
-        return pwd.getpwnam(name)
-    except KeyError:
-        pass
-    made = subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode != 0:
-        pytest.skip(f"useradd refused to make a third account: {made.stderr.strip()}")
-    return pwd.getpwnam(name)
+    return other_user(name)
 
 
 @pytest.fixture
