@@ -17,6 +17,7 @@ __all__ = [
     "GPUStateJournalError",
     "NVMLUnavailableError",
     "MIGNotSupportedError",
+    "MixedVendorError",
 ]
 
 SIMULATION_HINT = (
@@ -64,6 +65,10 @@ class NVMLUnavailableError(GPUError):
 
 class MIGNotSupportedError(GPUError):
     """A MIG device or a GPU in MIG mode was selected; NVML cannot measure or control MIG instances."""
+
+
+class MixedVendorError(GPUError):
+    """GPUs of two vendors are visible at once; this package drives one vendor's GPUs per process."""
 
 
 def nvml_error(nvml: ModuleType, err: Exception, what: str, gpu: str) -> GPUError:
