@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import time
 
 import numpy as np
 import pytest
@@ -157,10 +156,11 @@ def test_load_profile_by_name_and_path():
         load_profile("nope.json")
 
 
-def test_four_types_at_65536_is_fast():
-    start = time.perf_counter()
+def test_four_types_at_65536_split_the_whole_batch_in_the_measured_range():
+    """64 GPUs of four types share the global batch exactly, within their measured local batches. How long the
+    search takes is `benchmarks/heterogeneous_planner.py`'s row "sync, 16 each of a10,t4,a10x2,t4x4 @65536"
+    (a timing is no test: it depends on the machine's load, issue 37)."""
     result = plan([A10, T4, BIG, WIDE], [16, 16, 16, 16], 65536, ZeusCost(0.5))
-    assert time.perf_counter() - start < 5.0  # about 0.2 s on 2 cores; generous for loaded CI machines
     assert sum(t.count * t.local_batch for t in result.types) == 65536 and not result.extrapolated
 
 
