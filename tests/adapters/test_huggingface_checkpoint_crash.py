@@ -359,3 +359,38 @@ def test_corrupted_callback_state_falls_back_to_the_profile(node, tmp_path, capl
     ]
     assert len(refused) == 1 and f"carries on from the profile {profile_path}" in refused[0], caplog.text
     assert set(plo.optimizer.stats) >= measured
+
+
+def test_a_fifo_as_trainer_state_is_refused_not_waited_on(tmp_path):
+    """Issue 38 item 5: a FIFO planted as a checkpoint's trainer_state.json made every reader of the adapter
+    (`trainer_state_problem`, `checkpoint_state`, `resumed_checkpoint`, the cut-short warning) hang on
+    `open`. Each now answers at once, as for an unreadable file. Guarded by a timeout: on failure the
+    blocked reader is released by opening the FIFO's other end."""
+    import threading
+
+    from zeus_callbacks.huggingface import checkpoints
+
+    output = tmp_path / "out"
+    older, newest = output / "checkpoint-8", output / "checkpoint-16"
+    older.mkdir(parents=True)
+    (older / "trainer_state.json").write_text(json.dumps({"global_step": 8}))
+    newest.mkdir()
+    fifo = newest / "trainer_state.json"
+    os.mkfifo(fifo)
+    calls = {
+        "problem": lambda: checkpoints.trainer_state_problem(newest),
+        "state": lambda: checkpoints.checkpoint_state(newest, NAME),
+        "resumed": lambda: checkpoints.resumed_checkpoint(str(output), 16),
+        "complete": lambda: checkpoints.complete_checkpoint(str(output), True),
+    }
+    answers: dict[str, object] = {}
+    worker = threading.Thread(target=lambda: answers.update({k: f() for k, f in calls.items()}), daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    if worker.is_alive():  # release the reader blocked on the FIFO, then fail
+        os.close(os.open(fifo, os.O_RDWR))
+        worker.join(timeout=5)
+        pytest.fail(f"a reader waited on the FIFO: answered only {sorted(answers)}")
+    assert "not a regular file" in str(answers["problem"]), answers
+    assert answers["state"] is None and answers["resumed"] is None
+    assert answers["complete"] == str(older)  # resumes from the last complete checkpoint

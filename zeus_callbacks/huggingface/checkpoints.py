@@ -11,6 +11,8 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from zeus_callbacks.core.files import read_regular
+
 __all__ = [
     "TRAINER_STATE_NAME",
     "trainer_state_problem",
@@ -29,11 +31,22 @@ TRAINER_STATE_NAME = "trainer_state.json"  # transformers' name of the trainer s
 _CHECKPOINT_STEP = re.compile(rf"{re.escape(PREFIX_CHECKPOINT_DIR)}-(\d+)")
 
 
+def _read_trainer_state(checkpoint: Path) -> Any:
+    """`checkpoint`'s trainer_state.json, parsed; read only as a regular file (a FIFO or a device planted
+    there is refused at once, never waited on).
+
+    Raises:
+        OSError: missing, unreadable, or not a regular file (`UnsafePathError`).
+        ValueError: not JSON (`UnicodeDecodeError` included).
+    """
+    return json.loads(read_regular(checkpoint / TRAINER_STATE_NAME).decode("utf-8"))
+
+
 def trainer_state_problem(checkpoint: Path) -> str | None:
-    """Why `checkpoint`'s trainer_state.json cannot be resumed from (missing, cut short, not a state), or None."""
-    path = checkpoint / TRAINER_STATE_NAME
+    """Why `checkpoint`'s trainer_state.json cannot be resumed from (missing, cut short, not a regular file,
+    not a state), or None."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = _read_trainer_state(checkpoint)
     except FileNotFoundError:
         return "is missing"
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -97,7 +110,7 @@ def resumed_checkpoint(output_dir: str, global_step: int) -> Path | None:
     if trainer_state_problem(candidate) is not None:
         return None
     try:
-        step = json.loads((candidate / TRAINER_STATE_NAME).read_text(encoding="utf-8"))["global_step"]
+        step = _read_trainer_state(candidate)["global_step"]
     except (OSError, ValueError, KeyError):
         return None
     return candidate if step == global_step else None
@@ -139,7 +152,7 @@ def optimizer_state_in(stateful_callbacks: Any, name: str) -> Any:
 def checkpoint_state(checkpoint: Path, name: str) -> Any:
     """The optimizer state `checkpoint`'s trainer_state.json holds for `name`, or None (none, or unreadable)."""
     try:
-        data = json.loads((checkpoint / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        data = _read_trainer_state(checkpoint)
+    except (OSError, ValueError):
         return None
     return optimizer_state_in(data.get("stateful_callbacks") if isinstance(data, dict) else None, name)
