@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import Any
 
 from zeus_callbacks.core import distributed as dist
@@ -116,6 +117,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         self._pending_state: SavedState | None = None  # a checkpoint's, loaded at the next run's start
         self.power_limit_w = None
         self._unfinished = ""
+        self._restored_on: str | None = None  # the signal on which the guard put the GPUs back, if any
         # Under torch.distributed the setup waits for the end of the first step, when every rank that runs
         # an optimizer has registered, however late it started (`ranks`: no clock decides who takes part).
         # Under torchrun the process group may not exist yet (transformers creates it later), nor under
@@ -204,6 +206,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         """
         self._meter.cancel()
         guard().restore()
+        dist.remove_termination_handler(self._on_signal)
         self.power_limit_w = None
         if self._started and isinstance(self._phase, (Waiting, Warmup, Profiling)):
             self._unfinished = self._say_unfinished()
@@ -289,6 +292,9 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
             self._settle(self._phase.power_limit_w)
             return
         if isinstance(self._phase, Inactive):
+            if self._restored_on is not None and self._phase.power_limit_w is not None:
+                self._restored_on = None  # put back on a signal the process survived: applied again
+                self._settle(self._phase.power_limit_w)
             return
         if self._pending_state is not None:
             self._apply_state()
@@ -417,7 +423,8 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         """Apply the choice, or, without permission, only report it."""
         if self.may_set:
             self._phase = Done(pl)
-            self._set_power_limit(pl)
+            if self._set_power_limit(pl):
+                dist.on_termination(self._on_signal)  # runs before the guard's restore, which it reports
             return
         self._phase = Inactive("no permission to change power limits", pl)
         logger.warning(
@@ -468,4 +475,20 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         self._phase = Inactive(reason)
         self._meter.cancel(sync=False)
         guard().restore()
+        dist.remove_termination_handler(self._on_signal)
+        self.power_limit_w = None
+
+    def _on_signal(self, signum: int) -> None:
+        """SIGINT/SIGTERM with the choice in force: the GPU-state guard puts the GPUs back next. A process that
+        survives the signal (a framework's handler that checkpoints first) then runs at the GPUs' own limits,
+        so the choice is reported as not applied (`inactive`, with the reason) until a later run applies it
+        again. Profiling needs no such note: the next measured step sees the limit moved, on every rank."""
+        if not isinstance(self._phase, Done):
+            return
+        self._restored_on = signal.Signals(signum).name
+        self._phase = Inactive(
+            f"the GPUs' settings were put back on {self._restored_on}; the choice "
+            f"{self._phase.power_limit_w:g} W is applied again at the next run's first step",
+            self._phase.power_limit_w,
+        )
         self.power_limit_w = None
