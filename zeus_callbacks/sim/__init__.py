@@ -7,7 +7,8 @@ nvidia-ml-py's own functions, structures and error classes. `disable()` gives py
 
 Select them explicitly, never silently: `ZEUS_CALLBACKS_SIMULATE=a40` (or `simulate("a40")` in Python).
 Spec: comma-separated `[COUNT*]KIND[:WORKLOAD][@TRACE_FILE]` groups, KIND in a40, v100, a10g (a10), t4
-(traced) or a100, h100, h200 (modelled: the A40's traces scaled, labelled so; see `sim/specs.py`); e.g. `4*a40:imagenet/resnet50/256`, `a10g,t4`, `a40:mydata/mynet/64@/path/profile.csv`.
+(traced) or a100, h100, h200 (modelled: the A40's traces scaled, labelled so; see `sim/specs.py`), or AMD's
+mi300x (modelled likewise; amdsmi answers for it, `sim/amdsmi_library.py`); e.g. `4*a40:imagenet/resnet50/256`, `a10g,t4`, `a40:mydata/mynet/64@/path/profile.csv`.
 Or a whole node from a saved `nvidia-smi -q` (`-a`) output: `nvidia-smi:FILE[:WORKLOAD]`, FILE a path or the
 name of a shipped dump (`shipped_dumps()`: A10, A100SXMx4, A40x10, GH200, GTX680, H100NVLx2, H100SXMx8, H200,
 L40S, RTX2000Ada, RTX3070, RTX3090, RTX4060Ti, RTX4090, RTX5090, RTX6000Ada_x8, RTX_A6000_x9, V100_x8; real
@@ -63,6 +64,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from typing import Any
 
 from zeus_callbacks.core.device import gpus as devices
@@ -160,7 +162,7 @@ def simulate(
         spec, noise, seed, faults, state_dir, virtual_clock, ideal, energy_refresh_ms, bursts=bursts
     )
     devices.reset()  # restores what this process changed on the previous node first
-    nvml_library.attach(system)
+    _attach(system)
     if export_env and not virtual_clock:
         os.environ[SIMULATE_ENV] = system.spec  # a dump's path made absolute: children may start elsewhere
         os.environ[_NOISE_ENV] = str(noise)
@@ -182,7 +184,7 @@ def active() -> SimulatedSystem | None:
     Raises:
         InvalidInputError: a `ZEUS_CALLBACKS_SIM*` variable holds a value the simulator cannot use.
     """
-    system = fake_nvml.system()
+    system = _attached()
     if system is None and os.environ.get(SIMULATE_ENV):
         system = SimulatedSystem(
             os.environ[SIMULATE_ENV],
@@ -193,8 +195,34 @@ def active() -> SimulatedSystem | None:
             ideal=os.environ.get(_IDEAL_ENV, ""),
             energy_refresh_ms=_env_number(_REFRESH_ENV, float, "a period in ms from 0 to 10000, e.g. 100"),
         )
-    if system is not None:
+    if system is not None and system.vendor == "amd":
+        _amd().ensure(system)  # the node answers beneath amdsmi
+    elif system is not None:
         nvml_library.ensure(system)  # the node answers beneath pynvml
+    return system
+
+
+def _amd() -> Any:
+    """`sim/amd_backend.py`, imported only for an AMD node (it imports amdsmi, bound to the simulated library)."""
+    from zeus_callbacks.sim import amd_backend
+
+    return amd_backend
+
+
+def _attach(system: SimulatedSystem | None) -> None:
+    """Put `system` beneath its vendor's library (NVML's or amdsmi's) and take any node from the other's."""
+    amd = system is not None and system.vendor == "amd"
+    nvml_library.attach(None if amd else system)
+    if amd or "zeus_callbacks.sim.amd_backend" in sys.modules:
+        _amd().attach(system if amd else None)
+
+
+def _attached() -> SimulatedSystem | None:
+    """The node attached beneath NVML or amdsmi, if any."""
+    system = fake_nvml.system()
+    if system is None and "zeus_callbacks.sim.amd_backend" in sys.modules:
+        library = _amd().installed()
+        system = None if library is None else library.system
     return system
 
 
@@ -271,6 +299,6 @@ def work_seconds(owner: str, work_s: float) -> float:
 def disable() -> None:
     """Stop simulating in this process and forget the exported environment variables."""
     devices.reset()  # restores what this process changed first
-    nvml_library.attach(None)  # pynvml gets back the library it had (normally none: the real driver)
+    _attach(None)  # pynvml and amdsmi get back the libraries they had (normally the real drivers')
     for name in (SIMULATE_ENV, _NOISE_ENV, _SEED_ENV, _FAULTS_ENV, _STATE_ENV, _IDEAL_ENV, _REFRESH_ENV):
         os.environ.pop(name, None)

@@ -41,8 +41,12 @@ class Faults:
     default_limit_w: float | None = None  # a default power limit below the maximum settable (GeForce)
 
 
-def uuid_for(system_id: str, index: int) -> str:
+def uuid_for(system_id: str, index: int, vendor: str = "nvidia") -> str:
+    """NVIDIA's `GPU-8-4-4-4-12` form; an AMD board's is the `GPU-<16 hex>` of its unique id, as ROCr and HIP
+    (and `HIP_VISIBLE_DEVICES`) name it."""
     h = hashlib.sha1(f"{system_id}/{index}".encode()).hexdigest()
+    if vendor == "amd":
+        return f"GPU-{h[:16]}"
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
@@ -91,6 +95,12 @@ def parse_spec(spec: str) -> list[GPUGroup]:
         groups.append(GPUGroup(kind.strip().lower(), count, workload or None, trace_file))
     if not groups:
         raise InvalidInputError(f"{SPEC_INPUT} {spec!r} names no GPU; e.g. ZEUS_CALLBACKS_SIMULATE=a40.")
+    vendors = {spec_for(g.kind).vendor for g in groups}
+    if len(vendors) > 1:
+        raise InvalidInputError(
+            f"{SPEC_INPUT} {spec!r} mixes NVIDIA and AMD GPUs; a node is simulated with one vendor's GPUs, as this "
+            "package drives one vendor's per process. Simulate them apart, e.g. ZEUS_CALLBACKS_SIMULATE=2*mi300x."
+        )
     return groups
 
 

@@ -72,6 +72,7 @@ class GPUSpec:
     min_power_limit_w: float | None = None  # modelled boards: the settable range the traces are scaled to
     max_power_limit_w: float | None = None
     origin: str | None = None
+    vendor: str = "nvidia"  # whose library answers: "nvidia" (NVML) or "amd" (amdsmi, `sim/amd_specs.py`)
 
     @property
     def power_usage_averaged(self) -> bool:
@@ -227,12 +228,38 @@ SPECS: dict[str, GPUSpec] = {
         min_power_limit_w=200.0,
         max_power_limit_w=700.0,
     ),
+    "mi300x": GPUSpec(
+        "mi300x",
+        # AMD Instinct MI300X (OAM), AMD's MI300X data sheet: 750 W typical board power, 192 GB HBM3 (eight 24 GiB
+        # stacks), 2100 MHz peak engine clock, FP32 vector 81.7 TFLOPS. From MI300X_x4.rocm-smi-a.txt: the name
+        # (`Card series`), the 750 W cap (`Max Graphics Package Power`), the 500-2100 MHz settable graphics clock
+        # (`OD_SCLK`), the 900/1100/1300 MHz memory clock levels and the idle socket power (121-137 W).
+        # MODELLED, labelled so: its time and power under a cap are the A40's traces stretched over 250-750 W;
+        # the lowest cap (250 W, the A40's 1/3 of its maximum) and the counter's refresh timing (the A40's) are
+        # ASSUMED, as AMD publishes neither. amdsmi answers for it (`sim/amdsmi_library.py`), not NVML.
+        "AMD Instinct MI300X",
+        pynvml.NVML_DEVICE_ARCH_UNKNOWN,
+        192 * _GiB,
+        2100,
+        500,
+        (1300, 1100, 900),
+        130.0,
+        fp32_tflops=81.7,
+        has_power_average_field=False,
+        **_TURING_GA102,
+        sm_clock_step_mhz=100,
+        scaled_from="a40",
+        min_power_limit_w=250.0,
+        max_power_limit_w=750.0,
+        vendor="amd",
+    ),
 }
 _ALIASES = {"a10": "a10g"}
 
 
 def spec_for(kind: str) -> GPUSpec:
-    """The spec of a simulated GPU kind (`a40`, `v100`, `a10g`/`a10`, `t4`; modelled: `a100`, `h100`, `h200`)."""
+    """The spec of a simulated GPU kind (`a40`, `v100`, `a10g`/`a10`, `t4`; modelled: `a100`, `h100`, `h200`,
+    and AMD's `mi300x`)."""
     key = _ALIASES.get(kind.lower(), kind.lower())
     if key not in SPECS:
         raise ValueError(

@@ -140,9 +140,10 @@ class SimulatedSystem:
         slots = list(range(len(models)))  # place in the spec string
         if "device_order" not in self.ideal_behaviours:
             slots.sort(key=lambda s: models[s][0].fp32_tflops)
+        uuids = [uuid_for(system_id, slot, models[slot][0].vendor) for slot in slots]
         return [
-            _Board(slot, *models[slot], uuid_for(system_id, slot), pci_bus_id(i), None, Faults())
-            for i, slot in enumerate(slots)
+            _Board(slot, *models[slot], uuid, pci_bus_id(i), None, Faults())
+            for i, (slot, uuid) in enumerate(zip(slots, uuids, strict=True))
         ]
 
     def _dump_boards(self) -> list[_Board]:
@@ -202,6 +203,11 @@ class SimulatedSystem:
                     f"{FAULTS_INPUT} {self.faults!r}: default_limit_w={w:g} is outside GPU {i}'s power-limit "
                     f"range {lo:g}-{hi:g} W."
                 )
+
+    @property
+    def vendor(self) -> str:
+        """Whose library answers for the node's GPUs: "nvidia" (NVML) or "amd" (amdsmi); one per node."""
+        return self.gpus[0].spec.vendor if self.gpus else "nvidia"
 
     def cuda_gpus(self) -> list[SimulatedGPU]:
         """The GPUs CUDA shows this process, in CUDA's numbering (element i is `cuda:i`).

@@ -1,0 +1,185 @@
+"""The simulator as an AMD backend: simulated AMD GPUs reached through the real `amdsmi` package.
+
+`attach(system)` puts a simulated AMD node beneath amdsmi: the simulated `libamd_smi.so`
+(`sim/amdsmi_library.py`). amdsmi binds its C functions when it is imported (`amdsmi_wrapper.py` 7.0.2, lines
+185-213: `find_smi_library()` calls `ctypes.CDLL` on `libamd_smi.so`, then every function is an attribute of
+what it returned), so there is no later moment to put a library beneath it, as `pynvml.nvmlLib` offers for
+NVML. The narrowest way found: while `attach` imports `amdsmi` (under a lock, never without a simulated AMD
+node), `ctypes.CDLL` answers the simulated library for the name `libamd_smi.so` and loads any other name as
+before; it is put back as soon as the import returns. The simulated `amdsmi` modules stay in `sys.modules`
+only while the node is attached: `attach(None)` takes them out and puts back any `amdsmi` imported before
+(bound to the real library), and the simulated library then answers as a host without the amdgpu driver.
+`SimulatedAMDBackend` is the device layer's AMD backend (`core/device/amd.py`) with what amdsmi cannot say
+taken from the simulator, as `sim/backend.py`'s NVIDIA one does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from zeus_callbacks.core.device.amd import AMDBackend, AMDDevice
+from zeus_callbacks.core.device.device import Device
+from zeus_callbacks.sim.amdsmi_library import LIBRARY_NAME, SimulatedAMDSMILibrary
+from zeus_callbacks.sim.system import SimulatedGPU, SimulatedSystem
+
+__all__ = ["SimulatedAMDBackend", "attach", "ensure", "installed"]
+
+logger = logging.getLogger(__name__)
+
+_library: SimulatedAMDSMILibrary | None = None
+_module: ModuleType | None = None  # amdsmi, bound to `_library`
+_saved: dict[str, ModuleType] = {}  # amdsmi modules imported before (bound to the real library)
+_import_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _cdll_answering(library: SimulatedAMDSMILibrary) -> Iterator[None]:
+    """`ctypes.CDLL` returns `library` for `libamd_smi.so` (any directory) and loads any other name as before."""
+    real = ctypes.CDLL
+
+    def cdll(name: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(name).rsplit("/", 1)[-1] == LIBRARY_NAME:
+            return library
+        return real(name, *args, **kwargs)
+
+    ctypes.CDLL = cdll  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        ctypes.CDLL = real  # type: ignore[misc]
+
+
+def _import_amdsmi(library: SimulatedAMDSMILibrary) -> ModuleType:
+    """The real `amdsmi` package imported afresh, bound to `library`."""
+    with _import_lock, _cdll_answering(library):
+        module = importlib.import_module("amdsmi")
+    library.wrapper = sys.modules["amdsmi.amdsmi_wrapper"]
+    return module
+
+
+def _take_modules() -> dict[str, ModuleType]:
+    """Remove and return the `amdsmi` modules in `sys.modules`."""
+    names = [n for n in sys.modules if n == "amdsmi" or n.startswith("amdsmi.")]
+    return {n: sys.modules.pop(n) for n in names}
+
+
+def attach(system: SimulatedSystem | None) -> ModuleType | None:
+    """Make `system` the node beneath amdsmi and return the `amdsmi` module bound to it (None: detach).
+
+    Raises:
+        ImportError: the `amdsmi` package is not installed (`pip install zeus-callbacks[amd]`).
+    """
+    global _library, _module, _saved
+    if system is None:
+        if _library is not None:
+            _library.system, _library._initialized = None, 0
+        if _module is not None:
+            _take_modules()
+            sys.modules.update(_saved)
+            _module, _saved = None, {}
+        return None
+    if _library is None:
+        _library = SimulatedAMDSMILibrary()
+    if _library.system is not system:
+        _library.system, _library._initialized = system, 0
+    if _module is None or sys.modules.get("amdsmi") is not _module:
+        taken = _take_modules()
+        if _module is None:
+            _saved = taken
+        _module = _import_amdsmi(_library)
+    logger.debug("libamd_smi.so beneath amdsmi: %r.", _library)
+    return _module
+
+
+def ensure(system: SimulatedSystem) -> ModuleType:
+    """The amdsmi module answering for `system`, attaching it first when another (or none) is."""
+    if _library is None or _library.system is not system or sys.modules.get("amdsmi") is not _module:
+        attach(system)
+    return _module  # type: ignore[return-value]
+
+
+def installed() -> SimulatedAMDSMILibrary | None:
+    """The simulated library beneath amdsmi, None when no simulated AMD node is attached."""
+    return _library if _library is not None and _library.system is not None else None
+
+
+class SimulatedAMDBackend(AMDBackend):
+    """Simulated AMD GPUs of one `SimulatedSystem`, reached through the real `amdsmi` package.
+
+    Differs from the real driver where amdsmi cannot say, as the NVIDIA simulator does (`sim/backend.py`):
+    synchronising runs the simulator's model of the queued work, permission comes from the injected faults,
+    the clock is the node's, journals live beside the node's state, and every step boundary synchronises.
+    """
+
+    simulated = True
+    sync_at_step_boundary = True
+
+    def __init__(self, system: SimulatedSystem) -> None:
+        clock = system.clock
+        super().__init__(
+            ensure(system), clock=time.time if clock is None else clock.now, virtual_clock=clock is not None
+        )
+        self.system = system
+
+    def __repr__(self) -> str:
+        return f"SimulatedAMDBackend(spec={self.system.spec!r})"
+
+    @property
+    def reachable_from_other_processes(self) -> bool:
+        """As the NVIDIA simulator's: a wall-clock node whose state lives in files and whose settings are exported."""
+        from zeus_callbacks import sim
+
+        return (
+            self.system.clock is None and self.system.state_path() is not None and sim.exported(self.system)
+        )
+
+    def gpu(self, device: Device | Any) -> SimulatedGPU:
+        """The simulated GPU behind an AMD device (or an amdsmi processor handle)."""
+        handle = device.handle if isinstance(device, AMDDevice) else device
+        address = getattr(handle, "value", handle)
+        library = ensure(self.system) and _library
+        return library.gpu(address)  # type: ignore[union-attr]
+
+    def synchronize(self, index: int, device: Device) -> None:
+        """Wait for the simulated work queued on the GPU (no-op on a virtual clock)."""
+        self.gpu(device).synchronize()
+
+    def settle(self, device: Device) -> None:
+        """Account the work so far at the settings in force, before zeusd changes them."""
+        self.gpu(device).settle()
+
+    def may_change_settings(self, device: Device) -> bool:
+        """False only where the `no_permission` or `no_cap_sys_admin` fault is injected."""
+        faults = self.gpu(device).faults
+        return not (faults.no_permission or faults.no_cap_sys_admin)
+
+    def known_energy_refresh_s(self, device: Device) -> float | None:
+        """The model's period on a virtual clock (polling cannot see the counter move there), else measured."""
+        return self.gpu(device).energy_refresh_s if self.virtual_clock else None
+
+    def provenance(self, uuid: str) -> str | None:
+        """A modelled board's label, e.g. "modelled MI300X, scaled from the A40 traces"."""
+        return next((g.provenance for g in self.system.gpus if g.uuid == uuid), None)
+
+    def journal_dir(self) -> Path | None:
+        """Beside the node's state, so that the journal outlives the process exactly as long as the state."""
+        path = self.system.state_path()
+        return None if path is None else path / "journal"
+
+
+def simulated_amd_backend() -> SimulatedAMDBackend | None:
+    """The backend factory for an active simulated AMD node, else None."""
+    from zeus_callbacks import sim
+
+    system = sim.active()
+    return None if system is None or system.vendor != "amd" else SimulatedAMDBackend(system)
