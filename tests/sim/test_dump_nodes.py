@@ -349,7 +349,7 @@ _TABLE = """+-------------------------------------------------------------------
     ("content", "words"),
     [
         ("", ["is empty", "nvidia-smi -q > node.txt"]),
-        (_ROCM, ["is a rocm-smi dump (AMD GPUs)", "NVIDIA nodes only", "nvidia-smi -q"]),
+        (_ROCM, ["is a rocm-smi dump (AMD GPUs)", "NVIDIA nodes only", "ZEUS_CALLBACKS_SIMULATE=rocm-smi:"]),
         (_TABLE, ["summary table", "nvidia-smi -q > node.txt"]),
         ("hello\nworld\n", ["is not an nvidia-smi -q dump", "nvidia-smi -q > node.txt"]),
         (None, ["neither a file nor a shipped dump", "A10", "V100_x8"]),

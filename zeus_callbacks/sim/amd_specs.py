@@ -18,8 +18,7 @@ class AMDBoardFacts:
 
     `energy_resolution_uj` is amdsmi_get_energy_count's `counter_resolution` (µJ per accumulator tick);
     `gfx_version` the `target_graphics_version` amdsmi_get_gpu_asic_info fills (0x942 prints as "gfx942");
-    `sclk_od_mhz` the range the graphics clock may be set within (`OD_SCLK` levels 0 and 1), `mclk_levels_mhz`
-    the memory clock's DPM levels, lowest first, as rocm-smi lists them.
+    `mclk_levels_mhz` the memory clock's DPM levels, lowest first, as rocm-smi lists them.
     """
 
     device_id: int
@@ -27,7 +26,6 @@ class AMDBoardFacts:
     architecture: str
     compute_units: int
     energy_resolution_uj: float
-    sclk_od_mhz: tuple[int, int]
     mclk_levels_mhz: tuple[int, ...]
     idle_sclk_mhz: int
     junction_c: int
@@ -45,7 +43,6 @@ AMD_FACTS: dict[str, AMDBoardFacts] = {
         # MI300X_x4.rocm-smi-a.txt, "Consumed Energy": 78098902297472.05 uJ over a counter of 5104503354501 is
         # 15.3 uJ (as float32: 15.300000190734863) per tick.
         energy_resolution_uj=15.3,
-        sclk_od_mhz=(500, 2100),  # "OD_SCLK: 0: 500Mhz 1: 2100Mhz"; the data sheet's 2100 MHz peak clock
         mclk_levels_mhz=(
             900,
             1100,

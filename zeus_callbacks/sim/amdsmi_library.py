@@ -394,7 +394,8 @@ def _set_power_cap(lib: SimulatedAMDSMILibrary, h: int | None, sensor: int, cap_
 
 # -- clocks ---------------------------------------------------------------------------------------
 def _sclk_range(g: SimulatedGPU) -> tuple[int, int]:
-    return g.locked_sm_clocks_mhz or amd_facts(g.spec.kind).sclk_od_mhz
+    """The locked range, else the settable one (`OD_SCLK`'s levels: the spec's lowest and highest clock)."""
+    return g.locked_sm_clocks_mhz or (g.spec.min_sm_clock_mhz, g.spec.max_sm_clock_mhz)
 
 
 def _sclk_now(g: SimulatedGPU) -> int:
@@ -451,7 +452,7 @@ def _set_clk_range(lib: SimulatedAMDSMILibrary, h: int | None, lo: int, hi: int,
         return
     if kind != _CLK_GFX:
         raise AMDSMIStatus(NOT_SUPPORTED)
-    if not facts.sclk_od_mhz[0] <= lo < hi <= facts.sclk_od_mhz[1]:
+    if not g.spec.min_sm_clock_mhz <= lo < hi <= g.spec.max_sm_clock_mhz:
         raise AMDSMIStatus(INVAL)
     g.lock_sm_clocks(int(lo), int(hi))
 

@@ -162,8 +162,8 @@ def _refuse_other_formats(text: str, source: str) -> None:
         raise InvalidInputError(f"{source} is empty. {DUMP_HELP}")
     if "ROCm System Management Interface" in text or re.search(r"^GPU\[\d+\]\s*:", text, re.M):
         raise InvalidInputError(
-            f"{source} is a rocm-smi dump (AMD GPUs): nvidia-smi: builds NVIDIA nodes only. Simulated AMD nodes "
-            f"from rocm-smi dumps are not offered yet; simulate an NVIDIA node instead. {DUMP_HELP}"
+            f"{source} is a rocm-smi dump (AMD GPUs): nvidia-smi: builds NVIDIA nodes only; for simulated AMD GPUs "
+            f"give it as ZEUS_CALLBACKS_SIMULATE=rocm-smi:{source} (`sim/rocm_dump.py`). {DUMP_HELP}"
         )
     if re.search(r"^\|\s*NVIDIA-SMI \S+", text, re.M) and "NVSMI LOG" not in text:
         raise InvalidInputError(

@@ -21,6 +21,7 @@ from zeus_callbacks.sim.node_spec import (
     parse_ideal,
     parse_spec,
 )
+from zeus_callbacks.sim.rocm_dump import canonical_rocm_spec, is_rocm_spec, rocm_node
 from zeus_callbacks.sim.specs import GPUSpec, sensor_gain, spec_for
 from zeus_callbacks.sim.traces import Trace
 
@@ -89,6 +90,9 @@ class SimulatedSystem:
         if is_dump_spec(self.spec):
             self.spec = canonical_spec(self.spec)
             self.dump = dump_node(self.spec)
+        elif is_rocm_spec(self.spec):  # an AMD node from a `rocm-smi -a` dump (`sim/rocm_dump.py`)
+            self.spec = canonical_rocm_spec(self.spec)
+            self.dump = rocm_node(self.spec)
         self.driver_version = "simulated" if self.dump is None else self.dump.dump.driver_version
         directory = self.state_path()
         boards = self._spec_boards(directory) if self.dump is None else self._dump_boards()
