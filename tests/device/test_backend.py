@@ -11,8 +11,9 @@ import pytest
 import zeus_callbacks
 from zeus_callbacks import sim
 from zeus_callbacks.core.device import backend as backends
-from zeus_callbacks.core.device.backend import NVMLBackend, active_backend, has_cap_sys_admin
+from zeus_callbacks.core.device.backend import active_backend, has_cap_sys_admin
 from zeus_callbacks.core.device.gpus import get_gpus, reset
+from zeus_callbacks.core.device.nvidia import NVIDIABackend
 from zeus_callbacks.core.device.state_guard import journal_dir
 from zeus_callbacks.sim.backend import SimulatedBackend
 
@@ -64,7 +65,7 @@ def test_virtual_clock_comes_from_the_backend(sim_gpus):
     assert gpus.clock() == system.clock.now()
 
 
-class _Labelled(NVMLBackend):
+class _Labelled(NVIDIABackend):
     """A third-party backend: pynvml (the simulator beneath it) under another name."""
 
     sync_at_step_boundary = True

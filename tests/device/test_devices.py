@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pynvml
 import pytest
 
 from zeus_callbacks.core.device import gpus as devices
@@ -89,7 +88,7 @@ def test_clocks(sim_gpus):
         g.supported_sm_clocks_mhz(1234)
     g.lock_sm_clocks(sm[-1], 900)
     assert system.gpus[0].locked_sm_clocks_mhz == (sm[-1], 900)
-    assert g.nvml.nvmlDeviceGetClockInfo(g.handle, pynvml.NVML_CLOCK_SM) <= 900
+    assert g.device.clocks_mhz()[0] <= 900
     g.reset_sm_clocks()
     assert system.gpus[0].locked_sm_clocks_mhz is None
 

@@ -87,7 +87,7 @@ def test_journal_is_written_before_the_change(sim_gpus, monkeypatch):
     monkeypatch.undo()
     assert guard().restore()
     assert gpu.power_limit_mw() == 300_000
-    assert sim.simulated_gpu(gpu.handle).locked_sm_clocks_mhz is None
+    assert sim.simulated_gpu(gpu).locked_sm_clocks_mhz is None
     assert _journals() == []
 
 
@@ -97,7 +97,7 @@ def test_restore_at_normal_exit(sim_gpus, run_python):
     child = run_python(
         _child_code(
             "from zeus_callbacks import sim\ngpu.lock_sm_clocks(210, 1000)\n"
-            "print(sim.simulated_gpu(gpu.handle).locked_sm_clocks_mhz)"
+            "print(sim.simulated_gpu(gpu).locked_sm_clocks_mhz)"
         )
     )
     assert child.returncode == 0, child.stderr

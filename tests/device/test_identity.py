@@ -10,9 +10,10 @@ import pynvml
 import pytest
 
 from zeus_callbacks import sim
-from zeus_callbacks.core.device.backend import NVMLBackend, cuda_visible_uuids, nvml_uuid
+from zeus_callbacks.core.device.backend import cuda_visible_uuids
 from zeus_callbacks.core.device.errors import GPUNoPermissionError, MIGNotSupportedError
 from zeus_callbacks.core.device.gpus import get_gpus, reset
+from zeus_callbacks.core.device.nvidia import NVIDIABackend, nvml_uuid
 from zeus_callbacks.core.device.state_guard import guard
 
 
@@ -57,7 +58,7 @@ def test_per_gpu_work_follows_the_cuda_index(sim_gpus):
 
 def test_hidden_gpu_is_skipped_with_a_message(sim_gpus, caplog):
     sim_gpus("2*a40", faults="hidden@0")
-    with caplog.at_level(logging.INFO, logger="zeus_callbacks.core.device.gpus"):
+    with caplog.at_level(logging.INFO, logger="zeus_callbacks.core.device.nvidia"):
         gpus = get_gpus()
     assert [(g.index, g.nvml_index) for g in gpus] == [(0, 1)]
     (message,) = [r.getMessage() for r in caplog.records if "may not open" in r.getMessage()]
@@ -110,7 +111,7 @@ def test_real_backend_asks_torch_for_cudas_order(sim_gpus, monkeypatch):
         )
     )
     monkeypatch.setitem(sys.modules, "torch", torch)
-    assert NVMLBackend(pynvml).cuda_uuids() == cuda
+    assert NVIDIABackend(pynvml).cuda_uuids() == cuda
 
 
 def test_real_backend_without_cuda_assumes_pci_order_and_warns_on_mixed_nodes(sim_gpus, monkeypatch, caplog):
@@ -118,11 +119,11 @@ def test_real_backend_without_cuda_assumes_pci_order_and_warns_on_mixed_nodes(si
     pynvml.nvmlInit()
     monkeypatch.setitem(sys.modules, "torch", None)  # no torch: import fails
     with caplog.at_level(logging.WARNING):
-        assert NVMLBackend(pynvml).cuda_uuids() == [g.uuid for g in system.gpus]
+        assert NVIDIABackend(pynvml).cuda_uuids() == [g.uuid for g in system.gpus]
     assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in caplog.text
     caplog.clear()
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    NVMLBackend(pynvml).cuda_uuids()
+    NVIDIABackend(pynvml).cuda_uuids()
     assert caplog.text == ""
 
 

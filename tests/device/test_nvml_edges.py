@@ -15,9 +15,10 @@ import pytest
 from helpers import assert_one_clear_line
 
 from zeus_callbacks.core.device import backend as backends
-from zeus_callbacks.core.device.backend import UNOFFICIAL_PYNVML_FIX, NVMLBackend, active_backend
+from zeus_callbacks.core.device.backend import active_backend
 from zeus_callbacks.core.device.errors import GPULostError
 from zeus_callbacks.core.device.gpus import get_gpus
+from zeus_callbacks.core.device.nvidia import UNOFFICIAL_PYNVML_FIX, NVIDIABackend
 from zeus_callbacks.core.device.power import instant_power_mw
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 from zeus_callbacks.sim import parse_faults
@@ -144,10 +145,10 @@ def test_real_backend_without_torch_keeps_a_lost_gpu_in_cudas_numbering(sim_gpus
     nvml.nvmlInit()
     monkeypatch.setitem(sys.modules, "torch", None)  # no torch: CUDA's numbering is assumed to be NVML's
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
-    assert NVMLBackend(nvml).cuda_uuids() == [system.gpus[2].uuid]  # not shifted onto a missing index
+    assert NVIDIABackend(nvml).cuda_uuids() == [system.gpus[2].uuid]  # not shifted onto a missing index
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(GPULostError, match=r"CUDA device 1 \(NVML index 1\): the GPU is lost"):
-        NVMLBackend(nvml).cuda_uuids()
+        NVIDIABackend(nvml).cuda_uuids()
 
 
 # -- 7: the simulator stays out of real runs; the unofficial pynvml ---------------------------------------------
@@ -279,9 +280,9 @@ def test_bindings_that_answer_bytes_give_text(unofficial_pynvml, run_python):
         import json, sys
         sys.modules["torch"] = None  # CUDA's numbering from NVML's, as without torch
         import pynvml
-        from zeus_callbacks.core.device.backend import NVMLBackend
+        from zeus_callbacks.core.device.nvidia import NVIDIABackend
         from zeus_callbacks.core.device.gpus import GPUs
-        gpus = GPUs(NVMLBackend(pynvml))  # the bindings as given, past the check that refuses them
+        gpus = GPUs(NVIDIABackend(pynvml))  # the bindings as given, past the check that refuses them
         print(json.dumps([[g.uuid, g.name, g.supports_energy_counter] for g in gpus]))
         """
     )
@@ -298,7 +299,7 @@ def test_a_backend_factory_is_imported_only_when_its_condition_holds(monkeypatch
     monkeypatch.setattr(backends, "_conditions", {})
     backends.register_backend("no_such_module_anywhere:factory", when=lambda: False)
     backends.reset_backend()
-    assert type(active_backend()) is NVMLBackend  # the real driver's, and nothing imported
+    assert type(active_backend()) is NVIDIABackend  # the real driver's, and nothing imported
     backends.register_backend("no_such_module_anywhere:factory", when=lambda: True)
     backends.reset_backend()
     with pytest.raises(ModuleNotFoundError, match="no_such_module_anywhere"):

@@ -5,6 +5,7 @@ one set (`Current` and `Requested Power Limit`)."""
 
 from __future__ import annotations
 
+import pynvml
 import pytest
 
 from zeus_callbacks.core.device import setters
@@ -52,7 +53,7 @@ def test_a_module_limit_the_driver_did_not_apply_is_an_error(sim_gpus, monkeypat
     leaves a journal entry for a change that never happened."""
     system = sim_gpus("nvidia-smi:GH200", virtual_clock=True, faults="not_supported=power")
     g = get_gpus()[0]
-    monkeypatch.setattr(g.nvml, "nvmlDeviceSetPowerManagementLimit_v2", lambda *args: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceSetPowerManagementLimit_v2", lambda *args: None)
     with pytest.raises(GPUNotSupportedError, match="did not apply 500 W .* reads 1000 W"):
         g.set_power_limit_mw(500_000)
     assert system.gpus[0].module_limit_mw == 1_000_000 and guard().entries == []

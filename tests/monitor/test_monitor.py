@@ -180,7 +180,7 @@ def _window_at(monitor: ZeusMonitor, power_limit_w: int, burn_cpu, sim_sleeps: l
     # On an idle host the window lasts this process's CPU time plus the GPU's catch-up (plus the idle tail);
     # the rest is not the simulated GPU's work: count it as idle.
     lost = max(0.0, m.time - cpu - sum(sim_sleeps))
-    idle_w = sim.simulated_gpu(monitor.gpus[0].handle).spec.idle_power_w
+    idle_w = sim.simulated_gpu(monitor.gpus[0]).spec.idle_power_w
     return m.time - lost, m.gpu_energy[0] - idle_w * lost, m
 
 

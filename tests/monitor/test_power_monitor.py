@@ -306,11 +306,11 @@ def test_another_process_samples_the_power_of_the_work_this_process_runs(sim_gpu
         zeus_sim.enqueue_work(0, 0.1)
         zeus_sim.enqueue_work(1, 0.05)
         for g in gpus:
-            g.backend.synchronize(g.index, g.handle)
+            g.synchronize()
     end = time.time()
     energy = monitor.get_energy(start, end)
     monitor.stop()
-    idle_j = gpus[0].backend.gpu(gpus[0].handle).spec.idle_power_w * (end - start)
+    idle_j = gpus[0].backend.gpu(gpus[0].device).spec.idle_power_w * (end - start)
     assert energy is not None and energy[0] > energy[1] > idle_j
 
 

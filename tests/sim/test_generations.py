@@ -49,8 +49,8 @@ def test_the_one_second_power_field_exists_only_on_ampere_except_ga100_and_newer
     system, g, gpu = _gpu(kind)
     system.run_step(2.0)
     system.clock.advance(0.6)  # 0.6 s idle after 2 s of work: the 1 s average and the instant differ
-    (average, instant) = gpu.nvml.nvmlDeviceGetFieldValues(
-        gpu.handle,
+    (average, instant) = pynvml.nvmlDeviceGetFieldValues(
+        gpu.device.handle,
         [
             (pynvml.NVML_FI_DEV_POWER_AVERAGE, pynvml.NVML_POWER_SCOPE_GPU),
             (pynvml.NVML_FI_DEV_POWER_INSTANT, pynvml.NVML_POWER_SCOPE_GPU),
@@ -160,9 +160,9 @@ def test_an_ideal_power_window_reads_the_last_interval_at_once():
 # -- modelled boards ----------------------------------------------------------------------------------------
 MODELLED = {
     # kind: (NVML name, architecture, min-max limit W, max SM clock MHz, memory clock MHz)
-    "a100": ("NVIDIA A100-SXM4-80GB", pynvml.NVML_DEVICE_ARCH_AMPERE, (100, 400), 1410, 1593),
-    "h100": ("NVIDIA H100 80GB HBM3", pynvml.NVML_DEVICE_ARCH_HOPPER, (200, 700), 1980, 2619),
-    "h200": ("NVIDIA H200", pynvml.NVML_DEVICE_ARCH_HOPPER, (200, 700), 1980, 3201),
+    "a100": ("NVIDIA A100-SXM4-80GB", "ampere", (100, 400), 1410, 1593),
+    "h100": ("NVIDIA H100 80GB HBM3", "hopper", (200, 700), 1980, 2619),
+    "h200": ("NVIDIA H200", "hopper", (200, 700), 1980, 3201),
 }
 
 
@@ -174,7 +174,7 @@ def test_modelled_boards_parse_answer_nvml_and_run(kind):
     assert (gpu.name, gpu.architecture) == (name, arch)
     assert gpu.power_limit_constraints_mw() == (lo * 1000, hi * 1000)
     assert max(gpu.supported_sm_clocks_mhz()) == max_mhz
-    assert gpu.nvml.nvmlDeviceGetSupportedMemoryClocks(gpu.handle) == [mem_mhz]
+    assert pynvml.nvmlDeviceGetSupportedMemoryClocks(gpu.device.handle) == [mem_mhz]
     assert gpu.provenance == f"modelled {kind.upper()}, scaled from the A40 traces"
     gpu.set_power_limit_mw(lo * 1000)
     e0 = g.true_energy_mj()

@@ -48,7 +48,7 @@ def test_the_package_calls_nvidia_ml_pys_pynvml_over_the_simulated_library(sim_g
     assert Path(pynvml.__file__).resolve() == _nvidia_ml_py_file()
     assert isinstance(pynvml.nvmlLib, SimulatedNVMLLibrary) and pynvml.nvmlLib.system is system
     gpus = get_gpus()
-    assert isinstance(gpus[0].handle, pynvml.c_nvmlDevice_t)
+    assert isinstance(gpus[0].device.handle, pynvml.c_nvmlDevice_t)
     energy = gpus[0].energy_mj()
     assert energy == system.gpus[0].energy_mj()
     names = [name for name, _ in looked_up]
@@ -76,7 +76,7 @@ def test_a_value_the_simulator_decides_reaches_the_package_through_the_c_call(
     looked_up.clear()
     assert gpu.power_limit_mw() == 123_456
     assert [name for name, _ in looked_up] == ["nvmlDeviceGetPowerManagementLimit"]
-    assert got == [sim.simulated_gpu(gpu.handle)]  # the callback mapped pynvml's handle back to the GPU
+    assert got == [sim.simulated_gpu(gpu)]  # the callback mapped pynvml's handle back to the GPU
 
 
 def test_errors_come_from_pynvmls_own_return_check(sim_gpus, monkeypatch):

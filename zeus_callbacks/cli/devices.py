@@ -7,13 +7,12 @@ import json
 import sys
 from typing import Any
 
-from zeus_callbacks.core.device.backend import UnofficialPynvmlError
-from zeus_callbacks.core.device.errors import MIGNotSupportedError, NVMLUnavailableError
+from zeus_callbacks.core.device.errors import MIGNotSupportedError, MixedVendorError, NVMLUnavailableError
 from zeus_callbacks.core.device.gpus import GPU, GPUs, get_gpus
 from zeus_callbacks.core.device.node_info import safe_call
 
 NO_GPU_MESSAGE = (
-    "No NVIDIA GPU or driver found. To use simulated GPUs, set ZEUS_CALLBACKS_SIMULATE=a40 "
+    "No NVIDIA or AMD GPU or driver found. To use simulated GPUs, set ZEUS_CALLBACKS_SIMULATE=a40 "
     "(or v100, a10g, t4; e.g. ZEUS_CALLBACKS_SIMULATE='4*a40')."
 )
 
@@ -42,7 +41,7 @@ def describe(gpu: GPU) -> dict[str, Any]:
     modelled = {} if gpu.provenance is None else {"provenance": gpu.provenance}
     return {
         "index": gpu.index,
-        "nvml_index": gpu.nvml_index,
+        "nvml_index": gpu.vendor_index,  # the vendor library's index (the key predates other vendors)
         "name": gpu.name,
         "uuid": gpu.uuid,
         "simulated": gpu.simulated,
@@ -111,15 +110,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def discover(repair: bool = True) -> GPUs | None:
-    """The GPUs, or None after saying on stderr why there are none (no NVML and no simulation, the unofficial
-    `pynvml` in place of nvidia-ml-py, or MIG)."""
+    """The GPUs, or None after saying on stderr why there are none (no vendor library and no simulation, the
+    unofficial `pynvml` in place of nvidia-ml-py, MIG, or GPUs of two vendors)."""
     try:
         return get_gpus(repair=repair)
-    except UnofficialPynvmlError as e:
-        print(e, file=sys.stderr)
-    except NVMLUnavailableError:
-        print(NO_GPU_MESSAGE, file=sys.stderr)
-    except MIGNotSupportedError as e:
+    except NVMLUnavailableError as e:
+        # A subclass names its own cause and fix (the unofficial pynvml); the base class means no GPU at all.
+        print(NO_GPU_MESSAGE if type(e) is NVMLUnavailableError else e, file=sys.stderr)
+    except (MIGNotSupportedError, MixedVendorError) as e:
         print(e, file=sys.stderr)
     return None
 
@@ -142,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         if r["max_sm_clock_mhz"] is None:
             print(
-                f"GPU {r['index']} ({r['name']}): no supported SM clocks are listed (NVML), so its clocks cannot "
+                f"GPU {r['index']} ({r['name']}): no supported SM clocks are listed, so its clocks cannot "
                 "be locked; the pipeline-frequency optimizer only measures there."
             )
     if not all(r["may_change_settings"] for r in rows):

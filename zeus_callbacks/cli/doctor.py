@@ -21,9 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "doctor",
         help="check this node before training: GPUs by UUID, energy counter, power, limits, permissions",
         description=(
-            "Read-only check of this node: NVML and driver, each visible GPU (CUDA index -> NVML UUID), its "
+            "Read-only check of this node: the GPU library (NVML, amdsmi) and driver, each visible GPU (CUDA index -> UUID), its "
             "energy counter and refresh period, power (average and instant), power limits, clocks, whether "
-            "this process may change settings and why not, the route settings take (NVML, or Zeus's daemon "
+            "this process may change settings and why not, the route settings take (in this process, or Zeus's daemon "
             "zeusd: configured, reachable, GPU control, token), the journal directory, and settings left "
             "changed by dead runs. Changes nothing. Exits 1 when something would stop the optimizers."
         ),
@@ -44,7 +44,7 @@ def describe(gpu: GPU) -> dict[str, Any]:
     period = energy_refresh_period_s(gpu) if gpu.supports_energy_counter else None
     return {
         "cuda_index": gpu.index,
-        "nvml_index": gpu.nvml_index,
+        "nvml_index": gpu.vendor_index,  # the vendor library's index (the key predates other vendors)
         "uuid": gpu.uuid,
         "name": gpu.name,
         "simulated": gpu.simulated,
@@ -136,10 +136,13 @@ def _setter_problems(report: dict[str, Any]) -> list[str]:
     return out
 
 
+_LIBRARY = {"nvidia": "NVML", "amd": "amdsmi"}  # the vendor library's name, as the report prints it
+
+
 def check(gpus: GPUs | None = None) -> dict[str, Any]:
-    """The whole report as plain data; raises `NVMLUnavailableError` without NVML or simulation."""
+    """The whole report as plain data; raises `NVMLUnavailableError` without a vendor library or simulation."""
     gpus = get_gpus(repair=False) if gpus is None else gpus
-    driver, nvml_version = node_info.driver_versions(gpus)
+    driver, library_version = node_info.driver_versions(gpus)
     perm = node_info.permission(gpus)
     journal = node_info.check_journal_dir(journal_dir())
     leftovers = [
@@ -177,7 +180,8 @@ def check(gpus: GPUs | None = None) -> dict[str, Any]:
     return {
         "simulated": gpus.simulated,
         "driver_version": driver,
-        "nvml_version": nvml_version,
+        "library": _LIBRARY.get(gpus.backend.vendor, gpus.backend.vendor),
+        "nvml_version": library_version,  # the vendor library's version (the key predates other vendors)
         "permission": perm.__dict__,
         "setters": setter,
         "journal_dir": journal.__dict__,
@@ -202,9 +206,10 @@ def _fmt(value: Any, unit: str = "") -> str:
 def _print_report(r: dict[str, Any]) -> None:
     if r["simulated"]:
         print("SIMULATED GPUs (ZEUS_CALLBACKS_SIMULATE): every figure below is a simulation, not hardware.")
-    print(f"driver {_fmt(r['driver_version'])}, NVML {_fmt(r['nvml_version'])}")
+    library = r["library"]
+    print(f"driver {_fmt(r['driver_version'])}, {library} {_fmt(r['nvml_version'])}")
     for g in r["gpus"]:
-        print(f"\nGPU {g['cuda_index']} (CUDA) = NVML {g['nvml_index']}  {g['name']}  {g['uuid']}")
+        print(f"\nGPU {g['cuda_index']} (CUDA) = {library} {g['nvml_index']}  {g['name']}  {g['uuid']}")
         if g.get("provenance"):
             print(f"  SIMULATED ({g['provenance']}): its power-limit behaviour is not traced on this board")
         print(
@@ -268,7 +273,7 @@ def _print_setters(s: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report; 1 when something would stop the optimizers (or there is no NVML)."""
+    """Print the report; 1 when something would stop the optimizers (or there is no GPU library)."""
     gpus = discover(repair=False)  # read-only: leftovers are reported, not repaired
     if gpus is None:
         return 1

@@ -1,6 +1,6 @@
 """Refuses the unofficial `pynvml` before any simulator module reads it: the simulator answers beneath NVIDIA's
 nvidia-ml-py, and the unofficial package would fail later with an unrelated error."""
 
-from zeus_callbacks.core.device.backend import official_pynvml
+from zeus_callbacks.core.device.nvidia import official_pynvml
 
 official_pynvml()

@@ -1,4 +1,5 @@
-"""The simulator as an NVML backend of the device layer (registered by the package root)."""
+"""The simulator as a backend of the device layer (registered by the package root): simulated NVIDIA GPUs beneath
+nvidia-ml-py, through the real NVIDIA backend (`core/device/nvidia.py`)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ from typing import Any
 import pynvml
 
 from zeus_callbacks import sim
-from zeus_callbacks.core.device.backend import NVMLBackend
+from zeus_callbacks.core.device.device import Device
+from zeus_callbacks.core.device.nvidia import NVIDIABackend, NVIDIADevice
 from zeus_callbacks.sim import nvml_library
 from zeus_callbacks.sim.system import SimulatedGPU, SimulatedSystem
 
 __all__ = ["SimulatedBackend", "simulated_backend"]
 
 
-class SimulatedBackend(NVMLBackend):
+class SimulatedBackend(NVIDIABackend):
     """Simulated GPUs of one `SimulatedSystem`, reached through the real `pynvml` (nvidia-ml-py), beneath
     which the node answers as the NVML library (`zeus_callbacks.sim.nvml_library`); handles are pynvml's.
 
@@ -49,32 +51,32 @@ class SimulatedBackend(NVMLBackend):
             self.system.clock is None and self.system.state_path() is not None and sim.exported(self.system)
         )
 
-    # `handle` is a pynvml `c_nvmlDevice_t` that the simulated library handed out.
-    def gpu(self, handle: Any) -> SimulatedGPU:
-        """The simulated GPU behind a pynvml handle."""
-        return nvml_library.simulated_gpu(handle)
+    def gpu(self, device: Device | Any) -> SimulatedGPU:
+        """The simulated GPU behind a device (an `NVIDIADevice`; or a pynvml handle the simulated library
+        handed out)."""
+        return nvml_library.simulated_gpu(device.handle if isinstance(device, NVIDIADevice) else device)
 
-    def synchronize(self, index: int, handle: Any) -> None:
+    def synchronize(self, index: int, device: Device) -> None:
         """Wait for the simulated work queued on the GPU (no-op on a virtual clock)."""
-        self.gpu(handle).synchronize()
+        self.gpu(device).synchronize()
 
-    def settle(self, handle: Any) -> None:
+    def settle(self, device: Device) -> None:
         """Account the work so far at the settings in force, before zeusd (another process) changes them."""
-        self.gpu(handle).settle()
+        self.gpu(device).settle()
 
-    def may_change_settings(self, handle: Any) -> bool:
+    def may_change_settings(self, device: Device) -> bool:
         """False only where the `no_permission` or `no_cap_sys_admin` fault is injected."""
-        faults = self.gpu(handle).faults
+        faults = self.gpu(device).faults
         return not (faults.no_permission or faults.no_cap_sys_admin)
 
     def cuda_uuids(self) -> list[str]:
         """From the simulator's model of CUDA's numbering (see `SimulatedSystem.cuda_gpus`)."""
         return [g.uuid for g in self.system.cuda_gpus()]
 
-    def known_energy_refresh_s(self, handle: Any) -> float | None:
+    def known_energy_refresh_s(self, device: Device) -> float | None:
         """On a virtual clock polling cannot see the counter move, so the model's period is told; on the
         wall clock it is measured by polling, exactly as on a real GPU."""
-        return self.gpu(handle).energy_refresh_s if self.virtual_clock else None
+        return self.gpu(device).energy_refresh_s if self.virtual_clock else None
 
     def provenance(self, uuid: str) -> str | None:
         """A modelled board's label, e.g. "modelled A100, scaled from the A40 traces" (`traces.provenance`)."""

@@ -480,11 +480,13 @@ def installed() -> SimulatedNVMLLibrary | None:
 
 
 def simulated_gpu(handle: Any) -> SimulatedGPU:
-    """The simulated GPU behind a pynvml handle (`c_nvmlDevice_t`) that the installed library handed out.
+    """The simulated GPU behind a pynvml handle (`c_nvmlDevice_t`) that the installed library handed out, or
+    behind a device layer's `GPU` or `NVIDIADevice` (whose handle it is).
 
     Raises:
         ValueError: no simulated library is installed, or it did not hand out `handle`.
     """
+    handle = getattr(getattr(handle, "device", handle), "handle", handle)
     library = installed()
     gpu = None if library is None else library.gpu_at(ctypes.cast(handle, c_void_p).value)
     if gpu is None:

@@ -1,50 +1,48 @@
-"""NVML backends: the NVML-shaped module the device layer calls, and the registry that picks one.
+"""Backends: how the device layer reaches one vendor's GPUs, and the discovery that picks one.
 
-The device layer calls NVML through one `NVMLBackend`. The default backend is the real driver through
-`pynvml` (NVIDIA's nvidia-ml-py; the unofficial PyPI `pynvml` that can shadow it is refused with the fix).
-Another package (the simulator) offers its own with `register_backend(factory, when)`: at the first
-discovery the registered factories whose `when()` holds are asked in order (a factory named by a string is
-imported only then), the first one that returns a backend is used, and the real one is the fallback. The
-device layer never asks what a backend is beyond `simulated` (a label).
+A `Backend` finds `Device`s (`device.py`) and says what the vendor's library cannot (CUDA's numbering,
+synchronisation, permissions, journals' place). Another package (the simulator) offers its own with
+`register_backend(factory, when)`: at the first discovery the registered factories whose `when()` holds are
+asked in order (a factory named by a string is imported only then), and the first one that returns a
+backend is used. Otherwise the real vendors' backends (`REAL_BACKENDS`: NVIDIA, then AMD) are tried, each
+imported only then; a vendor whose library is absent is skipped, and GPUs of two vendors visible at once are
+refused (`MixedVendorError`). The device layer never asks what a backend is beyond `vendor` and `simulated`
+(labels).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING
 
 from zeus_callbacks.core.device.errors import (
     SIMULATION_HINT,
+    GPUError,
     InvalidInputError,
     MIGNotSupportedError,
+    MixedVendorError,
     NVMLUnavailableError,
-    nvml_error,
 )
 from zeus_callbacks.core.device.journal import default_journal_dir
 
+if TYPE_CHECKING:
+    from zeus_callbacks.core.device.device import Device
+
 __all__ = [
-    "NVMLBackend",
+    "Backend",
     "BackendFactory",
+    "REAL_BACKENDS",
     "register_backend",
     "active_backend",
     "reset_backend",
     "has_cap_sys_admin",
     "cuda_visible_uuids",
     "cuda_visible_positions",
-    "nvml_uuid",
-    "nvml_text",
-    "nvml_inventory",
-    "NVMLInventory",
-    "UnofficialPynvmlError",
-    "official_pynvml",
-    "UNOFFICIAL_PYNVML_FIX",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,18 +64,6 @@ def has_cap_sys_admin(status_path: str = "/proc/self/status") -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return False
-
-
-def nvml_text(value: str | bytes) -> str:
-    """NVML's text (a UUID, a name) as `str`: nvidia-ml-py before 11.515 and the unofficial `pynvml` return
-    bytes."""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
-
-
-def nvml_uuid(cuda_uuid: object) -> str:
-    """A CUDA device's UUID (e.g. torch's `get_device_properties(i).uuid`) in NVML's `GPU-...` form."""
-    text = str(cuda_uuid)
-    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
 
 
 def cuda_visible_uuids(visible: str | None, uuids: list[str]) -> list[str]:
@@ -124,48 +110,13 @@ def cuda_visible_positions(visible: str | None, uuids: Sequence[str | None]) -> 
     return out
 
 
-class NVMLInventory(NamedTuple):
-    """The GPUs NVML counts on the node, by NVML index."""
-
-    opened: dict[int, str]
-    """{index: UUID} of the GPUs this process may open."""
-    denied: list[int]
-    """Those it may not (NO_PERMISSION): not granted to this container or job, so CUDA does not see them."""
-    failed: dict[int, Exception]
-    """Those that answered another error (a lost GPU: GPU_IS_LOST), with the `NVMLError`. CUDA may still
-    count them, so they keep their place in CUDA's numbering."""
-
-
-def nvml_inventory(nvml: ModuleType) -> NVMLInventory:
-    """The GPUs NVML counts, by what opening each one answered.
-
-    Under cgroups (containers, Slurm, Kubernetes) NVML counts every GPU of the node, but opening one the
-    job was not granted raises NO_PERMISSION; one GPU lost anywhere on the node fails only itself here, so
-    that it stops only the jobs that use it.
-
-    Raises:
-        NVMLError: counting the GPUs failed.
-    """
-    inventory = NVMLInventory({}, [], {})
-    for i in range(nvml.nvmlDeviceGetCount()):
-        try:
-            inventory.opened[i] = nvml_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)))
-        except nvml.NVMLError as e:
-            if e.value == nvml.NVML_ERROR_NO_PERMISSION:
-                inventory.denied.append(i)
-            else:
-                inventory.failed[i] = e
-    return inventory
-
-
-class NVMLBackend:
-    """How the device layer reaches GPUs: an NVML-shaped module, plus what NVML itself cannot tell.
-
-    The base class is the real driver. A backend for something else (the simulator) subclasses it,
-    passes its own NVML-shaped module, and overrides what differs.
+class Backend:
+    """How the device layer reaches one vendor's GPUs (real or simulated): discovery, plus what the vendor's
+    library itself cannot tell. Each vendor module subclasses it (`nvidia.NVIDIABackend`, `amd.AMDBackend`);
+    the simulator subclasses those.
 
     Attributes:
-        nvml: The module called exactly as `pynvml` (same function names, units and error classes).
+        vendor: "nvidia" or "amd".
         clock: The clock windows are timed with (s); `time.time` unless the backend keeps its own.
         virtual_clock: Whether `clock` is a virtual clock that moves only when simulated work runs.
         simulated: Whether what the GPUs report is a simulation (used only to label figures).
@@ -173,18 +124,28 @@ class NVMLBackend:
             `GPUs.step_boundary`).
     """
 
+    vendor: str = ""
     simulated: bool = False
     sync_at_step_boundary: bool = False
 
-    def __init__(
-        self, nvml: ModuleType, clock: Callable[[], float] = time.time, virtual_clock: bool = False
-    ) -> None:
-        self.nvml = nvml
+    def __init__(self, clock: Callable[[], float] = time.time, virtual_clock: bool = False) -> None:
         self.clock = clock
         self.virtual_clock = virtual_clock
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(nvml={self.nvml.__name__!r})"
+    def init(self) -> None:
+        """Initialise the vendor's library (in this process; a child process calls it again)."""
+
+    def devices(self) -> list[Device]:
+        """The GPUs this process may use, in CUDA's (HIP's) numbering."""
+        raise NotImplementedError
+
+    def open_device(self, uuid: str, cuda_index: int) -> Device:
+        """The GPU `uuid` alone, as CUDA device `cuda_index` (a child process that was told its GPUs)."""
+        return next(d for d in self.devices() if d.uuid == uuid)
+
+    def gpu_count(self) -> int:
+        """How many GPUs this process sees (used by discovery to refuse mixed-vendor nodes)."""
+        return len(self.devices())
 
     @property
     def reachable_from_other_processes(self) -> bool:
@@ -192,64 +153,25 @@ class NVMLBackend:
         driver; a simulation only where its state is shared and exported."""
         return True
 
-    def synchronize(self, index: int, handle: Any) -> None:
-        """Wait for the work queued on GPU `index` (framework numbering; `handle` is its NVML handle)."""
+    def synchronize(self, index: int, device: Device) -> None:
+        """Wait for the work queued on GPU `index` (framework numbering)."""
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.synchronize(index)
 
-    def settle(self, handle: Any) -> None:
-        """Called before another process (zeusd) changes the settings of the GPU behind `handle` for this one.
+    def settle(self, device: Device) -> None:
+        """Called before another process (zeusd) changes `device`'s settings for this one.
 
         A backend that accounts work at synchronisation (the simulator) accounts the work so far under the
         settings it ran at, as an in-process change does; a real GPU needs nothing.
         """
 
-    def may_change_settings(self, handle: Any) -> bool:
-        """Whether this process may change the power limit and clocks of the GPU behind `handle`."""
+    def may_change_settings(self, device: Device) -> bool:
+        """Whether this process may change the power limit and clocks of `device` itself (CAP_SYS_ADMIN)."""
         return has_cap_sys_admin()
 
-    def cuda_uuids(self) -> list[str]:
-        """The NVML UUIDs of the CUDA devices this process sees: element i is CUDA device i (`cuda:i`).
-
-        From torch's device properties when CUDA is available to torch. Otherwise CUDA's numbering is
-        assumed to be NVML's (PCI bus order), exact only with `CUDA_DEVICE_ORDER=PCI_BUS_ID` or identical
-        GPUs; a mixed node without it is warned about.
-        """
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                n = torch.cuda.device_count()
-                return [nvml_uuid(torch.cuda.get_device_properties(i).uuid) for i in range(n)]
-        except ImportError:
-            pass
-        nvml = self.nvml
-        opened, _, failed = nvml_inventory(nvml)
-        if os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and len(opened) > 1:
-            names = {
-                nvml_text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByUUID(u))) for u in opened.values()
-            }
-            if len(names) > 1:
-                logger.warning(
-                    "CUDA numbers mixed GPUs (%s) fastest first, and without torch's CUDA this process cannot "
-                    "ask CUDA for its order; assuming PCI bus order. Set CUDA_DEVICE_ORDER=PCI_BUS_ID so that "
-                    "GPU i is the same device for every library.",
-                    ", ".join(sorted(names)),
-                )
-        # A GPU that failed keeps its place (CUDA may count it); one this job selects is reported, not skipped.
-        order = sorted({*opened, *failed})
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        selected = [order[p] for p in cuda_visible_positions(visible, [opened.get(i) for i in order])]
-        for cuda_index, i in enumerate(selected):
-            if i in failed:
-                raise nvml_error(
-                    nvml, failed[i], "Opening the GPU", f"CUDA device {cuda_index} (NVML index {i})"
-                )
-        return [opened[i] for i in selected]
-
-    def known_energy_refresh_s(self, handle: Any) -> float | None:
+    def known_energy_refresh_s(self, device: Device) -> float | None:
         """The energy counter's refresh period where the backend knows it without measuring (None: measure
         it by polling, as on real GPUs, whose drivers do not report it)."""
         return None
@@ -266,43 +188,29 @@ class NVMLBackend:
         """
         return default_journal_dir()
 
+    def driver_versions(self) -> tuple[str | None, str | None]:
+        """(driver version, vendor library version); None where the library does not say."""
+        return None, None
 
-UNOFFICIAL_PYNVML_FIX = "pip uninstall pynvml && pip install nvidia-ml-py"
-
-
-class UnofficialPynvmlError(NVMLUnavailableError):
-    """The `pynvml` that imports is the unofficial PyPI package, not NVIDIA's nvidia-ml-py."""
-
-
-def official_pynvml() -> ModuleType:
-    """The `pynvml` module, checked to be NVIDIA's nvidia-ml-py.
-
-    Raises:
-        UnofficialPynvmlError: (an NVMLUnavailableError) the unofficial PyPI `pynvml` shadows it; the message
-            names the fix, `pip uninstall pynvml && pip install nvidia-ml-py`.
-        NVMLUnavailableError: no `pynvml` at all.
-    """
-    try:
-        import pynvml
-    except ImportError as e:  # pragma: no cover - nvidia-ml-py is a dependency
-        raise NVMLUnavailableError(f"nvidia-ml-py is not installed. {SIMULATION_HINT}") from e
-    # NVIDIA's bindings are one module defining `_nvmlGetFunctionPointer`; the unofficial `pynvml` package
-    # (PyPI, before 12) re-exports its `pynvml.nvml` with `import *`, which leaves it out. Zeus tells them
-    # apart the same way (zeus/device/gpu/nvidia.py, `nvml_is_available`).
-    if not hasattr(pynvml, "_nvmlGetFunctionPointer"):
-        raise UnofficialPynvmlError(
-            f"The unofficial `pynvml` package ({getattr(pynvml, '__file__', None) or 'pynvml'}) shadows NVIDIA's "
-            f"nvidia-ml-py, whose answers this package reads: `{UNOFFICIAL_PYNVML_FIX}`."
-        )
-    return pynvml
+    def node_gpu_names(self) -> list[str]:
+        """The names of every GPU the vendor's library counts on the node, in its order (what zeusd's
+        indices are compared with); [] where it cannot say."""
+        return [d.name for d in self.devices()]
 
 
-BackendFactory = Callable[[], "NVMLBackend | None"]
+REAL_BACKENDS = [
+    "zeus_callbacks.core.device.nvidia:real_backend",
+    "zeus_callbacks.core.device.amd:real_backend",
+]
+"""The real vendors' backend factories, tried in order after the registered ones (each imported only then)."""
+
+
+BackendFactory = Callable[[], "Backend | None"]
 """Returns a backend when it is selected (e.g. by an environment variable), else None."""
 
 _factories: list[BackendFactory | str] = []
 _conditions: dict[BackendFactory | str, Callable[[], bool]] = {}
-_active: NVMLBackend | None = None
+_active: Backend | None = None
 _lock = threading.Lock()
 
 
@@ -312,7 +220,7 @@ def register_backend(factory: BackendFactory | str, when: Callable[[], bool] | N
     A `"package.module:function"` string names a factory imported at the first discovery whose `when()`
     holds (always, without `when`): a cheap check, e.g. of an environment variable, so that neither
     registering a factory nor a discovery that does not want it imports it. Factories are asked in the
-    order they were registered.
+    order they were registered, before the real vendors'.
     """
     with _lock:
         if factory not in _factories:
@@ -328,28 +236,75 @@ def _load(factory: BackendFactory | str) -> BackendFactory:
     return getattr(importlib.import_module(module), name)
 
 
-def active_backend() -> NVMLBackend:
-    """The backend of this process: the first registered factory's, else the real driver's (chosen once).
+def _registered() -> Backend | None:
+    for factory in _factories:
+        when = _conditions.get(factory)
+        if when is not None and not when():
+            continue
+        backend = _load(factory)()
+        if backend is not None:
+            logger.debug("Backend: %r (from %r).", backend, factory)
+            return backend
+    return None
+
+
+def _sees_gpus(backend: Backend) -> bool:
+    try:
+        backend.init()
+        return backend.gpu_count() > 0
+    except NVMLUnavailableError:
+        return False  # its library loads but finds no driver
+    except GPUError:
+        return True  # it has GPUs, one of which fails: said by the discovery that opens them
+
+
+def real_backend(factories: Sequence[str] | None = None) -> Backend:
+    """The real vendor whose GPUs this process sees, from `factories` (`REAL_BACKENDS`) in order.
+
+    A vendor whose module or Python package cannot be imported, or whose factory returns None, is skipped.
+    Where one vendor is left it is used (its library's errors, e.g. no driver, come at discovery); where
+    several are, the one that sees GPUs (or the first).
 
     Raises:
-        NVMLUnavailableError: `pynvml` is missing, or is the unofficial package (`UnofficialPynvmlError`).
+        MixedVendorError: GPUs of two vendors are visible.
+        NVMLUnavailableError: no vendor's Python package at all.
+    """
+    found: list[Backend] = []
+    for ref in REAL_BACKENDS if factories is None else factories:
+        try:
+            factory = _load(ref)
+        except ImportError as e:  # the vendor's module or Python package is absent
+            logger.debug("No backend %s: %s", ref, e)
+            continue
+        backend = factory()
+        if backend is not None:
+            found.append(backend)
+    if not found:
+        raise NVMLUnavailableError(f"No GPU library (nvidia-ml-py, amdsmi) is installed. {SIMULATION_HINT}")
+    if len(found) == 1:
+        return found[0]
+    with_gpus = [b for b in found if _sees_gpus(b)]
+    if len(with_gpus) > 1:
+        vendors = " and ".join(b.vendor for b in with_gpus)
+        raise MixedVendorError(
+            f"GPUs of two vendors ({vendors}) are visible; this package drives one vendor's GPUs per process: "
+            "select one vendor's with CUDA_VISIBLE_DEVICES or HIP_VISIBLE_DEVICES (e.g. HIP_VISIBLE_DEVICES= "
+            "to hide the AMD ones)."
+        )
+    return (with_gpus or found)[0]
+
+
+def active_backend() -> Backend:
+    """The backend of this process: the first registered factory's, else the real vendor's (chosen once).
+
+    Raises:
+        NVMLUnavailableError: no vendor's library, or the unofficial `pynvml` (`UnofficialPynvmlError`).
+        MixedVendorError: GPUs of two vendors are visible.
     """
     global _active
     with _lock:
         if _active is None:
-            # Checked first: every backend, the simulator's beneath it included, runs nvidia-ml-py's functions.
-            nvml = official_pynvml()
-            for factory in _factories:
-                when = _conditions.get(factory)
-                if when is not None and not when():
-                    continue
-                backend = _load(factory)()
-                if backend is not None:
-                    logger.debug("NVML backend: %r (from %r).", backend, factory)
-                    _active = backend
-                    break
-            else:
-                _active = NVMLBackend(nvml)
+            _active = _registered() or real_backend()
         return _active
 
 

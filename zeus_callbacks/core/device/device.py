@@ -10,7 +10,7 @@ vendor exception.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 __all__ = ["Device", "VENDORS"]
 
@@ -40,6 +40,8 @@ class Device(ABC):
     supports_energy_counter: bool
     supports_power_reading: bool
     label: str
+    power_usage_domain: str | None = None
+    """The power domain `power_mw` reads ("device_average" or "device_instant"); None where unknown."""
 
     # -- identity -----------------------------------------------------------------------------
     @abstractmethod
@@ -74,6 +76,15 @@ class Device(ABC):
     @abstractmethod
     def one_second_power_mw(self) -> int | None:
         """Power averaged over the last second (mW); None where the vendor has no such reading."""
+
+    def power_domains_mw(self, domains: Sequence[str]) -> list[int | None] | None:
+        """Readings (mW) of the named power domains ("device_instant", "device_average", "memory_average"), in
+        one call where the vendor can; None for a domain not offered, or None when none is offered at all.
+
+        The default reads `instant_power_mw` and `one_second_power_mw` one by one.
+        """
+        read = {"device_instant": self.instant_power_mw, "device_average": self.one_second_power_mw}
+        return [read[d]() if d in read else None for d in domains]
 
     @abstractmethod
     def memory_bytes(self) -> int:

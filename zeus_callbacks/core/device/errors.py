@@ -1,12 +1,10 @@
-"""The package's exceptions, each saying what went wrong and what to do, and their translation from NVML's."""
+"""The package's exceptions, each saying what went wrong and what to do (each vendor module translates its
+library's errors into them: `nvidia.nvml_error`, `amd.py`)."""
 
 from __future__ import annotations
 
-from types import ModuleType
-
 __all__ = [
     "SIMULATION_HINT",
-    "nvml_error",
     "ZeusCallbacksError",
     "InvalidInputError",
     "GPUError",
@@ -36,7 +34,7 @@ class InvalidInputError(ZeusCallbacksError, ValueError):
 
 
 class GPUError(ZeusCallbacksError):
-    """An NVML call failed."""
+    """A call to a GPU vendor's library (NVML, amdsmi) failed."""
 
 
 class GPUNoPermissionError(GPUError):
@@ -60,7 +58,8 @@ class GPUStateJournalError(GPUError):
 
 
 class NVMLUnavailableError(GPUError):
-    """The NVML library or the NVIDIA driver is missing, so no GPU can be reached."""
+    """The GPU vendor's library or driver (NVML and the NVIDIA driver; amdsmi) is missing, so no GPU can be
+    reached."""
 
 
 class MIGNotSupportedError(GPUError):
@@ -69,36 +68,3 @@ class MIGNotSupportedError(GPUError):
 
 class MixedVendorError(GPUError):
     """GPUs of two vendors are visible at once; this package drives one vendor's GPUs per process."""
-
-
-def nvml_error(nvml: ModuleType, err: Exception, what: str, gpu: str) -> GPUError:
-    """The package's exception for an `NVMLError` raised by `nvml`, with a message that says what to do.
-
-    Args:
-        nvml: The NVML-shaped module that raised `err` (its error codes are compared).
-        err: The `NVMLError`.
-        what: What was being done, e.g. "Setting the power limit".
-        gpu: Which GPU, e.g. its label.
-    """
-    code = getattr(err, "value", None)
-    if code == nvml.NVML_ERROR_NO_PERMISSION:
-        return GPUNoPermissionError(
-            f"{what} on {gpu}: no permission. Changing power limits and clocks needs the CAP_SYS_ADMIN "
-            "capability (root has it unless a container drops it; e.g. `docker run --cap-add SYS_ADMIN`), or "
-            "Zeus's daemon zeusd (set ZEUSD_SOCK_PATH or ZEUSD_HOST_PORT); measuring still works."
-        )
-    if code == nvml.NVML_ERROR_NOT_SUPPORTED:
-        return GPUNotSupportedError(f"{what} is not supported on {gpu} by this GPU or driver.")
-    if code in (nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_RESET_REQUIRED):
-        return GPULostError(
-            f"{what} on {gpu}: the GPU is lost (fell off the bus or needs a reset). Check `nvidia-smi` and "
-            "the kernel log; the settings changed by this process are restored when the GPU is back."
-        )
-    if code in (
-        nvml.NVML_ERROR_LIBRARY_NOT_FOUND,
-        nvml.NVML_ERROR_DRIVER_NOT_LOADED,
-        nvml.NVML_ERROR_FUNCTION_NOT_FOUND,
-        nvml.NVML_ERROR_LIB_RM_VERSION_MISMATCH,
-    ):
-        return NVMLUnavailableError(f"{what}: NVML is unavailable ({err}). {SIMULATION_HINT}")
-    return GPUError(f"{what} on {gpu} failed: {err}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from zeus_callbacks.core.device import setters
 from zeus_callbacks.core.device.backend import has_cap_sys_admin
-from zeus_callbacks.core.device.errors import GPUError, InvalidInputError, nvml_error
+from zeus_callbacks.core.device.errors import GPUError, InvalidInputError
 from zeus_callbacks.core.device.gpus import GPU, GPUs
 
 __all__ = [
@@ -24,24 +24,13 @@ __all__ = [
 
 
 def driver_versions(gpus: GPUs) -> tuple[str | None, str | None]:
-    """(driver version, NVML library version); None where the library does not say."""
-    out: list[str | None] = []
-    for name in ("nvmlSystemGetDriverVersion", "nvmlSystemGetNVMLVersion"):
-        fn = getattr(gpus.nvml, name, None)
-        try:
-            value = fn() if fn is not None else None
-        except gpus.nvml.NVMLError:
-            value = None
-        out.append(value.decode() if isinstance(value, bytes) else value)
-    return out[0], out[1]
+    """(driver version, vendor library version: NVML's, amdsmi's); None where the library does not say."""
+    return gpus.backend.driver_versions()
 
 
 def current_sm_clock_mhz(gpu: GPU) -> int:
-    """The SM clock now (MHz)."""
-    try:
-        return int(gpu.nvml.nvmlDeviceGetClockInfo(gpu.handle, gpu.nvml.NVML_CLOCK_SM))
-    except gpu.nvml.NVMLError as e:
-        raise nvml_error(gpu.nvml, e, "Reading the SM clock", gpu.label) from None
+    """The SM (graphics) clock now (MHz)."""
+    return gpu.device.clocks_mhz()[0]
 
 
 @dataclass(frozen=True)

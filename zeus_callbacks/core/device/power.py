@@ -1,9 +1,10 @@
-"""Power readings and the energy counter's refresh period, as real NVML gives them.
+"""Power readings of a GPU, and how often a reading changes: the one refresh-period probe.
 
-`nvmlDeviceGetPowerUsage` is a one-second moving average on Ampere and newer boards (except the A100
-class); the instantaneous draw comes from the field value `NVML_FI_DEV_POWER_INSTANT`. The energy counter
-(`nvmlDeviceGetTotalEnergyConsumption`, mJ) only moves when the driver refreshes it, every 20-100 ms
-depending on the board, so a window shorter than that reads 0 J or one whole refresh.
+A GPU's standard power reading is a one-second moving average on NVIDIA's Ampere and newer boards (except the
+A100 class); the instantaneous draw is its own reading (`Device.instant_power_mw`). The energy counter only
+moves when the driver refreshes it, every 20-100 ms depending on the board, so a window shorter than that reads
+0 J or one whole refresh. Drivers do not report the refresh period: `measure_refresh_s` polls a reading to find
+it (the energy counter here, the power reading in `monitor/power_readings.py`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from zeus_callbacks.core.device.errors import GPUError, nvml_error
+from zeus_callbacks.core.device.errors import GPUError
 
 if TYPE_CHECKING:
     from zeus_callbacks.core.device.gpus import GPU
@@ -23,6 +25,7 @@ __all__ = [
     "instant_power_mw",
     "average_power_mw",
     "one_second_power_mw",
+    "measure_refresh_s",
     "energy_refresh_period_s",
     "forget_refresh_periods",
     "MAX_REFRESH_PERIOD_S",
@@ -41,47 +44,49 @@ _periods: dict[str, float | None] = {}
 _periods_lock = threading.Lock()
 
 
-def _field_value_mw(gpu: GPU, field_name: str) -> int | None:
-    """A power field value (mW), or None where this NVML or GPU does not offer it."""
-    nvml = gpu.nvml
-    field = getattr(nvml, field_name, None)
-    get = getattr(nvml, "nvmlDeviceGetFieldValues", None)
-    if field is None or get is None:
-        return None
-    scope = getattr(nvml, "NVML_POWER_SCOPE_GPU", 0)
-    try:
-        value = get(gpu.handle, [(field, scope)])[0]
-    except nvml.NVMLError as e:
-        # Not offered: the field (NOT_SUPPORTED, INVALID_ARGUMENT), the call in an old driver's library
-        # (FUNCTION_NOT_FOUND), or the whole call failing without a reason (UNKNOWN).
-        if getattr(e, "value", None) in (
-            nvml.NVML_ERROR_NOT_SUPPORTED,
-            nvml.NVML_ERROR_INVALID_ARGUMENT,
-            nvml.NVML_ERROR_FUNCTION_NOT_FOUND,
-            nvml.NVML_ERROR_UNKNOWN,
-        ):
-            return None
-        raise nvml_error(nvml, e, "Reading power", gpu.label) from None
-    if value.nvmlReturn != nvml.NVML_SUCCESS:
-        return None
-    return int(value.value.uiVal)
-
-
 def average_power_mw(gpu: GPU) -> int:
-    """Power as `nvmlDeviceGetPowerUsage` reports it (a 1 s average on Ampere and newer), mW."""
-    return gpu.power_mw()
+    """Power as the vendor averages it (NVIDIA: `nvmlDeviceGetPowerUsage`, a 1 s average on Ampere and newer)."""
+    return gpu.device.average_power_mw()
 
 
 def one_second_power_mw(gpu: GPU) -> int | None:
-    """Power averaged over the last second (mW), `NVML_FI_DEV_POWER_AVERAGE`; None where the GPU or NVML
-    does not offer it (before Ampere, the A100 class)."""
-    return _field_value_mw(gpu, "NVML_FI_DEV_POWER_AVERAGE")
+    """Power averaged over the last second (mW); None where the GPU does not offer it (NVIDIA: before Ampere,
+    the A100 class)."""
+    return gpu.device.one_second_power_mw()
 
 
 def instant_power_mw(gpu: GPU) -> int:
-    """The instantaneous power draw (mW): `NVML_FI_DEV_POWER_INSTANT` where offered, else `power_mw()`."""
-    value = _field_value_mw(gpu, "NVML_FI_DEV_POWER_INSTANT")
-    return gpu.power_mw() if value is None else value
+    """The instantaneous power draw (mW) where offered, else `power_mw()`."""
+    return gpu.device.instant_power_mw()
+
+
+def measure_refresh_s(
+    read: Callable[[], object],
+    *,
+    changes: int,
+    budget_s: float,
+    poll_s: float,
+    min_changes: int = 2,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> float | None:
+    """How often `read()` changes (s): the median time between its first `changes` changes, polled every
+    `poll_s` for at most `budget_s` on `clock`; None if it changed fewer than `min_changes` times.
+
+    The median, not the mean, so that one late wake-up of the poller does not move it.
+    """
+    last = read()
+    seen: list[float] = []
+    deadline = clock() + budget_s
+    while len(seen) < changes and clock() < deadline:
+        sleep(poll_s)
+        value = read()
+        if value != last:
+            seen.append(clock())
+            last = value
+    if len(seen) < min_changes:
+        return None
+    return statistics.median(b - a for a, b in zip(seen, seen[1:], strict=False))
 
 
 def energy_refresh_period_s(gpu: GPU, clock=time.monotonic) -> float | None:
@@ -94,7 +99,7 @@ def energy_refresh_period_s(gpu: GPU, clock=time.monotonic) -> float | None:
     with _periods_lock:
         if gpu.uuid in _periods:
             return _periods[gpu.uuid]
-    known = gpu.backend.known_energy_refresh_s(gpu.handle)
+    known = gpu.backend.known_energy_refresh_s(gpu.device)
     if known is not None:
         period: float | None = known or None  # 0: a counter that is always current
     elif gpu.supports_energy_counter and not gpu.backend.virtual_clock:
@@ -109,25 +114,16 @@ def energy_refresh_period_s(gpu: GPU, clock=time.monotonic) -> float | None:
 
 
 def _measure(gpu: GPU, clock, sleep=time.sleep) -> float | None:
-    """The median time between the counter's first `_CHANGES` moves, polled every `_POLL_S` for at most
-    `_BUDGET_S` on `clock`; None if it moved fewer than twice, or more slowly than `MAX_REFRESH_PERIOD_S`."""
+    """The energy counter's period by `measure_refresh_s` (`_CHANGES` moves, polled every `_POLL_S` for at most
+    `_BUDGET_S`); None if it moved fewer than twice, or more slowly than `MAX_REFRESH_PERIOD_S`."""
     try:
-        last = gpu.energy_mj()
-        changes: list[float] = []
-        deadline = clock() + _BUDGET_S
-        while len(changes) < _CHANGES and clock() < deadline:
-            sleep(_POLL_S)
-            value = gpu.energy_mj()
-            if value != last:
-                changes.append(clock())
-                last = value
+        period = measure_refresh_s(
+            gpu.energy_mj, changes=_CHANGES, budget_s=_BUDGET_S, poll_s=_POLL_S, clock=clock, sleep=sleep
+        )
     except GPUError as e:
         logger.warning("Could not measure the energy counter's refresh period of %s: %s", gpu.label, e)
         return None
-    if len(changes) < 2:
-        return None
-    period = statistics.median(b - a for a, b in zip(changes, changes[1:]))  # noqa: B905
-    return period if period <= MAX_REFRESH_PERIOD_S else None
+    return period if period is not None and period <= MAX_REFRESH_PERIOD_S else None
 
 
 def forget_refresh_periods() -> None:

@@ -1,10 +1,12 @@
-"""The route GPU settings are changed through: NVML in this process, or Zeus's daemon `zeusd`.
+"""The route GPU settings are changed through: the GPU's vendor library in this process, or Zeus's daemon `zeusd`.
 
 Every change of a power limit, SM clock lock or persistence mode, and every restore of one, goes through a
-route (`route()` for this process's changes; `for_journal(...)` for a journaled one). Reads always use NVML.
+route (`route()` for this process's changes; `for_journal(...)` for a journaled one). Reads always use the
+`Device` in this process. The in-process route is named `nvml` (journals, `ZEUS_CALLBACKS_SETTERS`) for every
+vendor, as it was before there were others.
 
 `ZEUS_CALLBACKS_SETTERS` chooses: `auto` (default: zeusd when `ZEUSD_SOCK_PATH` or `ZEUSD_HOST_PORT` is set,
-as Zeus does, else NVML), `nvml` (NVML even where zeusd is configured), `zeusd` (zeusd, and an error
+as Zeus does, else in this process), `nvml` (in this process even where zeusd is configured), `zeusd` (zeusd, and an error
 when it is not configured).
 """
 
@@ -12,11 +14,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from zeus_callbacks.core.device import zeusd
-from zeus_callbacks.core.device.errors import GPUNotSupportedError, InvalidInputError, nvml_error
+from zeus_callbacks.core.device.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from zeus_callbacks.core.device.gpus import GPU
@@ -51,7 +52,8 @@ class Route(Protocol):
 
 
 class NVMLRoute:
-    """NVML's setters, called in this process (needs CAP_SYS_ADMIN)."""
+    """The GPU's own vendor library, called in this process (needs CAP_SYS_ADMIN). Named `nvml` in journals
+    and `ZEUS_CALLBACKS_SETTERS` since before other vendors; it calls whichever vendor's `Device` the GPU is."""
 
     name = "nvml"
     endpoint = None
@@ -60,48 +62,20 @@ class NVMLRoute:
         return "NVMLRoute()"
 
     def may_change(self, gpu: GPU) -> bool:
-        """Whether this process may change the GPU through NVML (for a real GPU: it holds CAP_SYS_ADMIN)."""
-        return gpu.backend.may_change_settings(gpu.handle)
-
-    @staticmethod
-    def _call(gpu: GPU, what: str, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            fn(gpu.handle, *args)
-        except gpu.nvml.NVMLError as e:
-            raise nvml_error(gpu.nvml, e, what, gpu.label) from None
+        """Whether this process may change the GPU itself (for a real GPU: it holds CAP_SYS_ADMIN)."""
+        return gpu.backend.may_change_settings(gpu.device)
 
     def set_power_limit_mw(self, gpu: GPU, value_mw: int, what: str = "Setting the power limit") -> None:
-        if gpu.power_limit_scope != "module":
-            self._call(gpu, what, gpu.nvml.nvmlDeviceSetPowerManagementLimit, int(value_mw))
-            return
-        nvml = gpu.nvml
-        self._call(
-            gpu,
-            what,
-            nvml.nvmlDeviceSetPowerManagementLimit_v2,
-            nvml.NVML_POWER_SCOPE_MODULE,
-            int(value_mw),
-            nvml.nvmlPowerValue_v2,
-        )
-        # nvidia-ml-py's nvmlDeviceSetPowerManagementLimit_v2 drops NVML's return code (pynvml.py: `ret = fn(...)`,
-        # then `return NVML_SUCCESS`), so a refusal shows only in the limit read back.
-        now = gpu.power_limit_mw()
-        if now != int(value_mw):
-            raise GPUNotSupportedError(
-                f"{what} on {gpu.label} (module scope): NVML did not apply {value_mw / 1000:g} W (the module's "
-                f"limit reads {now / 1000:g} W). Check `nvidia-smi -q -d POWER` and that this process holds "
-                "CAP_SYS_ADMIN."
-            )
+        gpu.device.set_power_limit_mw(int(value_mw))
 
     def lock_sm_clocks(self, gpu: GPU, min_mhz: int, max_mhz: int, what: str = "Locking SM clocks") -> None:
-        self._call(gpu, what, gpu.nvml.nvmlDeviceSetGpuLockedClocks, int(min_mhz), int(max_mhz))
+        gpu.device.lock_sm_clocks(int(min_mhz), int(max_mhz))
 
     def reset_sm_clocks(self, gpu: GPU, what: str = "Resetting SM clocks") -> None:
-        self._call(gpu, what, gpu.nvml.nvmlDeviceResetGpuLockedClocks)
+        gpu.device.reset_sm_clocks()
 
     def set_persistence_mode(self, gpu: GPU, enabled: bool, what: str = "Setting persistence mode") -> None:
-        mode = gpu.nvml.NVML_FEATURE_ENABLED if enabled else gpu.nvml.NVML_FEATURE_DISABLED
-        self._call(gpu, what, gpu.nvml.nvmlDeviceSetPersistenceMode, mode)
+        gpu.device.set_persistence_mode(bool(enabled))
 
 
 _NVML = NVMLRoute()

@@ -1,11 +1,10 @@
-"""Read-only GPU readings for exporters: temperature and the clocks in force, as NVML reports them."""
+"""Read-only GPU readings for exporters: temperature and the clocks in force, as the GPU's `Device` reports them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from zeus_callbacks.core.device.errors import nvml_error
 from zeus_callbacks.core.device.power import instant_power_mw
 
 if TYPE_CHECKING:
@@ -16,7 +15,7 @@ __all__ = ["GPUReading", "read_gpu", "temperature_c", "clocks_mhz"]
 
 @dataclass(frozen=True, slots=True)
 class GPUReading:
-    """One GPU's readings at one moment; a field is None where this GPU or NVML does not offer it.
+    """One GPU's readings at one moment; a field is None where this GPU or its library does not offer it.
 
     Attributes:
         energy_j: The energy counter (J since the driver loaded; Volta and newer).
@@ -36,24 +35,13 @@ class GPUReading:
 
 
 def temperature_c(gpu: GPU) -> int:
-    """The GPU core temperature (°C), `nvmlDeviceGetTemperature(NVML_TEMPERATURE_GPU)`."""
-    nvml = gpu.nvml
-    try:
-        return int(nvml.nvmlDeviceGetTemperature(gpu.handle, nvml.NVML_TEMPERATURE_GPU))
-    except nvml.NVMLError as e:
-        raise nvml_error(nvml, e, "Reading the temperature", gpu.label) from None
+    """The GPU core temperature (°C)."""
+    return gpu.device.temperature_c()
 
 
 def clocks_mhz(gpu: GPU) -> tuple[int, int]:
-    """(SM, memory) clocks in force now (MHz), `nvmlDeviceGetClockInfo`."""
-    nvml = gpu.nvml
-    try:
-        return (
-            int(nvml.nvmlDeviceGetClockInfo(gpu.handle, nvml.NVML_CLOCK_SM)),
-            int(nvml.nvmlDeviceGetClockInfo(gpu.handle, nvml.NVML_CLOCK_MEM)),
-        )
-    except nvml.NVMLError as e:
-        raise nvml_error(nvml, e, "Reading the clocks", gpu.label) from None
+    """(SM, memory) clocks in force now (MHz)."""
+    return gpu.device.clocks_mhz()
 
 
 def read_gpu(gpu: GPU) -> GPUReading:

@@ -78,25 +78,16 @@ NOT_ZEUSD = f"check that {SOCK_ENV} / {HOST_PORT_ENV} points at zeusd"
 
 
 def _gpu_pci_key(gpu: GPU) -> tuple[int, int, int] | None:
-    nvml = gpu.nvml
     try:
-        bus_id = nvml.nvmlDeviceGetPciInfo_v3(gpu.handle).busId
-    except (AttributeError, nvml.NVMLError):
+        return pci_key(gpu.device.pci_bus_id())
+    except GPUError:
         return None
-    return pci_key(bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id))
 
 
 def _node_names(gpu: GPU) -> list[str]:
-    """The names of every GPU this job's NVML sees, in NVML's order (what zeusd's indices are compared with)."""
-    nvml = gpu.nvml
-    try:
-        names = [
-            nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i))
-            for i in range(nvml.nvmlDeviceGetCount())
-        ]
-        return [n.decode() if isinstance(n, bytes) else str(n) for n in names]  # old pynvml answers bytes
-    except nvml.NVMLError:
-        return []
+    """The names of every GPU this job's vendor library sees, in its order (what zeusd's indices are compared
+    with)."""
+    return gpu.backend.node_gpu_names()
 
 
 class ZeusdNoAnswerError(GPUError):
@@ -336,13 +327,13 @@ class ZeusdClient:
             hit = match_gpu(
                 found,
                 pci=_gpu_pci_key(gpu),
-                nvml_index=gpu.nvml_index,
+                nvml_index=gpu.vendor_index,
                 node_names=_node_names(gpu),
                 cuda_visible=cuda_visible_devices(),
             )
         except MappingRefused as e:
             raise GPUError(
-                f"{what} on {gpu.label} (NVML index {gpu.nvml_index}) through {self._where()}: {e}."
+                f"{what} on {gpu.label} (NVML index {gpu.vendor_index}) through {self._where()}: {e}."
             ) from None
         with self._lock:
             self._ids[gpu.uuid] = hit
@@ -360,7 +351,7 @@ class ZeusdClient:
     def _post(self, gpu: GPU, what: str, path: str, **params: Any) -> None:
         index = self.gpu_id(gpu, what)
         # A backend that models work at synchronisation settles it first, as a change made in-process does.
-        gpu.backend.settle(gpu.handle)
+        gpu.backend.settle(gpu.device)
         query = {"gpu_ids": str(index), **{k: _param(v) for k, v in params.items()}, "block": "true"}
         try:
             self._call(what, gpu.label, "POST", path, query)

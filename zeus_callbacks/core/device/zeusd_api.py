@@ -44,11 +44,11 @@ GENERATIONS = ("0.4", "0.5", "master")
 
 # nvml-wrapper's `NvmlError` Display texts (Cldfire/nvml-wrapper, `nvml-wrapper/src/error.rs`), as zeusd
 # sends them after "NVML error: " (sic "inacessible").
-NVML_NOT_SUPPORTED = "the requested operation is not available on the target device"
-NVML_INVALID_ARG = "a supplied argument was invalid"
-NVML_NO_PERMISSION = "the current user does not have permission to perform this operation"
-NVML_GPU_LOST = "device fell off the bus or has otherwise become inacessible"
-NVML_RESET_REQUIRED = "device requires a reset before it can be used again"
+WRAPPER_NOT_SUPPORTED = "the requested operation is not available on the target device"
+WRAPPER_INVALID_ARG = "a supplied argument was invalid"
+WRAPPER_NO_PERMISSION = "the current user does not have permission to perform this operation"
+WRAPPER_GPU_LOST = "device fell off the bus or has otherwise become inacessible"
+WRAPPER_RESET_REQUIRED = "device requires a reset before it can be used again"
 # `error.rs` from 0.5: what a platform without persistence mode answers (400).
 PERSISTENCE_CANNOT_BE_DISABLED = "Persistence mode cannot be disabled on this platform."
 
@@ -231,15 +231,15 @@ def _texts(body: Any) -> str:
     return "" if body is None else str(body).strip()[:300]
 
 
-def _nvml_kind(text: str) -> str | None:
+def _wrapper_kind(text: str) -> str | None:
     lowered = text.lower()
-    if NVML_GPU_LOST in lowered or NVML_RESET_REQUIRED in lowered:
+    if WRAPPER_GPU_LOST in lowered or WRAPPER_RESET_REQUIRED in lowered:
         return "gpu_lost"
-    if NVML_NOT_SUPPORTED in lowered or PERSISTENCE_CANNOT_BE_DISABLED.lower() in lowered:
+    if WRAPPER_NOT_SUPPORTED in lowered or PERSISTENCE_CANNOT_BE_DISABLED.lower() in lowered:
         return "not_supported"
-    if NVML_NO_PERMISSION in lowered:
+    if WRAPPER_NO_PERMISSION in lowered:
         return "no_permission"
-    if NVML_INVALID_ARG in lowered:
+    if WRAPPER_INVALID_ARG in lowered:
         return "invalid_arg"
     return None
 
@@ -251,7 +251,7 @@ def classify(status: int, body: Any) -> Answer:
     """
     text = _texts(body)
     lowered = text.lower()
-    nvml = _nvml_kind(text)
+    library = _wrapper_kind(text)
     if status == 401:
         kind = "auth"
     elif status == 403:
@@ -264,10 +264,10 @@ def classify(status: int, body: Any) -> Answer:
         elif "does not exist" in lowered or ("gpu" in lowered and "not found" in lowered):
             kind = "unknown_gpu"
         else:
-            kind = nvml if nvml in ("not_supported", "invalid_arg") else "bad_query"
+            kind = library if library in ("not_supported", "invalid_arg") else "bad_query"
     elif status >= 500:
         # 0.4 answers every per-GPU failure with 500: its text says which.
-        kind = nvml or "failed"
+        kind = library or "failed"
     else:
         kind = "failed"
     return Answer(status, kind, text)

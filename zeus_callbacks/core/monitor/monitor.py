@@ -440,7 +440,7 @@ def _energy_bound(gpu: GPU) -> EnergyBound:
     as its generation's power updates (ASSUMED the same, as sim/specs.py; measured at the first short window);
     its top power is its highest settable limit (read once here; unknown where NVML gives none)."""
     sensor = power_sensor(gpu)
-    known = gpu.backend.known_energy_refresh_s(gpu.handle)
+    known = gpu.backend.known_energy_refresh_s(gpu.device)
     try:
         top_w = gpu.power_limit_constraints_mw()[1] / 1000
     except GPUError:

@@ -78,7 +78,7 @@ def _measured_domains(
     indices: list[int], gpus: list[Any], readers: list[PowerReader], requested: list[PowerDomain] | None
 ) -> list[PowerDomain]:
     """The domains to sample: those requested (each offered by every GPU), else every domain all offer."""
-    offered = [{d for d, _, _ in r.fields} | ({r.usage} if r.usage else set()) for r in readers]
+    offered = [set(r.fields) | ({r.usage} if r.usage else set()) for r in readers]
     if requested is not None:
         for d in requested:
             for g, o in zip(gpus, offered, strict=True):
@@ -168,7 +168,7 @@ class PowerMonitor:
             logger.warning("PowerMonitor: device_instant is not sampled, so `get_power` is unavailable.")
         wanted = set(self.measurement_domains)
         self._readers = [
-            PowerReader(tuple(f for f in r.fields if f[0] in wanted), r.usage if r.usage in wanted else None)
+            PowerReader(tuple(f for f in r.fields if f in wanted), r.usage if r.usage in wanted else None)
             for r in readers
         ]
         self._series = {
@@ -210,7 +210,7 @@ class PowerMonitor:
             (
                 i,
                 g.uuid,
-                [(d.value, f, sc) for d, f, sc in r.fields],
+                [d.value for d in r.fields],
                 None if r.usage is None else r.usage.value,
             )
             for i, g, r in zip(self.gpu_indices, self._gpus, self._readers, strict=True)

@@ -1,5 +1,5 @@
-"""PowerMonitor's sampling process: NVML read in another interpreter, so sampling never takes the training
-thread's GIL.
+"""PowerMonitor's sampling process: the GPUs' power read in another interpreter, so sampling never takes the
+training thread's GIL.
 
 A thread that samples in the training process must take the GIL for every reading (and a ctypes call into
 NVML gives it up and takes it back), so a step that holds the GIL pays for each of the thread's wake-ups
@@ -59,8 +59,8 @@ class SamplingProcess:
     """The parent's handle on one sampling process (see the module's docstring).
 
     Args:
-        targets: Per GPU: (index, UUID, [(domain name, field id, scope), ...], domain read with
-            `nvmlDeviceGetPowerUsage` or None).
+        targets: Per GPU: (index, UUID, [domain name read in one call, ...], the domain the standard power
+            reading gives or None).
         period_s: Seconds between two readings.
         max_samples: Readings kept per GPU and domain between two flushes (None: all).
 
@@ -177,14 +177,14 @@ def _open_targets(spec: dict[str, Any]) -> tuple[Any, list[tuple[Any, int, Any]]
     from zeus_callbacks.core.monitor.power_readings import PowerDomain, PowerReader
 
     backend = active_backend()
-    backend.nvml.nvmlInit()
+    backend.init()
     targets = []
     for index, uuid, fields, usage in spec["targets"]:
         reader = PowerReader(
-            tuple((PowerDomain(d), int(f), int(s)) for d, f, s in fields),
-            None if usage is None else PowerDomain(usage),
+            tuple(PowerDomain(d) for d in fields), None if usage is None else PowerDomain(usage)
         )
-        targets.append((GPU(backend, int(index), str(uuid)), int(index), reader))
+        device = backend.open_device(str(uuid), int(index))
+        targets.append((GPU(backend, int(index), device), int(index), reader))
     return backend, targets
 
 

@@ -1,4 +1,4 @@
-"""The bound of a window's GPU energy: how far the true energy may lie from the figure NVML's sensor gives.
+"""The bound of a window's GPU energy: how far the true energy may lie from the figure the GPU's sensor gives.
 
 Three sources add up (docs/energy-uncertainty.md derives each):
 
@@ -11,7 +11,7 @@ Three sources add up (docs/energy-uncertainty.md derives each):
   (`approx_instant_energy`) knows the power only as one reading.
 
 The bound holds the sensor's figures per board generation (`PowerSensor`) and, per GPU, the little state the
-monitor's hot path needs (`EnergyBound`): a few float operations per GPU and window, no NVML call.
+monitor's hot path needs (`EnergyBound`): a few float operations per GPU and window, no GPU call.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from zeus_callbacks.core.device.power import energy_refresh_period_s
-from zeus_callbacks.core.monitor.power_readings import _is_ga100
 
 if TYPE_CHECKING:
     from zeus_callbacks.core.device.gpus import GPU
@@ -97,22 +96,24 @@ OLDER = PowerSensor(0.100, 0.100, "ASSUMED (before Volta: a 100 ms update seen w
 NEWER = PowerSensor(0.100, 0.025, "ASSUMED (after Hopper: as GH100)")
 
 
+_BEFORE_VOLTA = ("kepler", "maxwell", "pascal")
+
+
 def power_sensor(gpu: GPU) -> PowerSensor:
-    """The power sensor of `gpu`'s generation (by NVML's architecture and, for GA100, its name)."""
+    """The power sensor of `gpu`'s generation (`gpu.architecture`). Ampere's two sensors are told apart by the
+    standard power reading: the 1-second average on GA102 (A40, A10G), the instant one on GA100 (A100, A30), as
+    nvml.h says of `NVML_FI_DEV_POWER_AVERAGE` ("Ampere (except GA100) or newer")."""
     arch = gpu.architecture
-    volta, turing, ampere, hopper = (getattr(gpu.nvml, f"NVML_DEVICE_ARCH_{n}", v) for n, v in _ARCHES)
-    if arch is None or arch < volta:
+    if arch is None or arch in _BEFORE_VOLTA:
         return OLDER
-    if arch == volta:
+    if arch == "volta":
         return VOLTA
-    if arch == turing or (arch == ampere and not _is_ga100(gpu)):
+    ga102 = arch == "ampere" and gpu.device.power_usage_domain == "device_average"
+    if arch == "turing" or ga102:
         return TURING_GA102
-    if arch in (ampere, hopper):
+    if arch in ("ampere", "hopper"):
         return GA100_GH100
     return NEWER
-
-
-_ARCHES = (("VOLTA", 5), ("TURING", 6), ("AMPERE", 7), ("HOPPER", 9))  # nvml.h's values
 
 
 def sensor_error_j(energy_j: float, elapsed_s: float) -> float:

@@ -1,4 +1,5 @@
-"""Set a GPU's locked SM clock from a background thread, so that the NVML call stays off the critical path."""
+"""Set a GPU's locked SM clock from a background thread, so that the vendor library's call stays off the
+critical path."""
 
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ class FrequencyController:
 
     def __init__(self, gpu: GPU) -> None:
         self.gpu = gpu
-        self.changes = 0  # NVML calls made (redundant requests excluded)
+        self.changes = 0  # clock changes made (redundant requests excluded)
         self.error: GPUError | None = None
         self._requested: int | None = None
         self._applied: int | None = None
         self._pending: deque[int] = deque()
         self._cond = threading.Condition()
-        self._nvml = threading.Lock()  # held around every NVML call, and by close()
+        self._calling = threading.Lock()  # held around every call to the GPU, and by close()
         self._busy = False
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="zeus-callbacks-frequency", daemon=True)
@@ -76,10 +77,10 @@ class FrequencyController:
             self._closed = True
             self._pending.clear()
             self._cond.notify_all()
-        # An NVML call in flight finishes before close returns. From a signal handler the main thread may
+        # A call to the GPU in flight finishes before close returns. From a signal handler the main thread may
         # itself hold the lock (inside `set_now`): do not wait for ourselves.
-        if self._nvml.acquire(timeout=2):
-            self._nvml.release()
+        if self._calling.acquire(timeout=2):
+            self._calling.release()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
@@ -104,7 +105,7 @@ class FrequencyController:
                     self._cond.notify_all()
 
     def _apply(self, mhz: int, raise_error: bool) -> None:
-        with self._nvml:
+        with self._calling:
             if self._closed or mhz == self._applied:
                 return
             try:
