@@ -10,6 +10,7 @@ from typing import Any
 import pynvml
 
 from zeus_callbacks import sim
+from zeus_callbacks.core.device.backend import Backend
 from zeus_callbacks.core.device.device import Device
 from zeus_callbacks.core.device.nvidia import NVIDIABackend, NVIDIADevice
 from zeus_callbacks.sim import nvml_library
@@ -88,7 +89,12 @@ class SimulatedBackend(NVIDIABackend):
         return None if path is None else path / "journal"
 
 
-def simulated_backend() -> SimulatedBackend | None:
-    """The backend factory: simulated GPUs when selected (`simulate()` or `ZEUS_CALLBACKS_SIMULATE`), else None."""
+def simulated_backend() -> Backend | None:
+    """The backend factory: simulated GPUs when selected (`simulate()` or `ZEUS_CALLBACKS_SIMULATE`), else None;
+    an AMD node's are reached through amdsmi (`sim/amd_backend.py`)."""
     system = sim.active()
+    if system is not None and system.vendor == "amd":
+        from zeus_callbacks.sim.amd_backend import SimulatedAMDBackend
+
+        return SimulatedAMDBackend(system)
     return None if system is None else SimulatedBackend(system)
