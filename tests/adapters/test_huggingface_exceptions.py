@@ -197,3 +197,104 @@ def test_a_plain_trainer_without_the_opt_in_is_left_as_transformers_makes_it(nod
     assert guard().entries  # journaled: exit (or a later restore) puts it back
     guard().restore()
     assert_restored_now(node)
+
+
+class _Events:
+    """IPython's `EventManager` as IPython 8's `IPython/core/events.py` has it (IPython is not installed
+    here): `callbacks` by event, `register` (once per function), `unregister`, and `trigger` over a copy of
+    the list, so a callback may unregister itself."""
+
+    def __init__(self) -> None:
+        self.callbacks: dict[str, list] = {"pre_run_cell": [], "post_run_cell": []}
+
+    def register(self, event, function):
+        if function not in self.callbacks[event]:
+            self.callbacks[event].append(function)
+
+    def unregister(self, event, function):
+        if function in self.callbacks[event]:
+            return self.callbacks[event].remove(function)
+        raise ValueError(f"Function {function!r} is not registered as a {event} callback")
+
+    def trigger(self, event, *args, **kwargs):
+        for func in self.callbacks[event][:]:
+            func(*args, **kwargs)
+
+
+@pytest.fixture
+def notebook(monkeypatch):
+    """This process as an IPython kernel: `IPython.get_ipython()` answers a shell whose events are `_Events`."""
+    import sys
+    import types
+
+    shell = types.SimpleNamespace(events=_Events())
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    return shell
+
+
+def test_a_plain_trainer_in_a_notebook_is_put_back_when_the_failed_cell_ends(
+    node, tmp_path, notebook, caplog
+):
+    """Issue 38 item 5: a plain `Trainer` whose `train()` raises in a notebook cell. Nothing is patched; the
+    callbacks watch IPython's `post_run_cell` for the run, so when the cell ends the GPU is put back, with one
+    warning that says why and names the opt-in. On the parent commit the GPU stayed at the failed run's
+    limit until the kernel exited."""
+    train = Trainer.train
+    fail = FailBelow(node)
+    trainer = Trainer(
+        model=Model(node),
+        args=trainer_args(tmp_path),
+        train_dataset=DATA,
+        callbacks=[HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW), fail],
+    )
+    with pytest.raises(RuntimeError, match="callback failed"):  # the cell raises
+        trainer.train()
+    assert node.gpus[0].power_limit_mw == fail.failed_at_w * 1000 < MAX_W * 1000  # until the cell ends
+    with caplog.at_level("WARNING", logger="zeus_callbacks"):
+        notebook.events.trigger("post_run_cell", None)  # IPython, as the cell ends
+    assert_restored_now(node)
+    said = [r.getMessage() for r in caplog.records if "raised in this cell" in r.getMessage()]
+    assert len(said) == 1 and "ZeusTrainerMixin" in said[0] and "restoring_gpus" in said[0], caplog.text
+    assert notebook.events.callbacks["post_run_cell"] == []  # watched for the run only
+    assert Trainer.train is train
+
+
+def test_a_plain_trainer_that_completes_in_a_notebook_leaves_no_watcher(node, tmp_path, notebook, caplog):
+    trainer = Trainer(
+        model=Model(node),
+        args=trainer_args(tmp_path, max_steps=4),
+        train_dataset=DATA,
+        callbacks=[HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW)],
+    )
+    with caplog.at_level("WARNING", logger="zeus_callbacks"):
+        trainer.train()
+        notebook.events.trigger("post_run_cell", None)
+    assert notebook.events.callbacks["post_run_cell"] == []
+    assert not [r for r in caplog.records if "raised" in r.getMessage()]
+
+
+def test_a_caught_failure_on_a_plain_trainer_is_put_back_at_the_next_run(node, tmp_path, caplog):
+    """Outside IPython (a script that catches the exception and trains again): the next run of the same
+    callbacks puts the GPU back first, with one warning."""
+    fail = FailBelow(node)
+    plo = HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW)
+    trainer = Trainer(
+        model=Model(node), args=trainer_args(tmp_path), train_dataset=DATA, callbacks=[plo, fail]
+    )
+    with pytest.raises(RuntimeError, match="callback failed"):
+        trainer.train()
+    assert node.gpus[0].power_limit_mw < MAX_W * 1000
+    trainer.pop_callback(FailBelow)
+    seen: list[int] = []
+
+    class First(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            seen.append(node.gpus[0].power_limit_mw)
+
+    trainer.add_callback(First())  # after the optimizer: sees what its on_train_begin left
+    with caplog.at_level("WARNING", logger="zeus_callbacks"):
+        trainer.train()
+    assert seen == [MAX_W * 1000]
+    said = [r.getMessage() for r in caplog.records if "last trainer.train() raised" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert_restored_now(node)

@@ -91,6 +91,7 @@ class SessionCallback(RestoresOnException, LogsFirst):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """`on_train_end` → `end`."""
+        self._run_ended()
         self._session.end()
 
     @override
@@ -166,9 +167,9 @@ class HFGlobalPowerLimitOptimizer(SessionCallback, ResumesFromCheckpoint, Export
     `on_train_begin` → `start`, `on_step_begin`/`on_step_end`/`on_epoch_end` → `step_begin`/`step_end`/
     `epoch_end`, `on_log` → `interval_metrics` (`summary` on the end-of-training log), `on_train_end` →
     `end` (the GPUs get their settings back).
-    If `trainer.train()` raises, the GPUs get their settings back when the process ends, or before the
-    exception leaves `train()` with `ZeusTrainerMixin` / `restoring_gpus` (as with Lightning's
-    `on_exception`). Every log event gets
+    If `trainer.train()` raises, the GPUs get their settings back before the exception leaves `train()` with
+    `ZeusTrainerMixin` / `restoring_gpus` (as with Lightning's `on_exception`); without them, when the
+    notebook cell ends, or at the next `train()` or the process's end (`RestoresOnException`). Every log event gets
     `GlobalPowerLimitOptimizer.metrics()` and the energy of the logging interval, prefixed
     `power_limit_optimizer/`. Checkpoints carry the optimizer's state (`state()`); `trainer.train(
     resume_from_checkpoint=...)` resumes it, with or without `restore_callback_states_from_checkpoint`: a

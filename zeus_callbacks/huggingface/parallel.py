@@ -110,6 +110,7 @@ class HFPipelineFrequencyOptimizer(RestoresOnException, LogsFirst):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """`on_train_end` → `StageAttachment.detach` (clocks reset, instrumentation removed)."""
+        self._run_ended()
         self._stage.detach()
 
     @override
@@ -139,6 +140,7 @@ class HFHeterogeneousCallback(RestoresOnException):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """`on_train_begin` → `apply_power_limit`."""
+        super().on_train_begin(args, state, control, **kwargs)
         apply_power_limit(self.rank_plan, self.gpu_index)
 
     @override
@@ -146,6 +148,7 @@ class HFHeterogeneousCallback(RestoresOnException):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """`on_train_end` → `restore_power_limits`."""
+        self._run_ended()
         restore_power_limits()
 
     @override

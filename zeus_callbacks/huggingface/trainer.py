@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -66,16 +67,70 @@ def log_metrics(state: TrainerState, logs: dict[str, Any] | None, metrics: dict[
 
 
 class RestoresOnException(TrainerCallback):
-    """A callback whose GPU changes `ZeusTrainerMixin` / `restoring_gpus` undo the moment `train()` raises.
+    """A callback whose GPU changes are undone when `train()` raises.
 
-    transformers has no exception hook (Lightning has `on_exception`). Without the opt-in the GPUs get their
-    settings back when the process ends (exit, signal, or the restore watchdog after a hard death); with it,
-    before the exception leaves `train()`, for a caller that catches it (a notebook cell).
+    transformers has no exception hook (Lightning has `on_exception`). With the opt-in (`ZeusTrainerMixin` /
+    `restoring_gpus`) the changes are undone before the exception leaves `train()`. Without it, in IPython
+    (a notebook, `ipython`), when the cell whose `train()` raised ends (IPython's `post_run_cell` event,
+    registered for the run), with one warning; elsewhere, at this callback's next `on_train_begin` (a caller
+    that caught the exception and trains again), with one warning, else when the process ends (exit, a
+    signal, or the restore watchdog after a hard death). Subclasses call `super().on_train_begin(...)` and,
+    in `on_train_end`, `_run_ended()`.
     """
+
+    _in_run = False  # between on_train_begin and on_train_end (or the undo)
+
+    @override
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_train_begin` → undo what an earlier run that raised unseen left; in IPython, watch the cell."""
+        super().on_train_begin(args, state, control, **kwargs)
+        if self._in_run:
+            self._undo(
+                "the last trainer.train() raised and left the GPUs changed until now; they are put back"
+            )
+        self._in_run = True
+        shell = _ipython()
+        if shell is not None:
+            shell.events.register("post_run_cell", self._after_cell)
+
+    def _run_ended(self) -> None:
+        """The run ended (`on_train_end`, or undone): stop watching IPython's cells."""
+        self._in_run = False
+        shell = _ipython()
+        if shell is not None and self._after_cell in shell.events.callbacks.get("post_run_cell", ()):
+            shell.events.unregister("post_run_cell", self._after_cell)
+
+    def _after_cell(self, result: Any = None) -> None:
+        """IPython's `post_run_cell`: the cell ended before the run did, so its `train()` raised."""
+        if self._in_run:
+            self._undo("trainer.train() raised in this cell; the GPUs' settings are put back now")
+        else:
+            self._run_ended()
+
+    def _undo(self, said: str | None = None) -> None:
+        """End the run and undo this callback's GPU changes, after the warning `said` (None: the opt-in's)."""
+        self._run_ended()
+        if said is not None:
+            logger.warning(
+                "%s: %s. Train with a Trainer that mixes in zeus_callbacks.huggingface.ZeusTrainerMixin, or "
+                "`with restoring_gpus(trainer): trainer.train()`, to have them put back as the exception "
+                "leaves train().",
+                type(self).__name__,
+                said,
+            )
+        self._train_failed()
 
     def _train_failed(self) -> None:
         """Undo this callback's GPU changes; `train()` raised. No collective: the other ranks may not."""
         raise NotImplementedError
+
+
+def _ipython() -> Any:
+    """IPython's running shell (a notebook's kernel, `ipython`), or None. IPython is never imported here."""
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    return get_ipython() if callable(get_ipython) else None
 
 
 class ResumesFromCheckpoint(TrainerCallback):
@@ -85,11 +140,11 @@ class ResumesFromCheckpoint(TrainerCallback):
 
 
 def undo_gpu_changes(trainer: Trainer) -> None:
-    """Call `_train_failed` on every `RestoresOnException` callback of `trainer`; `train()` raised."""
+    """Undo the GPU changes of every `RestoresOnException` callback of `trainer`; `train()` raised."""
     for callback in list(getattr(getattr(trainer, "callback_handler", None), "callbacks", ())):
         if isinstance(callback, RestoresOnException):
             try:
-                callback._train_failed()
+                callback._undo()
             except Exception:  # the training error is the one to see
                 logger.warning("%s could not undo its GPU changes.", type(callback).__name__, exc_info=True)
 
