@@ -50,15 +50,16 @@ def to_record(entry: JournalEntry) -> dict[str, Any]:
 
 def _routes(gpu: GPU, entry: JournalEntry) -> list[setters.Route]:
     """The routes to undo `entry` through: the one that made the change first, then this process's own,
-    then NVML where this process may use it (a daemon gone since, or a run made as root)."""
+    then the vendor's library in this process where it may use it (a daemon gone since, or a run made as
+    root)."""
     out = [setters.route_for(entry.route, entry.zeusd)]
     try:
         out.append(setters.route())
     except InvalidInputError as e:
         logger.debug("Not restoring through this process's route: %s", e)
-    nvml = setters.nvml_route()
-    if nvml.may_change(gpu):
-        out.append(nvml)
+    in_process = setters.nvml_route()
+    if in_process.may_change(gpu):
+        out.append(in_process)
     return list({id(r): r for r in out}.values())
 
 
