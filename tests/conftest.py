@@ -13,10 +13,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import helpers
 import pytest
@@ -117,21 +115,23 @@ def burn_cpu() -> Callable[[float], float]:
 
 @pytest.fixture
 def sim_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """The catch-up sleeps (s) the real-clock simulator asks for, recorded as they happen.
+    """The catch-up waits (s) the real-clock simulator's synchronisations make, on the node's clock (sim/host.py's
+    `HOST_CLOCK`), recorded as they happen.
 
-    On a loaded host a sleeper wakes late, so a wall-clock wait has no useful upper bound; what the simulator
-    asks for depends on process CPU time only. Tests check that exactly and the wall time from below.
+    On a loaded host a sleeper wakes late, so a wall-clock wait has no useful upper bound; the node's clock
+    leaves the lateness out (the host's next sleep catches it up), so what the simulator waits depends on
+    process CPU time and the queued work only. Tests check that exactly, and time on the node's clock.
     """
+    from zeus_callbacks.sim.host import HOST_CLOCK
+
     requested: list[float] = []
+    wait_until = HOST_CLOCK.wait_until
 
-    def sleep(seconds: float) -> None:
-        requested.append(seconds)
-        time.sleep(seconds)
+    def recorded(end_s: float, defer_signals: bool) -> float:
+        requested.append(end_s - HOST_CLOCK.now())
+        return wait_until(end_s, defer_signals)
 
-    fake_time = SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
-    fake_time.sleep = sleep
-    # The module that holds the simulated GPUs (whatever its name) sleeps through its `time` global.
-    monkeypatch.setattr(sys.modules[sim.SimulatedGPU.__module__], "time", fake_time)
+    monkeypatch.setattr(HOST_CLOCK, "wait_until", recorded)
     return requested
 
 

@@ -17,6 +17,7 @@ import pytest
 from zeus_callbacks import sim
 from zeus_callbacks.core.heterogeneous.profile_file import shipped_profiles_dir
 from zeus_callbacks.sim import SimulatedSystem, load_trace, parse_faults, parse_spec, shipped_trace
+from zeus_callbacks.sim.host import HOST_CLOCK
 
 DATA = Path(str(resources.files("zeus_callbacks"))) / "sim" / "data"
 ZEUS2 = shipped_profiles_dir()  # the Zeus² profiles, shipped with the heterogeneous planner
@@ -202,13 +203,11 @@ def test_locked_clock_slows_real_time_work(sim_gpus, burn_cpu, sim_sleeps):
     gpu.synchronize()
     sim_sleeps.clear()
     burn_cpu(0.05)
-    import time
-
-    t0 = time.time()
+    t0 = HOST_CLOCK.now()
     gpu.synchronize()
-    waited = time.time() - t0
+    waited = HOST_CLOCK.now() - t0
     assert sim_sleeps == [pytest.approx(0.05, rel=0.1)]  # the GPU catches up the other half
-    assert waited >= sim_sleeps[0]  # any timer sees it (a loaded host only wakes the sleeper later)
+    assert waited >= sim_sleeps[0]  # any timer sees it (the node's: a loaded host wakes late, and catches up)
 
 
 # -- noise ---------------------------------------------------------------------------------------------
@@ -258,18 +257,16 @@ def test_run_step_needs_a_virtual_clock():
 
 @pytest.mark.system
 def test_multi_gpu_synchronisation_takes_the_slowest_not_the_sum(sim_gpus, burn_cpu, sim_sleeps):
-    import time
-
     system = sim_gpus("4*a40")
     for g in system.gpus:
         g.set_power_limit_mw(100_000)
         g.synchronize()
     sim_sleeps.clear()
     burn_cpu(0.05)
-    t0 = time.time()
+    t0 = HOST_CLOCK.now()
     for g in system.gpus:
         g.synchronize()
-    waited = time.time() - t0
+    waited = HOST_CLOCK.now() - t0
     expected = 0.05 * (system.gpus[0].trace.relative_time(100) - 1)
     assert sum(sim_sleeps) == pytest.approx(expected, rel=0.1)  # the bug this guards against slept 4x as long
     assert waited >= sum(sim_sleeps)
@@ -451,11 +448,11 @@ def test_enqueued_kernels_run_at_the_locked_clock_without_host_cpu(sim_gpus, sim
     gpu.lock_sm_clocks(870, 870)  # half the maximum clock: kernels take twice as long
     gpu.synchronize()
     sim_sleeps.clear()
-    t0, cpu0 = time.time(), time.process_time()
+    t0, cpu0 = HOST_CLOCK.now(), time.process_time()
     for _ in range(3):  # back-to-back synchronisations of one GPU: each waits for its own kernels
         sim.enqueue_work(0, 0.02)
         gpu.synchronize()
-    elapsed, cpu = time.time() - t0, time.process_time() - cpu0
+    elapsed, cpu = HOST_CLOCK.now() - t0, time.process_time() - cpu0
     assert sim_sleeps == [pytest.approx(0.02 * 1740 / 870, rel=0.05)] * 3
     assert elapsed >= sum(sim_sleeps)
     assert cpu < 0.5 * elapsed  # the wait is a sleep: the host's CPU is free for other ranks

@@ -7,7 +7,6 @@ import hashlib
 import math
 import os
 import random
-import signal
 import threading
 import time
 from pathlib import Path
@@ -21,9 +20,14 @@ from zeus_callbacks.sim.gpu_state import (
     RING_TICK_S,
     GPUState,
     read_energy,
-    wall,
 )
-from zeus_callbacks.sim.host import DEFERRED_SIGNALS, HOST_WAIT, VirtualClock, busy_power_w, process_cpu_s
+from zeus_callbacks.sim.host import (
+    HOST_CLOCK,
+    HOST_WAIT,
+    VirtualClock,
+    busy_power_w,
+    process_cpu_s,
+)
 from zeus_callbacks.sim.node_spec import Faults
 from zeus_callbacks.sim.specs import GPUSpec
 from zeus_callbacks.sim.traces import Trace, operating_point, provenance
@@ -37,9 +41,11 @@ class SimulatedGPU:
 
     Speed: the host's CPU time between two synchronisation points stands for the GPU's work at the
     maximum power limit; at the synchronisation the GPU "catches up" by sleeping so that the work takes
-    `relative_time` as long, so any timer sees the slowdown. Work queued as kernels (`enqueue`) runs from
-    its launch instead, and the host's CPU time beside it is not GPU work. Energy: busy time at the traced power,
-    the rest at idle power, accumulated in a counter that persists across processes.
+    `relative_time` as long, so any timer sees the slowdown. Once this process queues work as kernels
+    (`enqueue`), the work runs from its launch instead and the host's CPU time is never GPU work on this GPU.
+    Energy: busy time at the traced power, the rest at idle power, accumulated in a counter that persists
+    across processes. On the wall clock, times are the node's (`HOST_CLOCK`): how late the host wakes from a
+    synchronisation moves neither.
     """
 
     def __init__(
@@ -124,7 +130,8 @@ class SimulatedGPU:
         )
         self._buf = self._state._buf
         self._queued_s = 0.0  # work enqueued without host CPU (simulated kernels), at the maximum clock
-        self._kernels_end = 0.0  # when the GPU ends the queued kernels (wall clock, noiseless)
+        self._kernels = False  # this process queued kernels here: its CPU time is not GPU work
+        self._kernels_end = 0.0  # when the GPU ends the queued kernels (the node's time, noiseless)
         self._op_version = -1.0
         self._op = (1.0, trace.power(trace.max_power_limit_w))
         self._last_sync = self.now()
@@ -135,8 +142,8 @@ class SimulatedGPU:
 
     # -- time -------------------------------------------------------------------------------------
     def now(self) -> float:
-        """The simulator's clock: wall time, or virtual time for offline runs."""
-        return self._clock.now() if self._clock is not None else time.time()
+        """The simulator's clock: the node's time (`HOST_CLOCK`), or virtual time for offline runs."""
+        return self._clock.now() if self._clock is not None else HOST_CLOCK.now()
 
     @property
     def virtual(self) -> bool:
@@ -245,7 +252,7 @@ class SimulatedGPU:
         Between refreshes (every `energy_refresh_s`) the counter stands still, as on real boards.
         """
         energy, updated, refreshed, refreshed_at = read_energy(self._buf, ENERGY_OFFSET)
-        now = wall() if self._clock is None else self._clock.now()
+        now = HOST_CLOCK.now() if self._clock is None else self._clock.now()
         period = self.energy_refresh_s
         if period:
             now -= (now - self._phase_s) % period  # the last refresh
@@ -317,7 +324,7 @@ class SimulatedGPU:
         _, busy_power = self.operating_point()
         if now < self._busy_until:  # catching up
             return busy_power * 1000
-        if self._queued_s > 0:  # kernels queued: busy while they run; the host's CPU time is not GPU work
+        if self._kernels:  # busy while the kernels run; the host's CPU time is not GPU work
             if now < self._kernels_end:
                 return busy_power * 1000
             local = idle
@@ -416,26 +423,26 @@ class SimulatedGPU:
         with self._mutex:
             self._issued_work = True
             start = self._last_sync
-            now = time.time()
+            now = HOST_CLOCK.now()
             cpu = time.process_time()
-            busy = min(max(0.0, cpu - self._last_cpu), max(0.0, now - start))
             rel0, power = self.operating_point()
             rel, power = self._noisy(rel0), self._noisy(power)
             queued, self._queued_s = self._queued_s, 0.0
-            if queued > 0:
+            if self._kernels:
                 # Queued kernels ran from their launch, beside the host's own work, which is not GPU work: the
                 # host's speed and load move neither their time nor their energy (unless the host is slower).
                 gpu_busy = queued * rel
-                extra = self._kernels_end + queued * (rel - rel0) - now
+                gpu_end = self._kernels_end + queued * (rel - rel0)
             else:
+                busy = min(max(0.0, cpu - self._last_cpu), max(0.0, now - start))
                 gpu_busy = busy * rel
                 # Time the host already spent waiting for other GPUs counts: this GPU worked meanwhile.
-                extra = gpu_busy - busy - HOST_WAIT.credit(cpu, self.index)
-            if extra > 0:
-                self._busy_until = now + extra
-                self._wait(extra)
-                HOST_WAIT.add(cpu, time.time() - now, time.process_time(), self.index)
-            end = time.time()
+                gpu_end = now + gpu_busy - busy - HOST_WAIT.credit(cpu, self.index)
+            end = now
+            if gpu_end > now:
+                self._busy_until = gpu_end
+                end = HOST_CLOCK.wait_until(gpu_end, defer_signals=self.blocking_sync)
+                HOST_WAIT.add(cpu, end - now, time.process_time(), self.index)
             busy_span = min(gpu_busy, end - start)
             idle_span = max(0.0, (end - start) - busy_span)
             self._add(start, end, busy_span * power + idle_span * self.spec.idle_power_w)
@@ -446,30 +453,19 @@ class SimulatedGPU:
             st.set("worker_cpu_s", process_cpu_s(os.getpid()) or 0.0)  # as another process reads it
             st.set("worker_sync_at", end)
 
-    def _wait(self, seconds: float) -> None:
-        """Wait for the GPU; like CUDA's synchronisation, in native code that defers Python signal handlers."""
-        if not self.blocking_sync:
-            time.sleep(seconds)
-            return
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
-        try:
-            time.sleep(seconds)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
     def enqueue(self, work_s: float) -> None:
         """Queue `work_s` seconds of work (at the maximum limit and clock) that uses no host CPU: a stand-in
         for a CUDA kernel. It runs from its launch (once the kernels queued before it are done), at the
         operating point in force then, beside the host's own work; the next synchronisation waits for it.
-        Between two synchronisations with kernels queued, the host's CPU time is not GPU work."""
+        From then on, the host's CPU time is not GPU work on this GPU."""
         if work_s < 0:
             raise ValueError(f"Simulated work must be >= 0 s, got {work_s!r}.")
         with self._mutex:
-            self._issued_work = True
+            self._issued_work = self._kernels = True
             self._queued_s += work_s
             if not self.virtual:  # it runs once the GPU is done with the kernels before it
                 rel, _ = self.operating_point()
-                self._kernels_end = max(self._kernels_end, time.time()) + work_s * rel
+                self._kernels_end = max(self._kernels_end, HOST_CLOCK.now()) + work_s * rel
 
     def busy_time(self, work_s: float) -> tuple[float, float]:
         """(time, power) of `work_s` seconds of work-at-maximum-limit at the current state, with noise

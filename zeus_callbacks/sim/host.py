@@ -1,10 +1,11 @@
-"""Host pacing of the real-clock simulation (what a synchronisation waits for, whose CPU time counts as work)
-and the virtual clock."""
+"""Host pacing of the real-clock simulation (what a synchronisation waits for, whose CPU time counts as work,
+the node's time as this process sees it) and the virtual clock."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 DEFERRED_SIGNALS = {
     signal.SIGINT,
@@ -69,6 +70,56 @@ class _HostWait:
 
 
 HOST_WAIT = _HostWait()
+
+
+class HostClock:
+    """The time of a wall-clock simulated node as this process sees it: the wall clock less the host's lag.
+
+    A host that waits for a simulated GPU sleeps until the GPU's work ends and wakes when the OS schedules it,
+    late by a scheduler's latency: 2-24 ms a step beside five CPU burners on 2 cores (issue 36). A real GPU
+    does not wait for that, and a simulated one must not either, or the host's load would move every step
+    time and energy. So how late the host woke is its lag: the node's time is the wall clock less it, and
+    what the host does next (queue a kernel, read a counter, time a window) happens on the GPU's timeline
+    when an on-time host would have done it. The host's next wait is shorter by its lag, so the lag never
+    builds up: it is the lateness of the last wake only, at most `MAX_LAG_S` (a later wake is a stopped
+    process, not scheduling: the GPU idles for the rest).
+    """
+
+    MAX_LAG_S = 0.5
+
+    def __init__(self) -> None:
+        self.lag_s = 0.0
+
+    def now(self) -> float:
+        """The node's time (s since the epoch)."""
+        return time.time() - self.lag_s
+
+    def wait_until(self, end_s: float, defer_signals: bool) -> float:
+        """Wait until the node's time `end_s` (when a GPU's work ends): on the wall clock until then, which
+        catches up the lag; with `defer_signals`, as CUDA's synchronisation does (`sleep_deferring_signals`).
+        Returns the node's time after: `end_s`, or later when it was past already or the host woke more
+        than `MAX_LAG_S` late."""
+        wall = time.time()
+        if end_s <= wall - self.lag_s:
+            return wall - self.lag_s
+        if end_s > wall:
+            (sleep_deferring_signals if defer_signals else time.sleep)(end_s - wall)
+            wall = time.time()
+        self.lag_s = min(max(0.0, wall - end_s), self.MAX_LAG_S)
+        return wall - self.lag_s
+
+
+HOST_CLOCK = HostClock()
+
+
+def sleep_deferring_signals(seconds: float) -> None:
+    """Sleep as CUDA's synchronisation waits, in native code: Python signal handlers (`DEFERRED_SIGNALS`) run
+    only after it returns."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, DEFERRED_SIGNALS)
+    try:
+        time.sleep(seconds)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class VirtualClock:

@@ -1,0 +1,182 @@
+"""The host's lateness never moves a simulated GPU's figures (issue 36; sim/host.py's `HostClock`).
+
+A host that waits for a wall-clock simulated GPU sleeps and wakes when the OS schedules it: beside CPU burners,
+2-24 ms late a step. Here the host is a deterministic stand-in whose wall clock moves only when it works or
+sleeps, and whose every sleep oversleeps by a fixed amount, so the figures are exact and need no real load:
+the node's time and the GPU's energy per step are the model's (queued work stretched by the limit, busy at
+the traced power, idle only where the host did not submit work) whether the host wakes on time or late.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from zeus_callbacks.sim import gpu as sim_gpu
+from zeus_callbacks.sim import host as sim_host
+from zeus_callbacks.sim.host import HOST_CLOCK
+from zeus_callbacks.sim.system import SimulatedSystem
+
+LATE_S = 0.02  # within the 2-24 ms a step measured beside five CPU burners on 2 cores
+WORK_S = 0.25  # a kernel's work at the maximum limit (the demo's step)
+
+
+class _Host:
+    """Wall and CPU time that move only when the host works (both) or sleeps (wall, `late_s` past the asked)."""
+
+    def __init__(self, late_s: float) -> None:
+        self.wall_s, self.cpu_s, self.late_s = 1_000.0, 0.0, late_s
+
+    def work(self, seconds: float) -> None:
+        self.wall_s += seconds
+        self.cpu_s += seconds
+
+    def sleep(self, seconds: float) -> None:
+        self.wall_s += seconds + self.late_s
+
+
+@pytest.fixture
+def host(monkeypatch: pytest.MonkeyPatch):
+    """`host(late_s)`: the deterministic host in place of the `time` module of the simulator's host pacing
+    and GPUs, its lag reset."""
+
+    def install(late_s: float) -> _Host:
+        h = _Host(late_s)
+        fake = SimpleNamespace(time=lambda: h.wall_s, sleep=h.sleep, process_time=lambda: h.cpu_s)
+        monkeypatch.setattr(sim_host, "time", fake)
+        monkeypatch.setattr(sim_gpu, "time", fake)
+        monkeypatch.setattr(HOST_CLOCK, "lag_s", 0.0)
+        return h
+
+    return install
+
+
+def _figures(steps: list[tuple]) -> list[float]:
+    """Every number of a list of steps, in order (pytest.approx compares flat sequences)."""
+    out: list[float] = []
+    for step in steps:
+        for v in step:
+            out.extend(v if isinstance(v, list) else [v])
+    return out
+
+
+def _node(spec: str = "a40") -> SimulatedSystem:
+    # Wall clock (no virtual clock), in memory, an exact counter: every read is the model's energy.
+    return SimulatedSystem(spec, state_dir="", ideal="energy_counter,sensor_gain,power_average")
+
+
+def _kernel_steps(h: _Host, limits_w: list[int], steps: int = 5) -> list[tuple[float, list[float]]]:
+    """(node time, each GPU's energy in J) of each step: a window's synchronisation, 2 ms of host work, a
+    kernel on every GPU, 7 ms of host work beside it, the closing synchronisation, 5 ms between steps."""
+    system = _node(",".join(["a40"] * len(limits_w)))
+    for g, w in zip(system.gpus, limits_w, strict=True):
+        g.set_power_limit_mw(w * 1000)
+    out = []
+    for _ in range(steps):
+        for g in system.gpus:
+            g.synchronize()
+        t0, e0 = HOST_CLOCK.now(), [g.energy_mj() for g in system.gpus]
+        h.work(0.002)
+        for g in system.gpus:
+            g.enqueue(WORK_S)
+        h.work(0.007)
+        for g in system.gpus:
+            g.synchronize()
+        out.append(
+            (
+                HOST_CLOCK.now() - t0,
+                [(g.energy_mj() - e) / 1000 for g, e in zip(system.gpus, e0, strict=True)],
+            )
+        )
+        h.work(0.005)
+    return out
+
+
+def test_a_late_wake_moves_neither_the_step_time_nor_the_energy(host):
+    """Fails if the host's lateness becomes node time or idle energy (each step 20 ms longer, 20 ms more idle
+    energy), or if catching it up shortens the GPU's work."""
+    on_time = _kernel_steps(host(0.0), [175])
+    late = _kernel_steps(host(LATE_S), [175])
+    assert _figures(late) == pytest.approx(_figures(on_time), rel=1e-9, abs=1e-9)
+    tr = _node().gpus[0].trace
+    busy_s, idle_w = WORK_S * tr.relative_time(175), _node().gpus[0].spec.idle_power_w
+    for time_s, (energy_j,) in late:
+        # The kernel runs from its launch, 2 ms into the window; the 7 ms of host work beside it is not GPU work.
+        assert time_s == pytest.approx(0.002 + busy_s)
+        assert energy_j == pytest.approx(busy_s * tr.power(175) + 0.002 * idle_w)
+
+
+def test_the_slowest_gpu_sets_the_step_late_or_not(host):
+    """Two GPUs synchronised in a row, the faster first: the host wakes late from the first, already past the
+    second's end. Fails if either GPU's step depends on the lateness."""
+    on_time = _kernel_steps(host(0.0), [300, 275])
+    late = _kernel_steps(host(LATE_S), [300, 275])
+    assert _figures(late) == pytest.approx(_figures(on_time), rel=1e-9, abs=1e-9)
+    tr = _node().gpus[0].trace
+    assert late[-1][0] == pytest.approx(0.002 + WORK_S * tr.relative_time(275))
+
+
+def test_the_lag_is_caught_up_not_accumulated(host):
+    """The node's time stays within one wake's lateness of the wall clock: each sleep is shorter by the lag of
+    the one before. Fails if the lag builds up (the node's time drifting from every other process's)."""
+    h = host(LATE_S)
+    _kernel_steps(h, [175], steps=20)
+    assert HOST_CLOCK.lag_s == pytest.approx(LATE_S)
+    assert h.wall_s - HOST_CLOCK.now() == pytest.approx(LATE_S)
+
+
+def test_a_wake_past_the_cap_is_idle_time(host):
+    """A host stopped for longer than `MAX_LAG_S` (not scheduling latency): the GPU idles for the rest."""
+    host(HOST_CLOCK.MAX_LAG_S + 0.3)
+    (gpu,) = _node().gpus
+    gpu.synchronize()
+    gpu.enqueue(WORK_S)
+    t0, e0 = HOST_CLOCK.now(), gpu.energy_mj()
+    gpu.synchronize()
+    assert HOST_CLOCK.lag_s == HOST_CLOCK.MAX_LAG_S
+    assert HOST_CLOCK.now() - t0 == pytest.approx(WORK_S + 0.3)
+    tr = gpu.trace
+    assert (gpu.energy_mj() - e0) / 1000 == pytest.approx(
+        WORK_S * tr.power(300) + 0.3 * gpu.spec.idle_power_w
+    )
+
+
+def test_host_cpu_time_paces_the_gpu_without_kernels_late_or_not(host):
+    """Without kernels the host's CPU time stands for the GPU's work at the maximum limit: the step lasts it
+    times the slowdown of the limit, whether the host wakes from the catch-up on time or late."""
+
+    def steps(h: _Host) -> list[tuple[float, float]]:
+        (gpu,) = _node().gpus
+        gpu.set_power_limit_mw(150_000)
+        gpu.synchronize()
+        out = []
+        for _ in range(4):
+            t0, e0 = HOST_CLOCK.now(), gpu.energy_mj()
+            h.work(0.05)
+            gpu.synchronize()
+            out.append((HOST_CLOCK.now() - t0, (gpu.energy_mj() - e0) / 1000))
+        return out
+
+    late, on_time = steps(host(LATE_S)), steps(host(0.0))
+    assert _figures(late) == pytest.approx(_figures(on_time), rel=1e-9, abs=1e-9)
+    tr = _node().gpus[0].trace
+    rel = tr.relative_time(150)
+    assert late[-1] == pytest.approx((0.05 * rel, 0.05 * rel * tr.power(150)))
+
+
+def test_once_kernels_are_queued_host_cpu_time_is_not_gpu_work(host):
+    """A synchronisation with nothing queued, after the process queued kernels: the host's CPU time since the
+    last one was bookkeeping (the optimizer's, the trainer's), not GPU work. Fails if it is counted busy at
+    the traced power and waited for, stretched by the limit (which a late wake then lengthens)."""
+    h = host(LATE_S)
+    (gpu,) = _node().gpus
+    gpu.set_power_limit_mw(150_000)
+    gpu.enqueue(WORK_S)
+    gpu.synchronize()
+    t0, e0 = HOST_CLOCK.now(), gpu.energy_mj()
+    h.work(0.01)
+    gpu.synchronize()
+    assert HOST_CLOCK.now() - t0 == pytest.approx(0.01)
+    assert (gpu.energy_mj() - e0) / 1000 == pytest.approx(0.01 * gpu.spec.idle_power_w)
+    assert gpu.power_mw() == pytest.approx(gpu.spec.idle_power_w * 1000)
