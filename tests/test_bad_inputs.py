@@ -4,7 +4,8 @@ Table-driven: each row is one bad input (an environment variable, a ZeusMonitor 
 profile file, a CLI option) and words its error must hold. The CLI runs in-process (`cli.main`), and a few rows also
 as a subprocess: exit code 2, one line on stderr `zeus-callbacks <cmd>: ...`, never a traceback. The valid
 edge cases next to them keep working. The optimizers' and adapters' arguments, the power-limit profile_path
-and `pipeline-plan` are in `test_bad_inputs_optimizers.py`; the helpers are in helpers.py.
+and `pipeline-plan` are in `test_bad_inputs_optimizers.py`; the helpers are in helpers.py. A newcomer's common mistakes
+(issue 37) are one table, `test_mistakes.py`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ ENV_CASES = [
     ({**A40, "ZEUS_CALLBACKS_SIM_NOISE": "nan"}, ["ZEUS_CALLBACKS_SIM_NOISE='nan'"]),
     ({**A40, "ZEUS_CALLBACKS_SIM_NOISE": "inf"}, ["ZEUS_CALLBACKS_SIM_NOISE='inf'"]),
     ({**A40, "ZEUS_CALLBACKS_SIM_NOISE": "-0.1"}, ["ZEUS_CALLBACKS_SIM_NOISE", "from 0 to 0.5"]),
-    ({**A40, "ZEUS_CALLBACKS_SIM_NOISE": "5"}, ["ZEUS_CALLBACKS_SIM_NOISE", "from 0 to 0.5"]),
     ({**A40, "ZEUS_CALLBACKS_SIM_SEED": "x"}, ["ZEUS_CALLBACKS_SIM_SEED='x'", "whole number"]),
     ({**A40, "ZEUS_CALLBACKS_SIM_SEED": "1.5"}, ["ZEUS_CALLBACKS_SIM_SEED='1.5'", "whole number"]),
     (
@@ -174,7 +174,6 @@ def test_valid_environment_edges(env, check, monkeypatch):
         ({"gpu_indices": ["0"]}, ["'0' is not a GPU index"]),
         ({"gpu_indices": [0.0]}, ["0.0 is not a GPU index"]),
         ({"gpu_indices": [True]}, ["True is not a GPU index"]),
-        ({"gpu_indices": [1]}, ["[1] not among the 1 visible", "CUDA_VISIBLE_DEVICES"]),
         ({"gpu_indices": -1}, ["[-1] not among"]),
         ({"gpu_indices": [0, 0]}, ["named twice"]),
         ({"gpu_indices": {"a": 0}}, ["list of GPU indices"]),

@@ -720,7 +720,6 @@ def _run_dir(tmp_path: Path, kind: str) -> Path:
 @pytest.mark.parametrize(
     ("kind", "words"),
     [
-        ("missing", ["no such folder", "Pass the RUN_DIR"]),
         ("file", ["not a folder"]),
         ("empty", ["no run record", "report_path="]),
         ("corrupt", ["record.rank0.json", "not valid JSON"]),

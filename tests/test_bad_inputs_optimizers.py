@@ -29,12 +29,9 @@ PLO_CASES = [
     ({"pl_step": 0}, ["pl_step=0"]),
     ({"pl_step": 2.5}, ["pl_step=2.5"]),
     ({"profile_steps": "8"}, ["profile_steps='8'"]),
-    ({"profile_steps": 0}, ["profile_steps=0"]),
     ({"warmup_steps": -1}, ["warmup_steps=-1"]),
     ({"warmup_steps": 1.5}, ["warmup_steps=1.5"]),
     ({"wait_steps": "1"}, ["wait_steps='1'"]),
-    ({"search": "fast"}, ["search='fast'"]),
-    ({"optimum_selector": "energy"}, ["optimum_selector='energy'"]),
     ({"profile_path": 3}, ["profile_path=3"]),
 ]
 

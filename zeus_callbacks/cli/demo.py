@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from zeus_callbacks.cli.demo_env import package_log, require_hf_extra
 from zeus_callbacks.cli.options import GPU_KINDS, add_objective_arguments, objective_from_args
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 from zeus_callbacks.core.report.saving import saving_text
@@ -106,6 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train, profile, report; 2 on bad input."""
     try:
+        require_hf_extra()
         selector = _checked_selector(args)
     except ValueError as e:
         print(f"zeus-callbacks demo: {e}", file=sys.stderr)
@@ -119,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"zeus-callbacks demo: {e}", file=sys.stderr)
         return 2
     try:
-        with tempfile.TemporaryDirectory(prefix="zeus-callbacks-demo-") as tmp, _stdout_to_stderr(args.json):
+        with (
+            tempfile.TemporaryDirectory(prefix="zeus-callbacks-demo-") as tmp,
+            _stdout_to_stderr(args.json),
+            package_log(progress),
+        ):
             report = _train(args, selector, Path(tmp), progress)
     finally:
         if not args.real:

@@ -43,11 +43,12 @@ def require_monitor(owner: str, monitor: Any) -> None:
     from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 
     if not isinstance(monitor, ZeusMonitor):
+        what = "is the class, not a monitor: " if isinstance(monitor, type) else ""
         raise bad_argument(
             owner,
             "monitor",
             monitor,
-            "pass a zeus_callbacks.ZeusMonitor of this process's GPU(s), e.g. "
+            f"{what}pass a zeus_callbacks.ZeusMonitor of this process's GPU(s), e.g. "
             "`ZeusMonitor(gpu_indices=[local_rank])`",
         )
     if not monitor.gpu_indices:

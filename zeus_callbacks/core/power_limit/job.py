@@ -162,6 +162,12 @@ def find_job(
             f"rank; the highest minimum is {lo / 1000:g} W, the lowest maximum {hi / 1000:g} W). Run it on GPUs "
             "whose ranges overlap, or plan per-GPU limits with `zeus-callbacks plan` (the heterogeneous planner)."
         )
+    if hi > lo and milliwatts(pl_step) > hi - lo:
+        raise ValueError(
+            f"`GlobalPowerLimitOptimizer(pl_step={pl_step})`: the stride (W) is wider than the GPUs' whole "
+            f"power-limit range, {lo / 1000:g}-{hi / 1000:g} W, so only its two ends would be profiled. Pass a "
+            f"stride that fits several limits in it, e.g. pl_step=25 (the default)."
+        )
     if (job_range.union_lo_mw, job_range.union_hi_mw) != (lo, hi):
         _say_ranges_differ(gpus[0].name, boards, lo, hi)
     size = meter.reduce(_JobSize(len(gpus), int(not all(g.may_change_settings() for g in gpus))))

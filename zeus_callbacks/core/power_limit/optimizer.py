@@ -409,9 +409,9 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         if save:
             self._save(complete=True)
         self._settle(pl)
-        # Applied: at WARNING, the level the frameworks' default logging shows (not applied: said above).
-        logger.log(
-            logging.WARNING if isinstance(self._phase, Done) else logging.INFO,
+        # At INFO: a choice is news, not a warning (`zeus-callbacks demo` shows the package's INFO lines;
+        # `report()` and the adapters' logs carry it too). Not applied: said at WARNING above.
+        logger.info(
             "GlobalPowerLimitOptimizer chose the power limit %g W (%s, %d limits profiled%s).",
             pl,
             self.options.selector,

@@ -4,6 +4,7 @@ names and defaults are the only ones written in the package; every adapter's sig
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import os
@@ -80,12 +81,12 @@ class PowerLimitOptions:
             "pl_step": whole_number(owner, "pl_step", self.pl_step, 1),
         }
         if self.search not in SEARCHES:
-            raise bad_argument(owner, "search", self.search, f"must be one of {SEARCHES}")
+            raise bad_argument(
+                owner, "search", self.search, f"must be one of {SEARCHES}{_meant(self.search)}"
+            )
         selector = self.optimum_selector
         if selector is not None and not isinstance(selector, OptimumSelector):
-            raise bad_argument(
-                owner, "optimum_selector", selector, "must be an OptimumSelector (Time(), Energy(), ...)"
-            )
+            raise bad_argument(owner, "optimum_selector", selector, _selector_hint(selector))
         for name in ("profile_path", "report_path"):
             path = getattr(self, name)
             if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -118,6 +119,43 @@ class PowerLimitOptions:
         }  # as held, not copied (`asdict` deep-copies)
         del out["report_path"]
         return out
+
+
+def _meant(search: object) -> str:
+    """ ", did you mean 'sweep'?" for a near miss of a search's name, else ""."""
+    close = difflib.get_close_matches(str(search).lower(), SEARCHES, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+# An objective's names as users write them (Zeus's class names, the CLI's choices) and the instance meant.
+_SELECTOR_NAMES = {
+    "time": "Time()",
+    "energy": "Energy()",
+    "zeuscost": "ZeusCost(eta_knob=0.5)",
+    "zeus-cost": "ZeusCost(eta_knob=0.5)",
+    "maxslowdownconstraint": "MaxSlowdownConstraint(factor=1.1)",
+    "max-slowdown": "MaxSlowdownConstraint(factor=1.1)",
+    "maxpowerconstraint": "MaxPowerConstraint(watts=250)",
+}
+
+
+def _selector_hint(selector: object) -> str:
+    """What to pass instead of `selector`: an instance for a class, the objective a name or number means."""
+    if isinstance(selector, type) and issubclass(selector, OptimumSelector):
+        example = _SELECTOR_NAMES.get(selector.__name__.lower(), f"{selector.__name__}(...)")
+        return f"is the class, not an objective: pass an instance, `{example}`"
+    if isinstance(selector, str) and selector.strip().lower().replace("_", "") in _SELECTOR_NAMES:
+        meant = _SELECTOR_NAMES[selector.strip().lower().replace("_", "")]
+        return f"is a name, not an objective: pass `{meant}` (from zeus_callbacks)"
+    if isinstance(selector, (int, float)) and not isinstance(selector, bool) and selector >= 1:
+        return (
+            "is a number, not an objective: for a slowdown bound pass "
+            f"`MaxSlowdownConstraint(factor={selector!r})` (from zeus_callbacks)"
+        )
+    return (
+        "must be an OptimumSelector instance: Time(), Energy(), ZeusCost(eta_knob=0.5), "
+        "MaxSlowdownConstraint(factor=1.1) or MaxPowerConstraint(watts=...) (from zeus_callbacks)"
+    )
 
 
 def option_names() -> list[str]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,6 +101,20 @@ class Energy(OptimumSelector):
         return np.asarray(energy_j, dtype=float)
 
 
+# A slowdown bound at which a factor is more likely a percentage (10 for 10%) than meant (twice as slow).
+_UNLIKELY_SLOWDOWN = 2.0
+
+
+def _require_number(owner: str, name: str, value: object, example: str) -> None:
+    """A TypeError naming the call and the type when `value` is not a real number (a string, None, a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{owner}({name}={value!r})`: {name} must be a number, {example}, not {type(value).__name__}."
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"`{owner}({name}={value!r})`: {name} must be a finite number, {example}.")
+
+
 class ZeusCost(OptimumSelector):
     """Zeus's time-energy cost: `eta * energy + (1 - eta) * max_power * time`.
 
@@ -107,12 +124,20 @@ class ZeusCost(OptimumSelector):
             so the value is only used by `select` calls that do not.
 
     Raises:
+        TypeError: `eta_knob` is not a number (e.g. the string '0.5'), or `world_size` not a whole number.
         ValueError: `eta_knob` outside [0, 1] or `world_size` < 1.
     """
 
     def __init__(self, eta_knob: float, world_size: int = 1) -> None:
+        _require_number("ZeusCost", "eta_knob", eta_knob, "a weight in [0, 1] such as 0.5")
+        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
+            raise TypeError(
+                f"`ZeusCost(world_size={world_size!r})`: world_size must be a whole number of GPUs, "
+                f"not {type(world_size).__name__}."
+            )
         if not 0.0 <= eta_knob <= 1.0:
-            raise ValueError(f"`ZeusCost(eta_knob={eta_knob!r})`: eta_knob must be in [0, 1].")
+            meant = f"; for {eta_knob:g}% pass {eta_knob / 100:g}" if 1 < eta_knob <= 100 else ""
+            raise ValueError(f"`ZeusCost(eta_knob={eta_knob!r})`: eta_knob must be in [0, 1]{meant}.")
         if world_size < 1:
             raise ValueError(f"`ZeusCost(world_size={world_size!r})`: world_size must be at least 1.")
         self.eta_knob = float(eta_knob)
@@ -142,15 +167,31 @@ class MaxSlowdownConstraint(OptimumSelector):
         prefer: "least_energy" (default) or "lowest_power_limit" (Zeus's rule).
 
     Raises:
+        TypeError: `factor` is not a number (e.g. the string '1.1').
         ValueError: `factor` < 1, or an unknown `prefer`.
+
+    Warns:
+        UserWarning: `factor` of 2 or more (twice as slow), e.g. 10 where 1.10 (10% slower) was meant.
     """
 
     PREFERENCES = ("least_energy", "lowest_power_limit")
 
     def __init__(self, factor: float, prefer: str = "least_energy") -> None:
+        _require_number(
+            "MaxSlowdownConstraint", "factor", factor, "a slowdown factor such as 1.1 (10% slower)"
+        )
         if not factor >= 1.0:
+            meant = f"; for {factor:g} as a fraction slower, pass {1 + factor:g}" if 0 < factor < 1 else ""
             raise ValueError(
-                f"`MaxSlowdownConstraint(factor={factor!r})`: factor must be >= 1.0 (1.1 = 10% slower)."
+                f"`MaxSlowdownConstraint(factor={factor!r})`: factor must be >= 1.0 (1.1 = 10% slower){meant}."
+            )
+        if factor >= _UNLIKELY_SLOWDOWN:
+            warnings.warn(
+                f"`MaxSlowdownConstraint(factor={factor!r})` lets each step take up to {factor:g}x as long as at "
+                f"the maximum power limit ({100 * (factor - 1):.0f}% slower). Did you mean "
+                f"{1 + factor / 100:.2f} ({factor:g}% slower)? The factor is 1 + the slowdown as a fraction.",
+                UserWarning,
+                stacklevel=2,
             )
         if prefer not in self.PREFERENCES:
             raise ValueError(
