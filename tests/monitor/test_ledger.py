@@ -109,6 +109,87 @@ def test_totals_take_the_newest_line_of_each_rank_and_run():
     assert [t.key for t in totals(entries, by="partition")] == ["gpu", "debug"]
 
 
+def test_a_final_line_supersedes_its_runs_checkpoints_and_a_killed_run_counts_to_its_last():
+    """Fails if `totals` counts a finished rank's checkpoint lines beside its end line (or takes a checkpoint
+    written after the end by a stepped-back clock), or leaves out a rank killed after a checkpoint."""
+    entries = [
+        _entry(rank=0, energy=40.0, event="checkpoint", at=1.0, step=100),
+        _entry(rank=0, energy=120.0, at=2.0),  # finished
+        _entry(rank=0, energy=80.0, event="checkpoint", at=5.0, step=200),  # the clock stepped back
+        _entry(rank=1, energy=30.0, event="checkpoint", at=1.0, step=100),
+        _entry(rank=1, energy=70.0, event="checkpoint", at=2.0, step=200),  # then killed: no end line
+    ]
+    (job,) = totals(entries)
+    assert (job.energy_j, job.ranks, job.checkpointed, job.failed) == (190.0, 2, 1, False)
+    assert totals(entries[:2])[0].checkpointed == 0
+
+
+def test_a_version_1_line_reads_as_a_line_without_a_step(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    record = json.loads(_entry(event="checkpoint").to_line())
+    del record["step"]
+    path.write_text(json.dumps({**record, "version": 1}) + "\n")
+    (entry,) = read([path]).entries
+    assert entry.event == "checkpoint" and entry.step is None
+    with pytest.raises(ValueError, match="step"):
+        _entry(step="100")
+
+
+def test_reporter_writes_a_checkpoint_line_that_its_end_line_supersedes(sim_gpus, tmp_path):
+    """Fails if the reporter writes no checkpoint line (with its step and this rank's figures since the run
+    began, read without closing the run), or if `jobs` then sums the checkpoint beside the end."""
+    system = sim_gpus("a40", virtual_clock=True)
+    path = tmp_path / "ledger.jsonl"
+    monitor = ZeusMonitor()
+    reporter = EnergyReporter(monitor, ledger_path=path)
+    reporter.start()
+    monitor.begin_window("to the checkpoint", sync_execution=False)
+    for _ in range(5):
+        system.run_step(0.2)
+    reporter.checkpoint(step=5)
+    so_far = monitor.end_window("to the checkpoint", sync_execution=False)
+    for _ in range(5):
+        system.run_step(0.2)
+    end = reporter.stop()
+    checkpoint, final = read([path]).entries
+    assert (checkpoint.event, checkpoint.step, final.event, final.step) == ("checkpoint", 5, "end", None)
+    assert checkpoint.energy_j == pytest.approx(so_far.total_energy) and checkpoint.energy_bound_j is not None
+    assert checkpoint.time_s == pytest.approx(so_far.time)
+    assert 0 < checkpoint.energy_j < final.energy_j == pytest.approx(end["energy/total_j"])
+    (job,) = totals(read([path]).entries)
+    assert job.energy_j == final.energy_j and job.checkpointed == 0
+
+
+def test_a_run_killed_after_a_checkpoint_is_summed_to_it(sim_gpus, tmp_path, capsys):
+    """Fails if a rank that never wrote its end line (killed) is left out of `jobs`, or is not marked so."""
+    system = sim_gpus("a40", virtual_clock=True)
+    path = tmp_path / "ledger.jsonl"
+    reporter = EnergyReporter(ZeusMonitor(), ledger_path=path)
+    reporter.start()
+    system.run_step(1.0)
+    reporter.checkpoint(step=10)
+    system.run_step(1.0)  # then SIGKILL: no end line
+    (line,) = read([path]).entries
+    assert main(["jobs", str(path), "--json"]) == 0
+    (job,) = json.loads(capsys.readouterr().out)["totals"]
+    assert job["energy_j"] == line.energy_j > 0 and job["checkpointed"] == 1
+    assert main(["jobs", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[-2:] == ["SIM", "CKPT"]
+    reporter.cancel()
+
+
+def test_no_ledger_no_checkpoint_line_and_no_window_closed(sim_gpus, tmp_path, monkeypatch):
+    sim_gpus("a40", virtual_clock=True)
+    monkeypatch.delenv(LEDGER_ENV, raising=False)
+    monitor = ZeusMonitor()
+    reporter = EnergyReporter(monitor)
+    reporter.checkpoint(step=1)  # before the run: nothing
+    reporter.start()
+    reporter.checkpoint(step=2)
+    assert len(monitor.open_windows) == 2
+    reporter.stop()
+
+
 def test_bounds_add_up_when_every_line_has_one():
     entries = [_entry(rank=r, energy_bound_j=2.0 + r) for r in range(3)]
     assert totals(entries)[0].energy_bound_j == 9.0

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from zeus_callbacks.core.monitor import monitor as monitor_module
 from zeus_callbacks.core.monitor import rapl
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 
@@ -51,7 +50,7 @@ def test_cpu_and_dram_energy_with_wraparound(sim_gpus, powercap: Path):
 def test_cpu_indices_without_rapl_said_once(sim_gpus, tmp_path: Path, monkeypatch, caplog):
     sim_gpus("a40")
     monkeypatch.setattr(rapl, "POWERCAP_DIR", tmp_path / "absent")
-    monkeypatch.setattr(monitor_module, "_cpu_warned", False)
+    monkeypatch.setattr(rapl, "_warned", False)
     with caplog.at_level(logging.WARNING, logger="zeus_callbacks"):
         assert ZeusMonitor().cpu_indices == []  # by default: quietly none
         for _ in range(3):

@@ -17,9 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "jobs",
         help="sum energy ledgers per job, user or partition",
         description=(
-            "Sum the energy ledgers the callbacks append to (ledger_path=, or $ZEUS_CALLBACKS_LEDGER): the newest "
-            "line of every rank of every run, per job (default), user or partition. Energy is shown with the "
-            "bound the lines carry; SIM marks simulated figures."
+            "Sum the energy ledgers the callbacks append to (ledger_path=, or $ZEUS_CALLBACKS_LEDGER): one line of "
+            "every rank of every run, its final line, else its last checkpoint's (a run that died after a "
+            "checkpoint), per job (default), user or partition. Energy is shown with the bound the lines carry; "
+            "SIM marks simulated figures, CKPT groups counted up to a checkpoint for some rank."
         ),
     )
     parser.add_argument("ledgers", nargs="*", metavar="LEDGER", help=f"ledger files (default: ${LEDGER_ENV})")
@@ -80,7 +81,11 @@ def _table(by: str, rows: list) -> str:
                 f"{r.gpu_hours:.3f}",
                 "-" if r.co2eq_g is None else f"{r.co2eq_g / 1000:.3f}",
                 "-" if r.cost is None else f"{r.cost:.2f}",
-                " ".join(f for f, on in (("SIM", r.simulated), ("FAILED", r.failed)) if on),
+                " ".join(
+                    f
+                    for f, on in (("SIM", r.simulated), ("FAILED", r.failed), ("CKPT", r.checkpointed))
+                    if on
+                ),
             )
         )
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]

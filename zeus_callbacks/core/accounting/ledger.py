@@ -8,7 +8,9 @@ write fails half-way (a full disk). A failed append is logged and reported, neve
 stop training.
 
 A line carries a rank's figures since its run began, so a later line of the same run supersedes an earlier
-one (a checkpoint's, then the end's); `totals` sums the newest line of every (job, run, rank).
+one: `totals` sums one line of every (job, run, rank, host), its final line (`end` or `failed`) where it has
+one, else its newest checkpoint line (a run that died hard after a checkpoint, or is still running). A
+finished run is never counted twice, and a killed one is counted up to its last checkpoint.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ LEDGER_ENV = "ZEUS_CALLBACKS_LEDGER"
 """The ledger file every job of a site appends to, unless an argument names another."""
 RUN_ID = uuid.uuid4().hex[:12]
 """This process's run: a resumed or requeued job is a new run of the same job id."""
-_VERSION = 1
+_VERSION = 2  # 2: `step` (a checkpoint's training step); version-1 lines are read as lines without one
+_READ_VERSIONS = (1, 2)
 _EVENTS = ("checkpoint", "end", "failed")
 GROUPINGS = ("job", "user", "partition")
 
@@ -49,7 +52,9 @@ class LedgerEntry:
 
     Attributes:
         job: The job as its scheduler names it.
-        event: `checkpoint`, `end`, or `failed` (the run ended with an exception).
+        event: `checkpoint` (figures so far, written when the trainer saves a checkpoint), `end`, or `failed`
+            (the run ended with an exception). An `end` or `failed` line supersedes the run's checkpoint
+            lines.
         gpus: The rank's GPUs by UUID.
         energy_j: GPU energy (J).
         time_s: Time since the run began (s).
@@ -58,6 +63,7 @@ class LedgerEntry:
         cost: Cost in the price's currency, None when no price is given.
         power_limit_w: The power limit the optimizer chose (W), None without one.
         simulated: The GPUs were simulated: the figures are a simulation.
+        step: The training step of a checkpoint line (the trainer's global step), None where not given.
         run: The run (one process start) these figures belong to.
         written_at: When the line was written (Unix time, s).
     """
@@ -72,12 +78,15 @@ class LedgerEntry:
     cost: float | None = None
     power_limit_w: float | None = None
     simulated: bool = False
+    step: int | None = None
     run: str = RUN_ID
     written_at: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         if self.event not in _EVENTS:
             raise ValueError(f"LedgerEntry: event must be one of {_EVENTS}, got {self.event!r}.")
+        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int)):
+            raise ValueError(f"LedgerEntry: step must be a whole number or None, got {self.step!r}.")
         for name in ("energy_j", "time_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -98,8 +107,8 @@ class LedgerEntry:
             ValueError: not such a line (torn, of a newer version, or not a ledger line at all).
         """
         record = json.loads(line)
-        if not isinstance(record, dict) or record.pop("version", None) != _VERSION:
-            raise ValueError("not a version-1 ledger line")
+        if not isinstance(record, dict) or record.pop("version", None) not in _READ_VERSIONS:
+            raise ValueError(f"not a ledger line of version {' or '.join(map(str, _READ_VERSIONS))}")
         job = record.pop("job")
         known = {f.name for f in fields(JobIdentity)}
         if not isinstance(job, dict) or set(job) - known:
@@ -212,8 +221,9 @@ class JobTotal:
     """A group's sums (a job, a user or a partition): energy with its bound, GPU time, the processes and ranks.
 
     `runs` counts process runs (each rank's process is one; a requeued or resumed job's ranks start new ones),
-    `ranks` the newest line of each. `energy_bound_j` is None when any line lacks its bound; `gpu_hours` is
-    each rank's time times its GPUs.
+    `ranks` the line counted of each (`totals`), `checkpointed` those of them that are checkpoint lines (no
+    final line: the run died after a checkpoint, or is still running). `energy_bound_j` is None when any line
+    lacks its bound; `gpu_hours` is each rank's time times its GPUs.
     """
 
     key: str
@@ -228,16 +238,18 @@ class JobTotal:
     cost: float | None
     simulated: bool
     failed: bool
+    checkpointed: int = 0
 
 
 def totals(entries: Iterable[LedgerEntry], by: str = "job") -> list[JobTotal]:
-    """Sum the newest line of every (job, run, rank, host) per `by` (one of `GROUPINGS`), largest energy first."""
+    """Sum one line of every (job, run, rank, host) per `by` (one of `GROUPINGS`), largest energy first: its
+    final line (`end`, `failed`) where it has one, else its newest checkpoint line (`_supersedes`)."""
     if by not in GROUPINGS:
         raise ValueError(f"totals: by must be one of {GROUPINGS}, got {by!r}.")
     newest: dict[tuple, LedgerEntry] = {}
     for e in entries:
         key = (e.job.scheduler, e.job.job_id, e.run, e.job.rank, e.job.host)
-        if key not in newest or e.written_at >= newest[key].written_at:
+        if key not in newest or _supersedes(e, newest[key]):
             newest[key] = e
     groups: dict[str, list[LedgerEntry]] = {}
     for e in newest.values():
@@ -245,6 +257,15 @@ def totals(entries: Iterable[LedgerEntry], by: str = "job") -> list[JobTotal]:
         groups.setdefault(name, []).append(e)
     result = [_total(name, group) for name, group in groups.items()]
     return sorted(result, key=lambda t: (-t.energy_j, t.key))
+
+
+def _supersedes(line: LedgerEntry, other: LedgerEntry) -> bool:
+    """Whether `line` stands for its run's rank instead of `other`: a final line over a checkpoint line
+    whatever their times say (a clock stepped back between them), else the later line, else the later step."""
+    final, other_final = line.event != "checkpoint", other.event != "checkpoint"
+    if final != other_final:
+        return final
+    return (line.written_at, line.step or 0) >= (other.written_at, other.step or 0)
 
 
 def _total(key: str, group: list[LedgerEntry]) -> JobTotal:
@@ -263,6 +284,7 @@ def _total(key: str, group: list[LedgerEntry]) -> JobTotal:
         cost=_sum_known([e.cost for e in group]),
         simulated=any(e.simulated for e in group),
         failed=any(e.event == "failed" for e in group),
+        checkpointed=sum(e.event == "checkpoint" for e in group),
     )
 
 

@@ -26,6 +26,9 @@ __all__ = ["ZeusMonitor", "Measurement", "MeasurementState"]
 
 logger = logging.getLogger(__name__)
 
+# An open window: its start, the GPU counters (mJ) and the indices they are of, the RAPL counters (µJ) or None.
+_WindowState = tuple[float, list[int], list[int], list[tuple[int, int | None]] | None]
+
 
 @dataclass(slots=True)
 class Measurement:
@@ -171,10 +174,9 @@ class ZeusMonitor:
         # GPUs that stopped answering -> why: left out of every later window (said once each).
         self._lost: dict[int, str] = {}
         self._live_indices: list[int] = list(self.gpu_indices)
-        self._rapl = _rapl_packages(checks.cpu_indices(cpu_indices))
+        self._rapl = rapl.monitored_packages(checks.cpu_indices(cpu_indices))
         self.cpu_indices: list[int] = [p.index for p in self._rapl]
-        # key -> (start, GPU counters mJ, the GPU indices they are of, RAPL counters µJ per package or None)
-        self._windows: dict[str, tuple[float, list[int], list[int], list[tuple[int, int | None]] | None]] = {}
+        self._windows: dict[str, _WindowState] = {}
         self._log: TextIO | None = None
         if log_file is not None:
             self._log = checks.open_log("ZeusMonitor", log_file)
@@ -270,12 +272,43 @@ class ZeusMonitor:
         Raises:
             ValueError: no window named `key` is open.
         """
+        state = self._open_window(key)
+        del self._windows[key]
+        return self._measure(key, state, sync_execution, cancel)
+
+    def read_window(self, key: str, sync_execution: bool = True) -> Measurement:
+        """The window `key` so far, as `end_window` would give it now, and leave it open (a checkpoint's
+        figures, or a figure that is not reported until the window is long enough); not logged.
+
+        Raises:
+            ValueError: no window named `key` is open.
+        """
+        return self._measure(key, self._open_window(key), sync_execution, log=False)
+
+    def _open_window(self, key: str) -> _WindowState:
         try:
-            start, before, indices, cpu_before = self._windows.pop(key)
+            return self._windows[key]
         except KeyError:
             raise ValueError(
                 f"Measurement window {key!r} does not exist: it was not begun (open: {sorted(self._windows)})."
             ) from None
+
+    def energy_bound(self, index: int) -> EnergyBound:
+        """What the monitor knows of GPU `index`'s energy figures (`uncertainty.EnergyBound`): its counter's
+        refresh (`refresh_s`), its highest settable power limit (`top_w`, 0 where unknown) and the highest
+        average power measured on it (`peak_w`). For reading: the monitor updates it."""
+        return self._bounds[index]
+
+    def _measure(
+        self,
+        key: str,
+        state: _WindowState,
+        sync_execution: bool,
+        cancel: bool = False,
+        log: bool = True,
+    ) -> Measurement:
+        """The figures of the window `key` that began at `state`, read now."""
+        start, before, indices, cpu_before = state
         # Instantaneous power is read before the synchronisation, while the window's work still runs (Zeus
         # does the same): afterwards the GPU may already have dropped to idle.
         instant = self._instant_power_w() if self.approx_instant_energy and not cancel else None
@@ -298,7 +331,7 @@ class ZeusMonitor:
             self._add_sampled_energy(energy, bound, start, end)
         cpu_j, dram_j = self._cpu_energy(cpu_before)
         m = Measurement(elapsed, energy, cpu_j, dram_j, self.simulated, bound)
-        if self._log is not None:
+        if self._log is not None and log:
             values = ",".join(str(energy.get(i, "")) for i in self.gpu_indices)  # a lost GPU: empty
             self._log.write(f"{start},{key},{m.time},{values}\n")
             self._log.flush()
@@ -446,40 +479,3 @@ def _energy_bound(gpu: GPU) -> EnergyBound:
     except GPUError:
         top_w = 0.0
     return EnergyBound(sensor, sensor.update_s if known is None else known, top_w)
-
-
-_cpu_warned = False
-
-
-def _rapl_packages(cpu_indices: Sequence[int] | None) -> list[rapl.RaplPackage]:
-    """The RAPL packages to measure: every readable one by default; those asked for, said once if not."""
-    global _cpu_warned
-    if cpu_indices is not None and not list(cpu_indices):
-        return []
-    try:
-        packages = rapl.rapl_packages()
-    except rapl.RaplUnavailable as e:
-        if cpu_indices is not None and not _cpu_warned:
-            _cpu_warned = True
-            logger.warning(
-                "ZeusMonitor(cpu_indices=%s): CPU energy is not measured: %s. GPU energy is. (Said once.)",
-                list(cpu_indices),
-                e,
-            )
-        else:
-            logger.info("CPU energy is not measured: %s.", e)
-        return []
-    if cpu_indices is None:
-        return packages
-    by_index = {p.index: p for p in packages}
-    missing = [i for i in cpu_indices if i not in by_index]
-    if missing and not _cpu_warned:
-        _cpu_warned = True
-        logger.warning(
-            "ZeusMonitor(cpu_indices=%s): RAPL has no CPU package %s (it has %s); those are not measured. "
-            "(Said once.)",
-            list(cpu_indices),
-            missing,
-            sorted(by_index),
-        )
-    return [by_index[i] for i in cpu_indices if i in by_index]

@@ -8,10 +8,18 @@ only root read `energy_uj` (a side channel otherwise); then CPU energy cannot be
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["POWERCAP_DIR", "RaplPackage", "RaplUnavailable", "energy_delta_j", "rapl_packages"]
+__all__ = [
+    "POWERCAP_DIR",
+    "RaplPackage",
+    "RaplUnavailable",
+    "energy_delta_j",
+    "rapl_packages",
+    "monitored_packages",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,3 +105,41 @@ def energy_delta_j(before_uj: int, after_uj: int, max_uj: int) -> float:
     if delta < 0:
         delta += max_uj
     return delta / 1e6
+
+
+_warned = False
+
+
+def monitored_packages(cpu_indices: Sequence[int] | None) -> list[RaplPackage]:
+    """The RAPL packages a `ZeusMonitor(cpu_indices=...)` measures: every readable one by default (none,
+    quietly, where RAPL is absent); those asked for, and the ones missing said once per process."""
+    global _warned
+    if cpu_indices is not None and not list(cpu_indices):
+        return []
+    try:
+        packages = rapl_packages()
+    except RaplUnavailable as e:
+        if cpu_indices is not None and not _warned:
+            _warned = True
+            logger.warning(
+                "ZeusMonitor(cpu_indices=%s): CPU energy is not measured: %s. GPU energy is. (Said once.)",
+                list(cpu_indices),
+                e,
+            )
+        else:
+            logger.info("CPU energy is not measured: %s.", e)
+        return []
+    if cpu_indices is None:
+        return packages
+    by_index = {p.index: p for p in packages}
+    missing = [i for i in cpu_indices if i not in by_index]
+    if missing and not _warned:
+        _warned = True
+        logger.warning(
+            "ZeusMonitor(cpu_indices=%s): RAPL has no CPU package %s (it has %s); those are not measured. "
+            "(Said once.)",
+            list(cpu_indices),
+            missing,
+            sorted(by_index),
+        )
+    return [by_index[i] for i in cpu_indices if i in by_index]

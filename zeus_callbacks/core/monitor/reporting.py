@@ -16,6 +16,8 @@ from zeus_callbacks.core.accounting.ledger import LEDGER_ENV
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.monitor.monitor import Measurement, ZeusMonitor
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "ENERGY_PREFIX",
     "POWER_LIMIT_PREFIX",
@@ -41,6 +43,11 @@ CARBON_INTENSITY_ENV = "ZEUS_CALLBACKS_CARBON_INTENSITY"
 ELECTRICITY_PRICE_ENV = "ZEUS_CALLBACKS_ELECTRICITY_PRICE"
 """Price per kWh, or a U.S. state (`US-CA`): the reporters' default price."""
 J_PER_KWH = 3.6e6
+# A logging interval under two refreshes of a GPU's energy counter reads 0 J or a whole refresh (its figure is
+# the counter's steps, `uncertainty.EnergyBound.edge_power_w`): it is merged into the next. So is one whose
+# power reads above the board's highest power limit while it spans under this many refreshes: the refresh
+# counted at its start was drawn before it. Past that, such a figure is the sensor's own (its gain), and said.
+MERGE_REFRESHES = 50
 
 _ids = itertools.count()
 # The reporters reading each monitor's windows, so that one knows when another reports the same energy.
@@ -150,7 +157,13 @@ class EnergyReporter:
     true energy may lie from the figure, either way (J, `Measurement.total_energy_bound`; absent where some
     GPU's bound is not known). Under torch.distributed the energy figures and their bounds are the whole job's
     (summed over ranks), so every rank must call `interval` and `stop` at the same points, as trainers'
-    logging hooks do; `gpu<i>_interval_j` is this rank's GPU i.
+    logging hooks do; `gpu<i>_interval_j` (and its `gpu<i>_interval_j_bound`) is this rank's GPU i.
+
+    An interval too short for the energy counters is not reported on its own: a log event whose interval spans
+    under two refreshes of some GPU's counter (it would read 0 J, and a later one a jump), or reads above the
+    board's highest power limit while under `MERGE_REFRESHES` refreshes, gets no energy figures, and its
+    energy is in the next log event's interval, which spans both. So no interval's average power is above
+    what the boards can draw, for as long as their sensors read them truly.
 
     With a carbon intensity or a price (`Rates`), each interval and the totals also carry `..._co2eq_g` and
     `..._cost` (`energy/interval_co2eq_g`, `energy/total_cost`, ...).
@@ -163,8 +176,8 @@ class EnergyReporter:
         report_path: Write the run's HTML report there at `stop` (`zeus-callbacks report`'s; its record in
             `<stem>.run/`), with the power timeline, energy per step (`step_begin` / `step_end`) and, given
             to `stop`, the optimizers' profiles.
-        ledger_path: Append this rank's line to the per-job energy ledger there at `stop` (`end`) or when
-            the run fails (`failed`); default `$ZEUS_CALLBACKS_LEDGER`, none when unset
+        ledger_path: Append this rank's line to the per-job energy ledger there at each `checkpoint`, at
+            `stop` (`end`) or when the run fails (`failed`); default `$ZEUS_CALLBACKS_LEDGER`, none when unset
             (`zeus_callbacks.core.accounting.ledger`, summed by `zeus-callbacks jobs`).
     """
 
@@ -245,19 +258,25 @@ class EnergyReporter:
             recorder.finish(optimizers=optimizers, failed=failed)
 
     def interval(self) -> dict[str, float]:
-        """Close the current interval, open the next, and return its figures (at each log event)."""
+        """Close the current interval, open the next, and return its figures (at each log event); {} where the
+        interval is too short for the energy counters and is merged into the next (see the class)."""
         if not self._running:
             return {}
-        try:
-            m = self.monitor.end_window(self._interval_window)
-            self.monitor.begin_window(self._interval_window, sync_execution=False)
-        except GPUError as e:
-            m = self._gpu_failed(e)
-        # Every rank learns in the same collective that a GPU failed, and they stop reporting together.
-        energy, failed, bound = _job_sums(m)
+        m = self._interval_so_far()
+        # Every rank learns in the same collective that a GPU failed, and they stop reporting together; and
+        # whether some rank's interval is too short, and they all merge it into the next.
+        energy, failed, bound, merge = _job_sums(m, self._too_short(m))
         if failed:
             self._running = False
             return {}
+        if merge:
+            return {}
+        try:
+            self.monitor.end_window(self._interval_window, sync_execution=False, cancel=True)
+            self.monitor.begin_window(self._interval_window, sync_execution=False)
+        except GPUError as e:  # said at the next log event, in its collective
+            logger.warning("The next logging interval could not be opened: %s", e)
+        assert m is not None
         p = self.prefix
         out = {
             f"{p}interval_j": energy,
@@ -270,11 +289,38 @@ class EnergyReporter:
             out[f"{p}interval_j_bound"] = bound
         for i, e in m.gpu_energy.items():
             out[f"{p}gpu{i}_interval_j"] = e
+            if i in m.gpu_energy_bound:
+                out[f"{p}gpu{i}_interval_j_bound"] = m.gpu_energy_bound[i]
         return out
+
+    def _interval_so_far(self) -> Measurement | None:
+        """The current interval, left open; None (and reporting stops) when a GPU failed, or the interval
+        could not be opened again at the last log event."""
+        try:
+            if self._interval_window not in self.monitor.open_windows:
+                raise GPUError("the logging interval could not be opened at the last log event")
+            return self.monitor.read_window(self._interval_window)
+        except GPUError as e:
+            return self._gpu_failed(e)
+
+    def _too_short(self, m: Measurement | None) -> bool:
+        """Whether this rank's interval `m` is merged into the next (see the class): on some GPU it spans under
+        two of its counter's refreshes, or reads above the board's highest power limit while it spans under
+        `MERGE_REFRESHES` of them."""
+        if m is None:
+            return False
+        for i, energy_j in m.gpu_energy.items():
+            gpu = self.monitor.energy_bound(i)
+            refresh = gpu.refresh_s
+            if refresh and m.time < 2 * refresh:
+                return True
+            if gpu.top_w and m.time < MERGE_REFRESHES * refresh and energy_j > gpu.top_w * m.time:
+                return True
+        return False
 
     def _gpu_failed(self, error: GPUError) -> None:
         """A GPU failed: this reporter's figures stop (training goes on)."""
-        logging.getLogger(__name__).warning("Energy reporting stops: %s", error)
+        logger.warning("Energy reporting stops: %s", error)
         self.cancel()
 
     def cancel(self) -> None:
@@ -297,7 +343,22 @@ class EnergyReporter:
         except GPUError:
             return None
 
-    def _account(self, event: str, m: Measurement | None, optimizers: tuple[Any, ...] = ()) -> None:
+    def checkpoint(self, step: int | None = None, optimizers: tuple[Any, ...] = ()) -> None:
+        """The trainer saved a checkpoint: append this rank's figures since the run began to the ledger
+        (`checkpoint`, with the training `step`), so that a run killed later is accounted up to here; its
+        `end` line supersedes them. No collective and no synchronisation; nothing without a ledger or a run."""
+        if not self._running or self.ledger_path is None:
+            return
+        try:
+            m = self.monitor.read_window(self._total_window, sync_execution=False)
+        except GPUError as e:
+            logger.warning("No ledger line at this checkpoint: %s", e)
+            return
+        self._account("checkpoint", m, optimizers, step)
+
+    def _account(
+        self, event: str, m: Measurement | None, optimizers: tuple[Any, ...] = (), step: int | None = None
+    ) -> None:
         """Append this rank's line to the ledger (nothing without a ledger or a measurement)."""
         if self.ledger_path is None or m is None:
             return
@@ -321,6 +382,7 @@ class EnergyReporter:
             power_limit_w=next((float(w) for w in limits if w is not None), None),
             simulated=m.simulated,
             energy_bound_j=m.total_energy_bound,
+            step=step,
         )
         append(self.ledger_path, entry)
 
@@ -337,7 +399,7 @@ class EnergyReporter:
         except GPUError as e:
             m = self._gpu_failed(e)
         self._account("end", m, optimizers)
-        energy, failed, bound = _job_sums(m)
+        energy, failed, bound, _ = _job_sums(m)
         if failed:
             return {}
         self.total_energy_j, self.total_time_s = energy, m.time
@@ -354,20 +416,21 @@ class EnergyReporter:
         return out
 
 
-def _job_sums(m: Measurement | None) -> tuple[float, float, float | None]:
-    """The job's energy, whether some rank's GPU failed, and the energy's bound (None where some rank's is
-    not known), summed over ranks in one collective."""
+def _job_sums(m: Measurement | None, short: bool = False) -> tuple[float, float, float | None, bool]:
+    """The job's energy, whether some rank's GPU failed, the energy's bound (None where some rank's is not
+    known), and whether some rank's interval is `short`, summed over ranks in one collective."""
     bound = None if m is None else m.total_energy_bound
-    energy, failed, bound_j, unknown = dist.all_reduce(
+    energy, failed, bound_j, unknown, shorts = dist.all_reduce(
         [
             m.total_energy if m else 0.0,
             float(m is None),
             bound or 0.0,
             float(m is not None and bound is None),
+            float(short),
         ],
         op="sum",
     )
-    return energy, failed, None if unknown else bound_j
+    return energy, failed, None if unknown else bound_j, bool(shorts)
 
 
 def run_summary(report: Mapping[str, Any], totals: Mapping[str, float]) -> dict[str, float]:

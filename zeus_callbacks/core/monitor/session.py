@@ -12,6 +12,7 @@ training begins                `start()`
 a micro-batch begins / ends    `step_begin(optimizer_steps)` / `step_end(optimizer_steps)` (as the
                                power-limit session's: the report's energy per optimizer step)
 a log event                    log `interval_metrics()` with the framework's loggers
+a checkpoint is saved          `checkpoint(global_step)`: this rank's ledger line so far
 training ends                  log `summary()` (the run's totals), then `end()`
 training raised                `fail()`: no figures and no collective
 =============================  =================================================================
@@ -99,6 +100,11 @@ class EnergySession:
         torch.distributed: every rank calls it at the same points. `numbers_only`: as the power-limit
         session's (these figures are all numbers)."""
         return self.reporter.interval()
+
+    def checkpoint(self, step: int | None = None) -> None:
+        """The trainer saved a checkpoint at training `step`: this rank's energy so far goes to the per-job
+        ledger, if one is set (`EnergyReporter.checkpoint`). No collective."""
+        self.reporter.checkpoint(step)
 
     def summary(self, numbers_only: bool = True) -> dict[str, Any]:
         """The run's totals (`energy/total_j`, ...); the windows close and the report is written. A
