@@ -87,6 +87,13 @@ class SessionCallback(RestoresOnException, LogsFirst):
         log_metrics(state, logs, session.summary(False) if final else session.interval_metrics(False))
 
     @override
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """`on_save` (a checkpoint was written) → `checkpoint`: this rank's energy ledger line so far."""
+        self._session.checkpoint(state.global_step)
+
+    @override
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:

@@ -163,6 +163,11 @@ class ZeusMonitorHooks(CallbackHooks):
         may not have failed); nothing is logged."""
         self._session.fail()
 
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        """Drives `checkpoint`: this rank's energy ledger line so far."""
+        self._session.checkpoint(trainer.global_step)
+
 
 class GlobalPowerLimitOptimizerHooks(CallbackHooks):
     """Find the best GPU power limit during training and keep it (Zeus's `GlobalPowerLimitOptimizer`).
@@ -271,6 +276,11 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
     ) -> None:
         """Drives `fail`: the GPUs' settings are restored when training fails too."""
         self._session.fail()
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        """Drives `checkpoint`: this rank's energy ledger line so far."""
+        self._session.checkpoint(trainer.global_step)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -114,6 +114,10 @@ class PowerLimitSession:
             interval = {}
         return {**metrics, **interval}
 
+    def checkpoint(self, step: int | None = None) -> None:
+        """A checkpoint was saved at training `step`: this rank's energy ledger line so far, if a ledger is set."""
+        self.reporter.checkpoint(step, (self.optimizer,))
+
     def summary(self, numbers_only: bool = True) -> dict[str, Any]:
         """The end-of-training figures: the optimizer's, and the run's totals (`run_summary`: energy, time,
         average power, profiling cost, the choice and its saving); the report is written. A collective
