@@ -178,6 +178,47 @@ def test_a_run_killed_after_a_checkpoint_is_summed_to_it(sim_gpus, tmp_path, cap
     reporter.cancel()
 
 
+@pytest.mark.parametrize(
+    "adapter",
+    [
+        "huggingface:HFZeusMonitor",
+        "huggingface:HFGlobalPowerLimitOptimizer",
+        "lightning:LightningZeusMonitor",
+        "lightning:LightningGlobalPowerLimitOptimizer",
+    ],
+)
+def test_the_adapters_save_hooks_write_a_checkpoint_line(adapter, sim_gpus, tmp_path, monkeypatch):
+    """Fails if HF's `on_save` or Lightning's `on_save_checkpoint` does not reach the ledger (with the
+    trainer's global step)."""
+    import importlib
+    from types import SimpleNamespace
+
+    framework, name = adapter.split(":")
+    pytest.importorskip("transformers" if framework == "huggingface" else "lightning")
+    system = sim_gpus("a40", virtual_clock=True)
+    path = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv(LEDGER_ENV, str(path))
+    callback = getattr(importlib.import_module(f"zeus_callbacks.{framework}"), name)(ZeusMonitor([0]))
+    if framework == "huggingface":
+        from transformers import TrainerControl, TrainerState, TrainingArguments
+
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+        state, control = TrainerState(global_step=7), TrainerControl()
+        callback.on_train_begin(args, state, control)
+        system.run_step(0.5)
+        callback.on_save(args, state, control)
+        callback.on_train_end(args, state, control)
+    else:
+        trainer = SimpleNamespace(global_step=7)
+        callback.on_train_start(trainer, None)
+        system.run_step(0.5)
+        callback.on_save_checkpoint(trainer, None, {})
+        callback._session.end()
+    checkpoint, end = read([path]).entries
+    assert (checkpoint.event, checkpoint.step, end.event) == ("checkpoint", 7, "end")
+    assert 0 < checkpoint.energy_j <= end.energy_j
+
+
 def test_no_ledger_no_checkpoint_line_and_no_window_closed(sim_gpus, tmp_path, monkeypatch):
     sim_gpus("a40", virtual_clock=True)
     monkeypatch.delenv(LEDGER_ENV, raising=False)
