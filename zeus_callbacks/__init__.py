@@ -1,8 +1,10 @@
 """zeus_callbacks: cut the GPU energy of deep-learning training, as callbacks for the trainers you use.
 
-The package, by layer (data flows down: a trainer hook → an adapter → the core → the device layer → NVML):
+The package, by layer (data flows down: a trainer hook → an adapter → the core → the `Device` boundary → a
+vendor module):
 
-- `core/device/`: the only code that calls NVML: GPUs, errors, the GPU-state guard.
+- `core/device/`: the `Device` boundary and one module per vendor (`nvidia/` over NVML, `amd.py` over amdsmi),
+  the only code that calls a vendor's library; GPUs, errors, the GPU-state guard.
 - `core/monitor/`: `ZeusMonitor` windows, energy reporting (every metric name), epoch logs, `ProfileDataLoader`.
 - `core/power_limit/`: `GlobalPowerLimitOptimizer`, its search, selectors and profile file.
 - `core/pipeline_frequency/`: `PipelineFrequencyOptimizer` (Perseus) and its planner, profile file, instrumentation.
@@ -10,7 +12,7 @@ The package, by layer (data flows down: a trainer hook → an adapter → the co
 - `core/distributed.py`: collectives, `local_rank()`, the one signal chain.
 - Adapters, one module per framework: `huggingface`, `lightning` (`lightning.pytorch` and `.pl`), `accelerate`;
   per pipeline engine: `megatron` (Megatron-Core), `deepspeed`.
-- `sim/`: simulated GPUs behind NVML; `cli/`: the `zeus-callbacks` command.
+- `sim/`: simulated GPUs beneath each vendor's real bindings; `cli/`: the `zeus-callbacks` command.
 
 Names of the core are importable from here; so are the adapters' classes, imported on first access so that
 `import zeus_callbacks` (and `from zeus_callbacks import *`) never imports transformers, lightning or accelerate.
@@ -57,7 +59,7 @@ def _simulation_requested() -> bool:
     return bool(os.environ.get("ZEUS_CALLBACKS_SIMULATE")) or "zeus_callbacks.sim" in sys.modules
 
 
-# The composition point: the simulator offers itself as an NVML backend, imported only when a discovery
+# The composition point: the simulator offers itself as a device backend, imported only when a discovery
 # may want it.
 register_backend("zeus_callbacks.sim.backend:simulated_backend", when=_simulation_requested)
 
