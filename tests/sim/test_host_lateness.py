@@ -43,10 +43,13 @@ def host(monkeypatch: pytest.MonkeyPatch):
 
     def install(late_s: float) -> _Host:
         h = _Host(late_s)
-        fake = SimpleNamespace(time=lambda: h.wall_s, sleep=h.sleep, process_time=lambda: h.cpu_s)
+        fake = SimpleNamespace(
+            time=lambda: h.wall_s, sleep=lambda s: h.sleep(s), process_time=lambda: h.cpu_s
+        )
         monkeypatch.setattr(sim_host, "time", fake)
         monkeypatch.setattr(sim_gpu, "time", fake)
         monkeypatch.setattr(HOST_CLOCK, "lag_s", 0.0)
+        monkeypatch.setattr(HOST_CLOCK, "_latest", float("-inf"))
         return h
 
     return install
@@ -140,6 +143,29 @@ def test_a_wake_past_the_cap_is_idle_time(host):
     assert (gpu.energy_mj() - e0) / 1000 == pytest.approx(
         WORK_S * tr.power(300) + 0.3 * gpu.spec.idle_power_w
     )
+
+
+def test_the_nodes_time_never_runs_backwards_for_another_thread(host):
+    """Another thread (a power sampler) reads the node's time while the host oversleeps: after the wake the
+    node's time is no earlier than what it read, and only that part of the lateness is the GPU's idle time.
+    Fails if the node's time runs backwards (the sampler's intervals would overlap)."""
+    h = host(LATE_S)
+    (gpu,) = _node().gpus
+    gpu.synchronize()
+    seen: list[float] = []
+    sleep = h.sleep
+
+    def sampled_sleep(seconds: float) -> None:
+        sleep(seconds)
+        h.wall_s -= LATE_S / 2
+        seen.append(HOST_CLOCK.now())  # half-way through the oversleep
+        h.wall_s += LATE_S / 2
+
+    h.sleep = sampled_sleep
+    gpu.enqueue(WORK_S)
+    t0 = HOST_CLOCK.now()
+    gpu.synchronize()
+    assert HOST_CLOCK.now() == seen[0] == pytest.approx(t0 + WORK_S + LATE_S / 2)
 
 
 def test_host_cpu_time_paces_the_gpu_without_kernels_late_or_not(host):

@@ -82,17 +82,25 @@ class HostClock:
     what the host does next (queue a kernel, read a counter, time a window) happens on the GPU's timeline
     when an on-time host would have done it. The host's next wait is shorter by its lag, so the lag never
     builds up: it is the lateness of the last wake only, at most `MAX_LAG_S` (a later wake is a stopped
-    process, not scheduling: the GPU idles for the rest).
+    process, not scheduling: the GPU idles for the rest). The node's time never runs backwards: where another
+    thread (a power sampler) read it during the wait, that much of the lateness is the GPU's idle time.
     """
 
     MAX_LAG_S = 0.5
 
     def __init__(self) -> None:
         self.lag_s = 0.0
+        self._latest = float("-inf")  # the latest node time read by any thread
 
     def now(self) -> float:
         """The node's time (s since the epoch)."""
-        return time.time() - self.lag_s
+        return self._at(time.time())
+
+    def _at(self, wall: float) -> float:
+        t = wall - self.lag_s
+        if t > self._latest:
+            self._latest = t
+        return t
 
     def wait_until(self, end_s: float, defer_signals: bool) -> float:
         """Wait until the node's time `end_s` (when a GPU's work ends): on the wall clock until then, which
@@ -101,12 +109,12 @@ class HostClock:
         than `MAX_LAG_S` late."""
         wall = time.time()
         if end_s <= wall - self.lag_s:
-            return wall - self.lag_s
+            return self._at(wall)
         if end_s > wall:
             (sleep_deferring_signals if defer_signals else time.sleep)(end_s - wall)
             wall = time.time()
-        self.lag_s = min(max(0.0, wall - end_s), self.MAX_LAG_S)
-        return wall - self.lag_s
+        self.lag_s = min(max(0.0, wall - max(end_s, self._latest)), self.MAX_LAG_S)
+        return self._at(wall)
 
 
 HOST_CLOCK = HostClock()
