@@ -145,10 +145,11 @@ class SimulatedAMDBackend(AMDBackend):
 
     def gpu(self, device: Device | Any) -> SimulatedGPU:
         """The simulated GPU behind an AMD device (or an amdsmi processor handle)."""
-        handle = device.handle if isinstance(device, AMDDevice) else device
-        address = getattr(handle, "value", handle)
-        library = ensure(self.system) and _library
-        return library.gpu(address)  # type: ignore[union-attr]
+        handle: Any = device.handle if isinstance(device, AMDDevice) else device
+        address: int | None = getattr(handle, "value", handle)
+        ensure(self.system)
+        assert _library is not None
+        return _library.gpu(address)
 
     def synchronize(self, index: int, device: Device) -> None:
         """Wait for the simulated work queued on the GPU (no-op on a virtual clock)."""

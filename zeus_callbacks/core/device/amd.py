@@ -74,7 +74,7 @@ def amd_error(amdsmi: ModuleType, err: Exception, what: str, gpu: str) -> GPUErr
     """
     w = amdsmi.amdsmi_wrapper
     code = err.get_error_code() if isinstance(err, amdsmi.AmdSmiLibraryException) else None
-    text = err.get_error_info() if code is not None else str(err)
+    text = err.get_error_info() if isinstance(err, amdsmi.AmdSmiLibraryException) else str(err)
     if code == w.AMDSMI_STATUS_NO_PERM:
         return GPUNoPermissionError(f"{what} on {gpu}: no permission ({text}). {_PERMISSION}")
     if code in (
@@ -369,13 +369,13 @@ class AMDBackend(Backend):
             found, uuids = [found[p] for p in keep], [uuids[p] for p in keep]
         return found
 
-    def devices(self) -> list[AMDDevice]:
+    def devices(self) -> list[Device]:
         """The HIP devices of this process, in HIP's numbering.
 
         Raises:
             MIGNotSupportedError: a GPU is split into compute partitions (CPX, ...).
         """
-        devices = [
+        devices: list[Device] = [
             AMDDevice(self.amdsmi, h, i, hip, self.simulated)
             for hip, (i, h) in enumerate(self._hip_handles())
         ]
