@@ -158,8 +158,7 @@ class AMDDevice(Device):
     # -- measurement --------------------------------------------------------------------------
     def energy_mj(self) -> int:
         """amdsmi_get_energy_count: `energy_accumulator` x `counter_resolution` (µJ), in mJ."""
-        e = self._call("Reading the energy counter", self.amdsmi.amdsmi_get_energy_count)
-        return int(e["energy_accumulator"] * e["counter_resolution"] / 1000)
+        return _energy_mj(self._call("Reading the energy counter", self.amdsmi.amdsmi_get_energy_count))
 
     def energy_reader(self) -> Callable[[], int]:
         """`energy_mj` with the function and handle bound once."""
@@ -175,7 +174,7 @@ class AMDDevice(Device):
                 e = read(handle)
             except amdsmi.AmdSmiException as err:
                 raise amd_error(amdsmi, err, "Reading the energy counter", label) from None
-            return int(e["energy_accumulator"] * e["counter_resolution"] / 1000)
+            return _energy_mj(e)
 
         return read_counter
 
@@ -307,6 +306,13 @@ class AMDDevice(Device):
         """amdsmi_set_gpu_perf_level(AUTO): amdgpu manages every clock again (AMD has no per-domain reset)."""
         a = self.amdsmi
         self._call("Unlocking the clocks", a.amdsmi_set_gpu_perf_level, a.AmdSmiDevPerfLevel.AUTO)
+
+
+def _energy_mj(count: dict[str, Any]) -> int:
+    """mJ from amdsmi_get_energy_count's ticks times their resolution (µJ); amdsmi before 6.2.1 names the
+    ticks `power` (as Zeus's amd.py reads them)."""
+    ticks = count["energy_accumulator"] if "energy_accumulator" in count else count["power"]
+    return int(ticks * count["counter_resolution"] / 1000)
 
 
 def _hip_uuid(amdsmi: ModuleType, handle: Any, asic: dict[str, Any]) -> str:
