@@ -195,3 +195,42 @@ def test_cli_on_two_simulated_mi300xs(capsys, monkeypatch, tmp_path, command):
     assert out.count("AMD Instinct MI300X") == 2 and "SIMULATED" in out and "250-750" in out
     if command == "doctor":
         assert "amdsmi 7" in out and "OK" in out
+
+
+def test_clock_locks_through_the_gpu_policy_are_undone_when_the_gpus_are_released():
+    """The pipeline optimizer's knob on AMD: a lock through `GPU` (journalled) and its undoing at release."""
+    from zeus_callbacks.core.device import gpus as devices_module
+
+    system = sim.simulate("2*mi300x", virtual_clock=True)
+    gpu = get_gpus()[1]
+    clocks = gpu.supported_sm_clocks_mhz()
+    gpu.lock_sm_clocks(clocks[-1], clocks[len(clocks) // 2])
+    assert system.gpus[1].locked_sm_clocks_mhz == (clocks[-1], clocks[len(clocks) // 2])
+    devices_module.reset()  # what every end of a run does: restore what this process changed
+    assert system.gpus[1].locked_sm_clocks_mhz is None and system.gpus[1].power_limit_mw == 750_000
+
+
+def test_nvidia_and_amd_gpus_visible_at_once_are_refused_in_one_line():
+    """Discovery with both vendors' backends seeing GPUs (a simulated A40 beneath NVML, a simulated MI300X beneath
+    amdsmi, each attached on its own as a real node would present them)."""
+    from zeus_callbacks.core.device.backend import real_backend
+    from zeus_callbacks.core.device.errors import MixedVendorError
+    from zeus_callbacks.sim import amd_backend, nvml_library
+    from zeus_callbacks.sim.backend import SimulatedBackend
+
+    nvidia = sim.SimulatedSystem("a40", virtual_clock=True, state_dir="")
+    amd_node = sim.SimulatedSystem("mi300x", virtual_clock=True, state_dir="")
+    nvml_library.attach(nvidia)
+    amd_backend.attach(amd_node)
+    try:
+        found = [SimulatedBackend(nvidia), SimulatedAMDBackend(amd_node)]
+        for backend in found:
+            backend.init()  # as each vendor's real_backend() does
+        assert [b.gpu_count() for b in found] == [1, 1]
+        with pytest.raises(MixedVendorError) as e:
+            real_backend([lambda: found[0], lambda: found[1]])
+        assert "nvidia and amd" in str(e.value) and "HIP_VISIBLE_DEVICES" in str(e.value)
+        assert "\n" not in str(e.value)
+    finally:
+        amd_backend.attach(None)
+        nvml_library.attach(None)
