@@ -22,7 +22,7 @@ from zeus_callbacks.core.monitor.power_sampler import PowerSampler
 from zeus_callbacks.core.monitor.timeline import check_gpu_indices
 from zeus_callbacks.core.monitor.uncertainty import EnergyBound, power_sensor
 
-__all__ = ["ZeusMonitor", "Measurement", "MeasurementState"]
+__all__ = ["ZeusMonitor", "Measurement", "MeasurementState", "energy_bound_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class ZeusMonitor:
         sampled = [g for g in devices if not g.supports_energy_counter and g.supports_power_reading]
         self._sampled_indices = [g.index for g in sampled]
         # The bound of each GPU's windows: its generation's sensor and its counter's refresh (uncertainty.py).
-        self._bounds = {g.index: _energy_bound(g) for g in devices}
+        self._bounds = {g.index: energy_bound_of(g) for g in devices}
         bounds = [self._bounds[i] for i in self._sampled_indices]
         self._sampler = (
             PowerSampler(sampled, self._clock, power_sample_interval_s, bounds) if sampled else None
@@ -468,10 +468,11 @@ class ZeusMonitor:
             self._log = None
 
 
-def _energy_bound(gpu: GPU) -> EnergyBound:
-    """The bound of `gpu`'s windows: its counter refreshes as the backend knows (a virtual clock's model), else
-    as its generation's power updates (ASSUMED the same, as sim/specs.py; measured at the first short window);
-    its top power is its highest settable limit (read once here; unknown where NVML gives none)."""
+def energy_bound_of(gpu: GPU) -> EnergyBound:
+    """The bound of `gpu`'s energy figures (the monitor's windows, the endpoint's counter): its counter refreshes
+    as the backend knows (a virtual clock's model), else as its generation's power updates (ASSUMED the same, as
+    sim/specs.py; measured at the first short window); its top power is its highest settable limit (read once
+    here; unknown where NVML gives none)."""
     sensor = power_sensor(gpu)
     known = gpu.backend.known_energy_refresh_s(gpu.device)
     try:

@@ -32,8 +32,10 @@ from zeus_callbacks.core.monitor.timeline import (
     check_max_samples,
     check_period,
     integrate,
+    trapezoid_error,
     weak_poll,
 )
+from zeus_callbacks.core.monitor.uncertainty import EnergyBound, PowerSensor
 
 __all__ = [
     "PowerMonitor",
@@ -45,6 +47,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_AVERAGE_WINDOW_S = 1.0  # NVML_FI_DEV_POWER_AVERAGE: "GPU power averaged over 1 sec interval" (nvml.h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +180,7 @@ class PowerMonitor:
         }
         self._lock = threading.Lock()
         self._failed: dict[int, str] = {}
+        self._bounds: dict[tuple[int, PowerDomain], EnergyBound] = {}
         self.update_period: float = (
             infer_counter_update_period(self.gpu_indices) if update_period is None else update_period
         )
@@ -316,11 +321,63 @@ class PowerMonitor:
     def get_energy(self, start_time: float, end_time: float) -> dict[int, float] | None:
         """Energy (J) per GPU between two times: the trapezoidal integral of device_instant power (else
         device_average), over the part of [start_time, end_time] the timeline covers. None before the first
-        reading.
+        reading. `get_energy_bound` says how far the true energy may lie from it.
 
         Raises:
             InvalidInputError: neither device domain is monitored, or the times are not numbers in order.
         """
+        domain = self._energy_domain(start_time, end_time)
+        self._collect()
+        with self._lock:
+            series = self._series[domain]
+            if all(series[i].latest() is None for i in self.gpu_indices):
+                return None
+            return {i: integrate(series[i].points(), start_time, end_time) / 1000 for i in self.gpu_indices}
+
+    def get_energy_bound(self, start_time: float, end_time: float) -> dict[int, float] | None:
+        """How far each GPU's true energy between two times may lie from `get_energy`'s figure (J, either way),
+        from three sources (docs/energy-uncertainty.md): the sensor's gain; what the readings may miss between
+        them (half of each change; where readings are missing, or the timeline does not cover the range,
+        anything up to the board's top power); and the readings' lag behind the power they report (one update
+        plus half its averaging window: a whole second more for device_average) at the power around the range's
+        ends. None before the first reading.
+
+        Raises:
+            InvalidInputError: as `get_energy`.
+        """
+        domain = self._energy_domain(start_time, end_time)
+        self._collect()
+        with self._lock:
+            series = self._series[domain]
+            if all(series[i].latest() is None for i in self.gpu_indices):
+                return None
+            timelines = {i: [(t, mw / 1000) for t, mw in series[i].points()] for i in self.gpu_indices}
+        out = {}
+        for i, points in timelines.items():
+            bound = self._bound(i, domain)
+            energy_j = integrate(points, start_time, end_time)
+            missed_j = trapezoid_error(
+                points, start_time, end_time, 2 * self.update_period, bound.held_error_w
+            )
+            out[i] = bound.sampled(energy_j, end_time - start_time, missed_j)
+        return out
+
+    def _bound(self, index: int, domain: PowerDomain) -> EnergyBound:
+        """GPU `index`'s bound for readings of `domain` (kept: it remembers the highest power seen)."""
+        key = (index, domain)
+        if key not in self._bounds:
+            from zeus_callbacks.core.monitor.monitor import energy_bound_of
+
+            bound = energy_bound_of(self._gpus[self.gpu_indices.index(index)])
+            if domain is PowerDomain.DEVICE_AVERAGE:  # nvml.h: "GPU power averaged over 1 sec interval"
+                sensor = bound.sensor
+                averaged = PowerSensor(sensor.update_s, _AVERAGE_WINDOW_S, f"{sensor.source}; 1 s average")
+                bound = EnergyBound(averaged, bound.refresh_s, bound.top_w)
+            self._bounds[key] = bound
+        return self._bounds[key]
+
+    def _energy_domain(self, start_time: float, end_time: float) -> PowerDomain:
+        """The domain `get_energy` integrates, once the times are checked."""
         for t in (start_time, end_time):
             if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
                 raise InvalidInputError(
@@ -343,12 +400,7 @@ class PowerMonitor:
                 "PowerMonitor.get_energy needs device_instant or device_average power; monitored: "
                 f"{[d.value for d in self.measurement_domains]}."
             )
-        self._collect()
-        with self._lock:
-            series = self._series[domain]
-            if all(series[i].latest() is None for i in self.gpu_indices):
-                return None
-            return {i: integrate(series[i].points(), start_time, end_time) / 1000 for i in self.gpu_indices}
+        return domain
 
     def get_power(self, time: float | None = None) -> dict[int, float] | None:
         """device_instant power (W) per GPU: the latest reading, or the one closest to `time`; None while

@@ -16,7 +16,16 @@ from typing import Any
 
 from zeus_callbacks.core.device.errors import SIMULATION_HINT, InvalidInputError
 
-__all__ = ["Series", "Poller", "weak_poll", "check_gpu_indices", "check_period", "check_max_samples"]
+__all__ = [
+    "Series",
+    "Poller",
+    "weak_poll",
+    "integrate",
+    "trapezoid_error",
+    "check_gpu_indices",
+    "check_period",
+    "check_max_samples",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +95,32 @@ def integrate(points: Sequence[tuple[float, float]], start: float, end: float) -
         slope = (v1 - v0) / (t1 - t0)
         total += (v0 + slope * (lo - t0) + v0 + slope * (hi - t0)) / 2 * (hi - lo)
     return total
+
+
+def trapezoid_error(
+    points: Sequence[tuple[float, float]],
+    start: float,
+    end: float,
+    gap: float,
+    held_error: Callable[[float], float],
+) -> float:
+    """How far `integrate(points, start, end)` may lie from the integral of what the readings read, where they
+    do not tell it: between two points at most `gap` apart, half their change times their time within [start,
+    end] (the value moved from one to the other, as the sampler's does); between two points further apart
+    (readings are missing), `held_error` of either value, the larger, times that time; where the timeline has no
+    points (before its first, after its last), `held_error(0.0)` times that time, since `integrate` adds
+    nothing there. A run of equal readings keeps its ends (`Series`), so it is not taken for a gap."""
+    total, covered = 0.0, 0.0
+    for (t0, v0), (t1, v1) in zip(points, points[1:], strict=False):
+        lo, hi = max(t0, start), min(t1, end)
+        if hi <= lo:
+            continue
+        covered += hi - lo
+        if t1 - t0 > gap:
+            total += max(held_error(v0), held_error(v1)) * (hi - lo)
+        else:
+            total += abs(v1 - v0) * (hi - lo) / 2
+    return total + held_error(0.0) * max(0.0, end - start - covered)
 
 
 def weak_poll(monitor: Any) -> Callable[[], None]:

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from zeus_callbacks.core import distributed
@@ -25,6 +25,7 @@ from zeus_callbacks.core.device.telemetry import read_gpu
 if TYPE_CHECKING:
     from zeus_callbacks.core.device.gpus import GPU
     from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+    from zeus_callbacks.core.monitor.uncertainty import EnergyBound
 
 __all__ = [
     "MetricsServer",
@@ -51,6 +52,11 @@ _GPU_LABELS = ("gpu", "uuid", "name", "rank", *_JOB_LABELS, "simulated")
 _OPT_LABELS = ("optimizer", "rank", *_JOB_LABELS, "simulated")
 EXPORTED_METRICS: dict[str, tuple[str, str]] = {
     "zeus_callbacks_gpu_energy_joules": ("counter", "GPU energy counter (J since the driver loaded)."),
+    "zeus_callbacks_gpu_energy_bound_joules": (
+        "counter",
+        "How far the energy counter's increase may lie from the true energy (J, either way): its increase over "
+        "a range bounds that of zeus_callbacks_gpu_energy_joules.",
+    ),
     "zeus_callbacks_gpu_power_watts": ("gauge", "Instantaneous GPU power draw (W)."),
     "zeus_callbacks_gpu_temperature_celsius": ("gauge", "GPU core temperature (degrees C)."),
     "zeus_callbacks_gpu_power_limit_watts": ("gauge", "GPU power limit in force (W)."),
@@ -114,8 +120,12 @@ def _optimizer_kind(optimizer: object) -> str:
 class _Collector:
     """prometheus_client's custom-collector protocol: `collect()` yields metric families, read at scrape time."""
 
-    def __init__(self, gpus: Sequence[GPU], job: list[str], rank: int, cache_s: float) -> None:
+    def __init__(
+        self, gpus: Sequence[GPU], job: list[str], rank: int, cache_s: float, clock: Callable[[], float]
+    ) -> None:
         self._gpus = list(gpus)
+        self._clock = clock  # the GPUs' (a virtual clock's on a virtual-clock simulation)
+        self._bounds: dict[str, _CounterBound] = {}  # by UUID
         self._job = job  # the values of _JOB_LABELS
         self._rank = str(rank)
         self._cache_s = cache_s
@@ -167,6 +177,11 @@ class _Collector:
                 value = getattr(reading, field)
                 if value is not None:
                     families[metric].add_metric(labels, float(value))
+            if reading.energy_j is not None:
+                bound = self._bounds.setdefault(gpu.uuid, _CounterBound(gpu))
+                families["zeus_callbacks_gpu_energy_bound_joules"].add_metric(
+                    labels, bound.add(reading.energy_j, self._clock())
+                )
         for kind, optimizer in self._optimizers:
             self._add_optimizer(families, kind, optimizer)
         families["zeus_callbacks_exporter_collect_seconds"].add_metric(
@@ -208,6 +223,29 @@ class _Collector:
             return self._reports.get(id(optimizer), {})
         self._reports[id(optimizer)] = report
         return report
+
+
+class _CounterBound:
+    """The bound of one GPU's energy counter's increases, summed from one collection to the next: each increase
+    bounded as a monitor window of its length is (`ZeusMonitor.end_window`), so the sum over the collections in a
+    range bounds the counter's increase over it."""
+
+    def __init__(self, gpu: GPU) -> None:
+        from zeus_callbacks.core.monitor.monitor import energy_bound_of
+
+        self._bound: EnergyBound = energy_bound_of(gpu)
+        self._last: tuple[float, float] | None = None  # (the counter in J, when it was read)
+        self.total_j = 0.0
+
+    def add(self, energy_j: float, now_s: float) -> float:
+        """The bound so far, with the increase up to `energy_j` read at `now_s` (J)."""
+        if self._last is not None:
+            before_j, then_s = self._last
+            increase = self._bound.counter(energy_j - before_j, now_s - then_s)
+            # Unknown only for an increase of nothing in under a refresh: the board's top power meanwhile.
+            self.total_j += increase if increase is not None else self._bound.top_w * (now_s - then_s)
+        self._last = (energy_j, now_s)
+        return self.total_j
 
 
 def _labels_of(metric: str) -> list[str]:
@@ -289,7 +327,8 @@ def serve_metrics(
     """Serve a Prometheus endpoint from this process, in a background thread, until `stop()`.
 
     Exports, per GPU (labels `gpu` (CUDA index), `uuid`, `name`, `rank`, the job's, `simulated`): the energy
-    counter, power, temperature, power limit and SM and memory clocks in force; per optimizer (labels
+    counter and the bound of its increases (`zeus_callbacks_gpu_energy_bound_joules`: its `increase()` over a
+    range is how far the energy counter's may lie from the true energy, either way), power, temperature, power limit and SM and memory clocks in force; per optimizer (labels
     `optimizer`, `rank`, the job's, `simulated`): its phase, its choice, and the figures of its `report()`.
     The job's labels are `train_job`, `scheduler` (`slurm`, `torchrun`, `kubernetes`, `local`), `user` and
     `partition` (Slurm's, or the Kubernetes namespace; empty elsewhere), from the scheduler's variables
@@ -337,19 +376,17 @@ def serve_metrics(
             "process sees)."
         )
     pc = _prometheus_client()
-    if monitor is not None:
-        gpus = [monitor.gpus[i] for i in monitor.gpu_indices]
-    else:
-        from zeus_callbacks.core.device.gpus import get_gpus
+    from zeus_callbacks.core.device.gpus import get_gpus
 
-        gpus = list(get_gpus())
+    gpus = [monitor.gpus[i] for i in monitor.gpu_indices] if monitor is not None else list(get_gpus())
     rank = _rank()
     bound = port + distributed.local_rank() if per_rank and port else port
     if bound > 65535:
         raise InvalidInputError(f"`serve_metrics(port={port})`: port {bound} for local rank is past 65535.")
     identity = job_identity()
     job_labels = [job or os.environ.get(JOB_ENV) or identity.job_id, identity.scheduler, identity.user]
-    collector = _Collector(gpus, [*job_labels, identity.partition or ""], rank, float(cache_s))
+    clock = monitor.gpus.clock if monitor is not None else get_gpus().clock
+    collector = _Collector(gpus, [*job_labels, identity.partition or ""], rank, float(cache_s), clock)
     for optimizer in optimizers:
         collector.add_optimizer(optimizer)
     registry = pc.CollectorRegistry(auto_describe=True)

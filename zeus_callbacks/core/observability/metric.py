@@ -30,6 +30,7 @@ _CPU_ENERGY = "energy_monitor_cpu_energy_joules"
 _DRAM_ENERGY = "energy_monitor_dram_energy_joules"
 _GPU_POWER = "power_monitor_gpu_power_watts"
 _GPU_ENERGY_BOUND = "energy_monitor_gpu_energy_bound_joules"
+_GPU_COUNTED_BOUND = "energy_monitor_gpu_energy_counter_bound_joules"
 _LABELS = ("window", "index")
 # One help text per name: the histogram and the counter share their names, and a Pushgateway holding both
 # complains of differing help strings.
@@ -265,7 +266,10 @@ class EnergyCumulativeCounter(Metric):
     """Energy counted up per device while a window is open, pushed every `update_period` seconds.
 
     Metrics `energy_monitor_gpu_energy_joules` (and `..._cpu_...`, `..._dram_...` where RAPL is readable), as
-    Prometheus counters (`_total`) labelled `window`, `index`.
+    Prometheus counters (`_total`) labelled `window`, `index`. Beside them, the gauge
+    `energy_monitor_gpu_energy_counter_bound_joules` holds how far the true GPU energy since the window began
+    may lie from the GPU counter's value (J, either way; the bound of a monitor window that long,
+    `Measurement.gpu_energy_bound`), for GPUs whose bound is known.
 
     Args:
         cpu_indices: CPU packages to measure (RAPL); `[]`: none.
@@ -300,16 +304,33 @@ class EnergyCumulativeCounter(Metric):
             for kind, name in (("GPU", _GPU_ENERGY), ("CPU", _CPU_ENERGY), ("DRAM", _DRAM_ENERGY))
             if kind == "GPU" or self.energy_monitor.cpu_indices
         }
+        self._bound = pc.Gauge(
+            _GPU_COUNTED_BOUND,
+            "Bound of the counted GPU energy since the window began (J)",
+            _LABELS,
+            registry=self.registry,
+        )
         self._push = _Pusher(self.pushgateway_url, self.job, self.registry, self.energy_monitor.simulated)
         self.window_state: dict[str, _Sampler] = {}
+        self._counted_j: dict[str, dict[int, float]] = {}  # window -> GPU -> its counter's value
         self._lock = threading.Lock()  # the monitor's windows are opened and closed from several threads
 
     def _count(self, name: str) -> None:
+        """Count the window's energy up to now: the GPUs' from one monitor window since it began (their NVML
+        counters do not wrap, and its bound is the counted figure's), CPU and DRAM per period (RAPL's wrap)."""
         key = f"__EnergyCumulativeCounter_{name}"
         with self._lock:
-            m = self.energy_monitor.end_window(key, sync_execution=False)
+            period = self.energy_monitor.end_window(key, sync_execution=False)
             self.energy_monitor.begin_window(key, sync_execution=False)
-        for kind, energies in (("GPU", m.gpu_energy), ("CPU", m.cpu_energy), ("DRAM", m.dram_energy)):
+            whole = self.energy_monitor.read_window(f"{key}_whole", sync_execution=False)
+        counted = self._counted_j.setdefault(name, {})
+        for index, joules in whole.gpu_energy.items():
+            if joules > counted.get(index, 0.0):
+                self._counters["GPU"].labels(window=name, index=index).inc(joules - counted.get(index, 0.0))
+                counted[index] = joules
+        for index, bound_j in whole.gpu_energy_bound.items():
+            self._bound.labels(window=name, index=index).set(bound_j)
+        for kind, energies in (("CPU", period.cpu_energy), ("DRAM", period.dram_energy)):
             if energies and kind in self._counters:
                 for index, joules in energies.items():
                     self._counters[kind].labels(window=name, index=index).inc(max(0.0, joules))
@@ -321,6 +342,8 @@ class EnergyCumulativeCounter(Metric):
         _sync(self.energy_monitor, sync_execution)
         with self._lock:
             self.energy_monitor.begin_window(f"__EnergyCumulativeCounter_{name}", sync_execution=False)
+            self.energy_monitor.begin_window(f"__EnergyCumulativeCounter_{name}_whole", sync_execution=False)
+        self._counted_j[name] = {}
         self.window_state[name] = _Sampler(name, self.update_period, lambda: self._count(name), self._push)
 
     def end_window(self, name: str, sync_execution: bool = False) -> None:
@@ -330,9 +353,8 @@ class EnergyCumulativeCounter(Metric):
         _sync(self.energy_monitor, sync_execution)
         self.window_state.pop(name).stop()
         with self._lock:
-            self.energy_monitor.end_window(
-                f"__EnergyCumulativeCounter_{name}", sync_execution=False, cancel=True
-            )
+            for key in (f"__EnergyCumulativeCounter_{name}", f"__EnergyCumulativeCounter_{name}_whole"):
+                self.energy_monitor.end_window(key, sync_execution=False, cancel=True)
 
 
 class _InstantPower:
