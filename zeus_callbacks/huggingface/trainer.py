@@ -49,7 +49,7 @@ class LogsFirst(TrainerCallback):
         trackers = [t for t in report_to if t and t != "none"]
         if trackers and not self._in_zeus_trainer and not LogsFirst._said_trackers:
             LogsFirst._said_trackers = True
-            logger.info(
+            logger.warning(
                 "%s's metrics reach state.log_history and the callbacks after it, not the report_to "
                 "trackers %s, which run first: train with a Trainer that mixes in "
                 "zeus_callbacks.huggingface.ZeusTrainerMixin to send them there too.",
