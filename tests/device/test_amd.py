@@ -59,6 +59,12 @@ def test_identity_and_units_through_amdsmi():
     assert d0.power_mw() == round(system.gpus[0].power_mw() / 1000) * 1000  # W -> mW
     assert d0.average_power_mw() == d0.instant_power_mw() == d0.power_mw()  # MI300X: current socket power
     assert d0.one_second_power_mw() is None
+    assert d0.power_usage_domain == "device_instant"  # MI300: current_socket_power, no one-second average
+    assert d0.power_domains_mw(["device_instant", "device_average", "memory_average"]) == [
+        d0.power_mw(),
+        None,
+        None,
+    ]
     assert d0.temperature_c() == 36  # the dump's idle junction temperature, in °C
 
 

@@ -18,7 +18,7 @@ import importlib
 import io
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -123,9 +123,11 @@ class AMDDevice(Device):
         self.architecture = ARCHITECTURES.get(asic["target_graphics_version"])
         self.label = f"GPU {hip_index} ({self.name}{', simulated' if simulated else ''})"
         self.supports_energy_counter = self._answers(amdsmi.amdsmi_get_energy_count)
-        self.supports_power_reading = self.supports_energy_counter or self._answers(
-            amdsmi.amdsmi_get_power_info
-        )
+        readings = self.power_domains_mw(["device_instant"])
+        # MI300 and newer report the current socket power (amdsmi.h); older boards an average over a window
+        # amdsmi does not state, which is not the one-second average "device_average" names: unknown (None).
+        self.power_usage_domain = "device_instant" if readings and readings[0] is not None else None
+        self.supports_power_reading = self.supports_energy_counter or readings is not None
 
     def _answers(self, fn: Callable[[Any], Any]) -> bool:
         try:
@@ -202,6 +204,19 @@ class AMDDevice(Device):
     def one_second_power_mw(self) -> int | None:
         """None: amdsmi has no one-second average."""
         return None
+
+    def power_domains_mw(self, domains: Sequence[str]) -> list[int | None] | None:
+        """One amdsmi_get_power_info: `current_socket_power` as "device_instant" (W -> mW); amdsmi has no
+        one-second average nor memory power (None). None where the board reports no power at all."""
+        try:
+            info = self.amdsmi.amdsmi_get_power_info(self.handle)
+        except self.amdsmi.AmdSmiLibraryException as e:
+            if e.get_error_code() == self.amdsmi.amdsmi_wrapper.AMDSMI_STATUS_NOT_SUPPORTED:
+                return None
+            raise amd_error(self.amdsmi, e, "Reading power", self.label) from None
+        current = info["current_socket_power"]
+        instant = current * 1000 if isinstance(current, int) else None
+        return [instant if d == "device_instant" else None for d in domains]
 
     def memory_bytes(self) -> int:
         """amdsmi_get_gpu_memory_total of the VRAM (bytes)."""
