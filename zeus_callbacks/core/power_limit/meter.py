@@ -82,6 +82,7 @@ class StepMeter:
         self.refresh_s: float | None = None  # 0: steps are long enough, or the counter is always current
         self.steps = 0
         self.energy_j = 0.0
+        self._timed = (0, 0.0)  # measured steps of this rank's and their time (s)
 
     def reduce(self, record: _Record) -> _Record:
         """`record` over the ranks when every rank takes part; this rank's otherwise."""
@@ -135,6 +136,8 @@ class StepMeter:
         closes a limit measured by steps), add it to the limit's samples. Returns `failed` (a rank's GPU
         failed), `moved` (a rank's limit changed outside the optimizer), `open` or `closed`."""
         t, e = (m.time, m.total_energy) if m is not None else (0.0, 0.0)
+        if m is not None:
+            self._timed = (self._timed[0] + 1, self._timed[1] + t)
         chunk = phase.chunk
         chunk.own_s += t
         moved = self._limit_moved(power_limit_w)
@@ -165,6 +168,15 @@ class StepMeter:
         phase.chunk = OpenChunk()
         phase.samples_done += 1
         return "closed"
+
+    def steps_per_sample(self) -> float:
+        """Steps a sample takes at the pace measured so far: enough for their time to span `CHUNK_REFRESHES`
+        refreshes of the energy counter, whole steps (1 before a step is measured, or where the counter is
+        always current)."""
+        steps, time_s = self._timed
+        if not self.refresh_s or not steps or time_s <= 0:
+            return 1.0
+        return float(max(1, math.ceil(CHUNK_REFRESHES * self.refresh_s * steps / time_s - 1e-9)))
 
     def _one_second_power_w(self) -> tuple[float, bool]:
         """(this rank's GPUs' power averaged over the last second in W, True if a GPU does not report it

@@ -179,7 +179,8 @@ class PowerLimitReadout(Callback):
         sweep's `warmup_steps + profile_steps` per limit; the adaptive search's budget, which grows where
         steps are shorter than the energy counter's refresh (a sample then groups several steps), though
         it usually stops well before it."""
-        return self.options.wait_steps + (self._search.steps_needed() if self._search is not None else 0)
+        search, per_sample = self._search, self._meter.steps_per_sample()
+        return self.options.wait_steps + (search.steps_needed(per_sample) if search is not None else 0)
 
     def _say_unfinished(self) -> str:
         measured = sum(1 for s in self.stats.values() if s.steps)
@@ -189,7 +190,8 @@ class PowerLimitReadout(Callback):
             else "pass `profile_path=...` to carry the profile to the next run (or resume from a checkpoint: "
             "the profile is in the optimizer's state)"
         )
-        needs = self._search.steps_needed_text(self.options.wait_steps) if self._search is not None else ""
+        search, per_sample = self._search, self._meter.steps_per_sample()
+        needs = search.steps_needed_text(self.options.wait_steps, per_sample) if search is not None else ""
         said = (
             f"training ended before profiling finished ({measured} of {len(self.grid)} power limits measured "
             f"in {self.profiling_steps} steps): {needs}"

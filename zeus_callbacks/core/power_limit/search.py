@@ -381,17 +381,18 @@ class Search:
         selector `needs_reference`): nothing is pruned against one."""
         return reference_lost(self.stats, self.grid) and needs_reference(self.selector, self.max_power_w)
 
-    def steps_needed(self) -> int:
-        """Steps a run needs for the search to finish from the start: a sweep's `warmup_steps +
-        profile_steps` per limit; the adaptive search's budget (it usually stops well before it)."""
+    def steps_needed(self, per_sample: float = 1.0) -> int:
+        """Steps a run needs for the search to finish from the start: a sweep's `warmup_steps + profile_steps` per
+        limit; the adaptive search's budget (it usually stops well before), `per_sample` steps a sample at least."""
         if self.by_steps:
             return len(self.grid) * (self.warmup_steps + self.profile_steps)
-        per_sample = chunk_steps(self.stats)
-        return adaptive_budget_steps(len(self.grid), self.warmup_steps, self.profile_steps, per_sample)
+        per = max(chunk_steps(self.stats), per_sample)
+        return adaptive_budget_steps(len(self.grid), self.warmup_steps, self.profile_steps, per)
 
-    def steps_needed_text(self, wait_steps: int) -> str:
+    def steps_needed_text(self, wait_steps: int, per_sample: float = 1.0) -> str:
         """`steps_needed` (after `wait_steps`) in words, for the message of a run cut short."""
-        limits, per_sample, needed = len(self.grid), chunk_steps(self.stats), wait_steps + self.steps_needed()
+        limits, per_sample = len(self.grid), max(chunk_steps(self.stats), per_sample)
+        needed = wait_steps + self.steps_needed(per_sample)
         if self.by_steps:
             zeus = self.mode == "zeus"
             return (
