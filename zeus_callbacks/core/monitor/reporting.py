@@ -6,7 +6,6 @@ import itertools
 import logging
 import math
 import os
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,10 +49,9 @@ J_PER_KWH = 3.6e6
 MERGE_REFRESHES = 50
 
 _ids = itertools.count()
-# The reporters reading each monitor's windows, so that one knows when another reports the same energy.
-_reporters: weakref.WeakKeyDictionary[ZeusMonitor, weakref.WeakSet[EnergyReporter]] = (
-    weakref.WeakKeyDictionary()
-)
+# The run window of a reporter of the plain energy figures (`ENERGY_PREFIX`): open on the shared monitor while
+# it reports, which is how another reporter of that monitor knows (`reported_elsewhere`).
+_ENERGY_RUN_WINDOW = "__zeus_callbacks_energy_run_total_"
 
 
 @dataclass(frozen=True)
@@ -198,10 +196,10 @@ class EnergyReporter:
         self.total_energy_j = 0.0
         self.total_time_s = 0.0
         self._running = False
-        _reporters.setdefault(monitor, weakref.WeakSet()).add(self)
         n = next(_ids)
         self._interval_window = f"__zeus_callbacks_log_interval_{n}"
-        self._total_window = f"__zeus_callbacks_run_total_{n}"
+        run = _ENERGY_RUN_WINDOW if prefix == ENERGY_PREFIX else "__zeus_callbacks_run_total_"
+        self._total_window = f"{run}{n}"
 
     @classmethod
     def for_power_limit_optimizer(
@@ -221,8 +219,9 @@ class EnergyReporter:
     def reported_elsewhere(self) -> bool:
         """Whether another reporter of the same monitor gives the plain energy figures (`ENERGY_PREFIX`: an
         energy monitor callback) in a run now: then this one's interval energy would say it twice."""
-        others = _reporters.get(self.monitor, ())
-        return any(r is not self and r.prefix == ENERGY_PREFIX and r.running for r in others)
+        return any(
+            w.startswith(_ENERGY_RUN_WINDOW) and w != self._total_window for w in self.monitor.open_windows
+        )
 
     def start(self) -> None:
         """Open the run and the first interval (at train begin)."""
