@@ -393,7 +393,10 @@ def test_parse_spec():
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("b200", "Unknown simulated GPU 'b200'. Choose one of: a100, a10g, a40, h100, h200, mi300x, t4, v100"),
+        (
+            "b200",
+            "Unknown simulated GPU 'b200'. Choose one of: a100, a10g, a40, h100, h200, mi300x, t4, v100",
+        ),
         ("0*a40", "needs a positive count"),
         ("x*a40", "needs a positive count"),
         ("", "names no GPU; e.g. ZEUS_CALLBACKS_SIMULATE=a40"),
