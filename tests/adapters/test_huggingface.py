@@ -160,7 +160,12 @@ def test_checkpoint_resume_keeps_the_choice_without_profiling(node, tmp_path):
     trainer.train(resume_from_checkpoint=str(checkpoint))
 
     assert trainer.state.global_step == 30
-    # The user's instance holds the optimizer that ran (transformers swapped in a rebuilt callback).
+    # transformers' rebuild of the callback (`type(cb)(**cb.state()["args"])`) is the user's instance itself,
+    # found through its own class (issue 39: no registry of instances).
+    assert [
+        cb for cb in trainer.callback_handler.callbacks if isinstance(cb, HFGlobalPowerLimitOptimizer)
+    ] == [second]
+    assert type(second)(**second.state()["args"]) is second and type(first)(None) is first
     assert second.optimizer.optimal_power_limit_w == chosen
     assert second.optimizer.profiling_steps == first.optimizer.profiling_steps  # the counters carry on
     assert recorder.limits_w == [chosen] * 6
@@ -362,10 +367,16 @@ def test_import_does_not_load_transformers(run_python):
 
 
 @pytest.mark.system
-def test_monitor_none_without_an_instance_to_adopt(node):
-    HFGlobalPowerLimitOptimizer._built.clear()
-    with pytest.raises(TypeError, match=r"HFGlobalPowerLimitOptimizer\(monitor=None\)"):
+def test_monitor_none_is_refused_and_no_instance_is_registered(node):
+    """`monitor=None` outside transformers' rebuild is a mistake said as such, and building callbacks
+    leaves no process-wide registry behind (issue 39): a new one never adopts an older one's session."""
+    first = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    with pytest.raises(ValueError, match=r"HFGlobalPowerLimitOptimizer\(monitor=None\)"):
         HFGlobalPowerLimitOptimizer(None)  # type: ignore[arg-type]
+    second = HFGlobalPowerLimitOptimizer(ZeusMonitor([0]), **PLO_KW)
+    assert second._session is not first._session and type(second) is not type(first)
+    assert type(second).__name__ == type(first).__name__ == "HFGlobalPowerLimitOptimizer"
+    assert not hasattr(HFGlobalPowerLimitOptimizer, "_built")
 
 
 @pytest.mark.system

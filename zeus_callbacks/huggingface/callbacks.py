@@ -4,7 +4,6 @@ in, session calls out (`HFZeusMonitor`, `HFGlobalPowerLimitOptimizer`, `HFEpochL
 from __future__ import annotations
 
 import logging
-import weakref
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -160,13 +159,36 @@ class HFZeusMonitor(SessionCallback):
         self._session.start()
 
 
+class RebuiltAsItself:
+    """A stateful callback that transformers' resume rebuilds as itself.
+
+    With `restore_callback_states_from_checkpoint`, `Trainer._load_callback_state` rebuilds each stateful
+    callback as `type(cb)(**cb.state()["args"])` and swaps the rebuild in for `cb`. Each instance of a
+    subclass has a class of its own (of the same name, so checkpoints name it as before) that knows it, so
+    the rebuild is the instance itself: the user's reference stays the callback in use, with its monitor
+    and options, and no registry of instances is kept. `__init__` returns at once on an instance already
+    built.
+    """
+
+    _itself: ClassVar[Any] = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if cls._itself is not None:
+            return cls._itself
+        own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        own.__doc__ = cls.__doc__
+        instance = super().__new__(own)
+        own._itself = instance
+        return instance
+
+
 def _saved_state(state: TrainerState, name: str) -> Any:
     """The optimizer state a resumed run's trainer state holds for the callback class `name`, or None on a
     fresh run."""
     return optimizer_state_in(state.stateful_callbacks, name) if state.global_step else None
 
 
-class HFGlobalPowerLimitOptimizer(SessionCallback, ResumesFromCheckpoint, ExportableState):
+class HFGlobalPowerLimitOptimizer(RebuiltAsItself, SessionCallback, ResumesFromCheckpoint, ExportableState):
     """Find the best GPU power limit during training and keep it (Zeus's `HFGlobalPowerLimitOptimizer`).
 
     Drives a `PowerLimitSession` (the adapter contract, in `zeus_callbacks.core.power_limit.session`) of
@@ -209,32 +231,16 @@ class HFGlobalPowerLimitOptimizer(SessionCallback, ResumesFromCheckpoint, Export
         report = plo.optimizer.report()
     """
 
-    # Instances built by users, newest last: the candidates for `monitor=None` (see `__init__`).
-    _built: ClassVar[list[weakref.ref[HFGlobalPowerLimitOptimizer]]] = []
-
     @takes_power_limit_options(zeus_positional=True)
     def __init__(
         self, monitor: ZeusMonitor, optimum_selector: OptimumSelector | None = None, **options: Any
     ) -> None:
-        self._training = False
+        if "_session" in self.__dict__:
+            return  # transformers' rebuild on resume, which is this instance (`RebuiltAsItself`)
         self._checkpoint: Path | None = None  # the checkpoint `train()` resumes from (ZeusTrainerMixin)
         self._said_cut_short: str | None = None
-        if monitor is None:
-            # On resume, transformers rebuilds stateful callbacks as `type(cb)(**state()["args"])`
-            # (`Trainer._load_callback_state`) and swaps them in; the rebuilt one shares the session of the
-            # user's newest instance not in a training run, so the user's reference, monitor and
-            # selector stay the ones in use.
-            owner = next((cb for ref in reversed(self._built) if (cb := ref()) and not cb._training), None)
-            if owner is None:
-                raise TypeError(
-                    "`HFGlobalPowerLimitOptimizer(monitor=None)`: pass the zeus_callbacks.ZeusMonitor "
-                    "measuring this process's GPU(s)."
-                )
-            self._session, self._checkpoint = owner._session, owner._checkpoint
-            return
         opts = PowerLimitOptions(owner=type(self).__name__, optimum_selector=optimum_selector, **options)
         self._session = PowerLimitSession(type(self).__name__, monitor, opts)
-        self._built[:] = [ref for ref in self._built if ref() is not None] + [weakref.ref(self)]
 
     @property
     def optimizer(self) -> GlobalPowerLimitOptimizer:
@@ -295,7 +301,6 @@ class HFGlobalPowerLimitOptimizer(SessionCallback, ResumesFromCheckpoint, Export
         trainer state holds, whatever `restore_callback_states_from_checkpoint` says (`_resume`: a corrupted
         one is refused), then `PowerLimitSession.start`."""
         super().on_train_begin(args, state, control, **kwargs)
-        self._training = True
         if not self._in_zeus_trainer and not state.global_step:
             self._say_cut_short_checkpoint(args)
         if self._checkpoint is None and state.global_step:
@@ -318,14 +323,14 @@ class HFGlobalPowerLimitOptimizer(SessionCallback, ResumesFromCheckpoint, Export
     ) -> None:
         """`on_train_end` → `PowerLimitSession.end` (the GPUs get their settings back)."""
         super().on_train_end(args, state, control, **kwargs)
-        self._training, self._checkpoint = False, None
+        self._checkpoint = None
 
     @override
     def _train_failed(self) -> None:
         """`trainer.train()` raised → `PowerLimitSession.fail` (the GPUs' settings back, the energy windows
         closed, the report marked failed)."""
         super()._train_failed()
-        self._training, self._checkpoint = False, None
+        self._checkpoint = None
 
 
 class HFEpochLog(TrainerCallback):
