@@ -140,6 +140,7 @@ def test_hip_numbering_follows_rocr_then_hip_visible_devices(monkeypatch):
     monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "1,3")  # applied first: HIP's 0 and 1 are then GPUs 1 and 3
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "1")
     assert [d.uuid for d in backend.devices()] == [uuids[3]]
+    assert system.cuda_gpus() == [system.gpus[3]]  # where the simulator queues HIP device 0's work
     monkeypatch.delenv("HIP_VISIBLE_DEVICES")
     monkeypatch.delenv("ROCR_VISIBLE_DEVICES")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuids[1][:10])  # HIP reads it without HIP_VISIBLE_DEVICES

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from zeus_callbacks.core.device.amd import hip_visible_positions
 from zeus_callbacks.core.device.backend import cuda_visible_uuids
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.sim.dump_node import DumpBoardModel, DumpNode, canonical_spec, dump_node, is_dump_spec
@@ -36,6 +37,9 @@ __all__ = [
     "IDEAL_BEHAVIOURS",
 ]
 from zeus_callbacks.sim.node_spec import FAULTS_INPUT, SPEC_INPUT, merge_faults, pci_bus_id, uuid_for
+
+# What CUDA's (HIP's, on an AMD node) numbering of the GPUs depends on.
+_NUMBERING_ENV = ("CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 
 class _Board(NamedTuple):
@@ -127,7 +131,7 @@ class SimulatedSystem:
                     sensor_gain=1.0 if "sensor_gain" in self.ideal_behaviours else sensor_gain(b.uuid),
                 )
             )
-        self._cuda_cache: tuple[tuple[str | None, str | None], list[SimulatedGPU]] | None = None
+        self._cuda_cache: tuple[tuple[str | None, ...], list[SimulatedGPU]] | None = None
 
     def _spec_boards(self, directory: Path | None) -> list[_Board]:
         """The boards of a `[COUNT*]KIND...` spec in NVML's order: unless `device_order` is ideal, slower models on
@@ -220,10 +224,14 @@ class SimulatedSystem:
         bus, unless `CUDA_DEVICE_ORDER=PCI_BUS_ID` (NVML's order); `CUDA_VISIBLE_DEVICES` then selects
         and renumbers them by that numbering or by UUID prefix.
         """
-        key = (os.environ.get("CUDA_DEVICE_ORDER"), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        key = tuple(os.environ.get(v) for v in _NUMBERING_ENV)
         if self._cuda_cache is not None and self._cuda_cache[0] == key:
             return self._cuda_cache[1]
         order = [g for g in self.gpus if not g.faults.hidden]
+        if self.vendor == "amd":  # HIP's numbering: the node's order, then ROCR_/HIP_VISIBLE_DEVICES (amd.py)
+            gpus = [order[p] for p in hip_visible_positions([g.uuid for g in order])]
+            self._cuda_cache = (key, gpus)
+            return gpus
         if key[0] != "PCI_BUS_ID" and "device_order" not in self.ideal_behaviours:
             order.sort(key=lambda g: -g.spec.fp32_tflops)
         by_uuid = {g.uuid: g for g in order}

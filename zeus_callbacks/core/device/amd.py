@@ -33,7 +33,7 @@ from zeus_callbacks.core.device.errors import (
     NVMLUnavailableError,
 )
 
-__all__ = ["AMDDevice", "AMDBackend", "real_backend", "load_amdsmi", "amd_error"]
+__all__ = ["AMDDevice", "AMDBackend", "real_backend", "load_amdsmi", "amd_error", "hip_visible_positions"]
 
 logger = logging.getLogger(__name__)
 
@@ -341,6 +341,21 @@ def _hip_uuid(amdsmi: ModuleType, handle: Any, asic: dict[str, Any]) -> str:
     return f"GPU-{int(asic['asic_serial'], 16):016x}"
 
 
+def hip_visible_positions(uuids: Sequence[str | None]) -> list[int]:
+    """The positions in `uuids` (the node's GPUs in HIP's order) of the HIP devices this process sees, in its
+    numbering: `ROCR_VISIBLE_DEVICES` selects first, then `HIP_VISIBLE_DEVICES` (or, without it,
+    `CUDA_VISIBLE_DEVICES`, as HIP reads it) among those, each by index or UUID prefix."""
+    positions = list(range(len(uuids)))
+    hip = os.environ.get("HIP_VISIBLE_DEVICES")
+    for visible in (
+        os.environ.get("ROCR_VISIBLE_DEVICES"),
+        os.environ.get("CUDA_VISIBLE_DEVICES") if hip is None else hip,
+    ):
+        keep = cuda_visible_positions(visible, [uuids[p] for p in positions])
+        positions = [positions[k] for k in keep]
+    return positions
+
+
 class AMDBackend(Backend):
     """AMD GPUs through amdsmi; the simulator subclasses it (`zeus_callbacks.sim.amd_backend`).
 
@@ -382,13 +397,7 @@ class AMDBackend(Backend):
         order = sorted((hip, i) for i, hip in enumerate(ids) if isinstance(hip, int))
         found = [(i, handles[i]) for _, i in order]
         uuids = [_hip_uuid(a, h, a.amdsmi_get_gpu_asic_info(h)) for _, h in found]
-        for variable in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
-            visible = os.environ.get(variable)
-            if variable == "HIP_VISIBLE_DEVICES" and visible is None:
-                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            keep = cuda_visible_positions(visible, uuids)
-            found, uuids = [found[p] for p in keep], [uuids[p] for p in keep]
-        return found
+        return [found[p] for p in hip_visible_positions(uuids)]
 
     def devices(self) -> list[Device]:
         """The HIP devices of this process, in HIP's numbering.
