@@ -68,10 +68,10 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
+def _table(rows: list[dict[str, Any]], library: str) -> str:
     header = [
         "GPU",
-        "NVML",
+        library,
         "name",
         "kind",
         "energy counter",
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print("No GPU is visible to this process (check CUDA_VISIBLE_DEVICES).")
         return 0
-    print(_table(rows))
+    print(_table(rows, gpus.backend.library))
     for r in rows:
         if r["max_sm_clock_mhz"] is None:
             print(

@@ -136,9 +136,6 @@ def _setter_problems(report: dict[str, Any]) -> list[str]:
     return out
 
 
-_LIBRARY = {"nvidia": "NVML", "amd": "amdsmi"}  # the vendor library's name, as the report prints it
-
-
 def check(gpus: GPUs | None = None) -> dict[str, Any]:
     """The whole report as plain data; raises `NVMLUnavailableError` without a vendor library or simulation."""
     gpus = get_gpus(repair=False) if gpus is None else gpus
@@ -180,7 +177,7 @@ def check(gpus: GPUs | None = None) -> dict[str, Any]:
     return {
         "simulated": gpus.simulated,
         "driver_version": driver,
-        "library": _LIBRARY.get(gpus.backend.vendor, gpus.backend.vendor),
+        "library": gpus.backend.library,
         "nvml_version": library_version,  # the vendor library's version (the key predates other vendors)
         "permission": perm.__dict__,
         "setters": setter,

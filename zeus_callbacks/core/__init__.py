@@ -1,7 +1,7 @@
 """The framework-free core of zeus_callbacks, one package per feature.
 
 - `device/`: the `Device` boundary (`device.py`) and one module per vendor, the only code that calls a
-  vendor's library (`nvidia.py`: NVML through nvidia-ml-py; `amd.py`: amdsmi); GPUs (by UUID) and their
+  vendor's library (`nvidia/`: NVML through nvidia-ml-py; `amd.py`: amdsmi); GPUs (by UUID) and their
   policy, errors, the state guard that journals and restores every change, and backend discovery (the
   simulator registers itself as a backend).
 - `monitor/`: `ZeusMonitor` windows of time and energy, energy reporting and metric names, epoch logs.

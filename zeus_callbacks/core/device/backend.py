@@ -117,6 +117,7 @@ class Backend:
 
     Attributes:
         vendor: "nvidia" or "amd".
+        library: The vendor library's name as reports print it ("NVML", "amdsmi").
         clock: The clock windows are timed with (s); `time.time` unless the backend keeps its own.
         virtual_clock: Whether `clock` is a virtual clock that moves only when simulated work runs.
         simulated: Whether what the GPUs report is a simulation (used only to label figures).
@@ -125,6 +126,7 @@ class Backend:
     """
 
     vendor: str = ""
+    library: str = "GPU library"
     simulated: bool = False
     sync_at_step_boundary: bool = False
 

@@ -55,6 +55,7 @@ class NVIDIABackend(Backend):
     """
 
     vendor = "nvidia"
+    library = "NVML"
 
     def __init__(
         self, nvml: ModuleType, clock: Callable[[], float] = time.time, virtual_clock: bool = False
