@@ -197,3 +197,47 @@ def test_mixed_vendors_are_not_simulated_on_one_node():
 
     with pytest.raises(InvalidInputError, match="mixes NVIDIA and AMD GPUs"):
         sim.simulate("a40,mi300x", virtual_clock=True)
+
+
+def test_a_rocm_smi_dump_builds_its_node_beneath_amdsmi():
+    """rocm-smi:MI300X_x4 (MI300X_x4.rocm-smi-a.txt): amdsmi answers each board's unique id, PCI bus, cap in force,
+    OD_SCLK range and the driver version as the dump gives them."""
+    system = sim.simulate("rocm-smi:MI300X_x4", virtual_clock=True)
+    try:
+        amdsmi = amd_backend.ensure(system)
+        amdsmi.amdsmi_init(amdsmi.AmdSmiInitFlags.INIT_AMD_GPUS)
+        handles = amdsmi.amdsmi_get_processor_handles()
+        assert [amdsmi.amdsmi_get_gpu_device_bdf(h) for h in handles] == [
+            "0000:26:00.0",
+            "0000:46:00.0",
+            "0000:65:00.0",
+            "0000:85:00.0",
+        ]
+        info = [amdsmi.amdsmi_get_gpu_asic_info(h) for h in handles]
+        assert (
+            info[0]["asic_serial"] == "0x8D1457E2C20F59D2"
+            and info[0]["market_name"] == "AMD Instinct MI300X OAM"
+        )
+        assert amdsmi.amdsmi_get_gpu_enumeration_info(handles[3])["hip_uuid"] == "GPU-eff71edc82169115"
+        assert amdsmi.amdsmi_get_power_cap_info(handles[0])["power_cap"] == 750_000_000
+        assert (
+            amdsmi.amdsmi_get_clock_info(handles[1], amdsmi.AmdSmiClkType.GFX)["min_clk"] == 133
+        )  # its OD_SCLK
+        assert amdsmi.amdsmi_get_gpu_driver_info(handles[0])["driver_version"] == "6.7.0"
+    finally:
+        sim.disable()
+
+
+def test_the_concise_rocm_smi_table_is_refused_with_what_to_save(tmp_path):
+    from zeus_callbacks.core.device.errors import InvalidInputError
+
+    table = Path(__file__).parents[2] / "zeus_callbacks/sim/data/gpu_dumps/MI300X_x4.rocm-smi-a.txt"
+    concise = tmp_path / "concise.txt"
+    concise.write_text(
+        "=== ROCm System Management Interface ===\n=== Concise Info ===\n0  [0x74a1 : 0x00]  35.0°C  133.0W\n"
+    )
+    assert table.is_file()
+    with pytest.raises(InvalidInputError, match=r"concise table.*rocm-smi -a > node.txt"):
+        sim.simulate(f"rocm-smi:{concise}", virtual_clock=True)
+    with pytest.raises(InvalidInputError, match="neither a file nor a shipped rocm-smi dump.*MI300X_x4"):
+        sim.simulate("rocm-smi:nope", virtual_clock=True)
