@@ -1,7 +1,7 @@
 """One sample of a power limit's measurement: a `Chunk` of contiguous steps, and how it is saved.
 
-Profiles and checkpoints keep every chunk (`schema`). Version 2 of their schema writes each as a dict of
-the `Chunk` fields (`to_saved`, `from_saved`); version 1 wrote a positional list (`from_v1`).
+Profiles and checkpoints keep every chunk (`schema`), each as a dict of the `Chunk` fields (`to_saved`,
+`from_saved`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["Chunk", "ChunkError"]
 
 
 class ChunkError(ValueError):
-    """A saved chunk that is neither a version-1 list nor a version-2 dict of finite numbers."""
+    """A saved chunk that is not a dict of the `Chunk` fields, as finite numbers."""
 
 
 def _finite(value: Any) -> bool:
@@ -56,31 +56,12 @@ class Chunk:
         return self.power_w is not None and self.end_s is not None
 
     def to_saved(self) -> dict[str, Any]:
-        """Plain numbers (schema version 2); None for a reading not taken."""
+        """Plain numbers; None for a reading not taken."""
         return asdict(self)
 
     @classmethod
-    def from_v1(cls, saved: Any) -> Chunk:
-        """A chunk as schema version 1 saved it: `[steps, time_s, energy_j, visit, power_w, end_s,
-        settling]`, -1 for a reading not taken, only the first 3 or 4 in the oldest files.
-
-        Raises:
-            ChunkError: not such a list; the message says what is wrong.
-        """
-        if not isinstance(saved, list) or not 3 <= len(saved) <= 7 or not all(_finite(x) for x in saved):
-            raise ChunkError(f"chunk {saved!r} is not a list of finite numbers")
-        steps, time_s, energy_j, *rest = saved
-        visit = int(rest[0]) if rest else 1
-        power_w = rest[1] if len(rest) > 1 and rest[1] >= 0 else None
-        end_s = rest[2] if len(rest) > 2 and rest[2] >= 0 else None
-        settling = len(rest) > 3 and bool(rest[3])
-        return cls(
-            int(steps), float(time_s), float(energy_j), visit, _or_none(power_w), _or_none(end_s), settling
-        )
-
-    @classmethod
     def from_saved(cls, saved: Any) -> Chunk:
-        """A chunk as `to_saved` wrote it (schema version 2).
+        """A chunk as `to_saved` wrote it.
 
         Raises:
             ChunkError: not such a dict; the message says what is wrong.

@@ -217,13 +217,13 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
             self._phase = Waiting(self.options.wait_steps)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from `state_dict()` (of this version or an earlier one): a finished profile is applied
-        without profiling again; a partial one resumes at the next power limit (the limit being profiled
-        at the checkpoint starts over).
+        """Resume from `state_dict()`: a finished profile is applied without profiling again; a partial one
+        resumes at the next power limit (the limit being profiled at the checkpoint starts over).
 
         Raises:
-            CorruptedStateError: `state` is not a whole `state_dict()` (a checkpoint cut short or edited);
-                nothing is loaded (an `InvalidInputError`).
+            CorruptedStateError: `state` is not a whole `state_dict()` of this schema version (a checkpoint
+                cut short or edited, or written by a development version); nothing is loaded (an
+                `InvalidInputError`).
         """
         self._pending_state = parse_state(state)
         if self._started:

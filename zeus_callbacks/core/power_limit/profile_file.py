@@ -1,7 +1,7 @@
 """The power-limit optimizer's saved profile: what was measured, on what, and for which selector.
 
-The measurements are in the versioned form of `schema` (version 1 files, written up to commit 1e9a50b,
-are read too).
+The measurements are in the versioned form of `schema`; a file of a retired or unknown version is refused
+with what to do (delete it: the GPUs are profiled again).
 
 Reads Zeus's profile files too (`{"measurements": [{"power_limit", "energy", "time"}, ...]}`, each a
 window of Zeus's `profile_steps` steps at one limit); they do not say what they were measured on.
@@ -20,8 +20,8 @@ from zeus_callbacks.core.files import ForeignFileError, read_regular, write_atom
 from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
 from zeus_callbacks.core.power_limit.schema import (
     SCHEMA_VERSION,
-    VERSIONS,
     measurement_problem,
+    retired_version,
     saved_stats,
     stats_from_saved,
 )
@@ -162,17 +162,17 @@ def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -
             f"{str(path)!r} is neither a zeus_callbacks nor a Zeus power-limit profile. Pass another "
             "profile_path, or delete the file to profile again."
         )
-    version = data.get("version", 1)
-    if version not in VERSIONS:
+    retired = retired_version(data.get("version", 1))  # the first files had no version
+    if retired is not None:
         raise ValueError(
-            f"The power-limit profile {str(path)!r} has version {version!r}, which this zeus_callbacks does not "
-            f"read (it reads {', '.join(map(str, VERSIONS))}): upgrade zeus_callbacks, or delete it to profile again."
+            f"The power-limit profile {str(path)!r} has {retired}. Delete it: the GPUs are profiled again at the "
+            "next run (or upgrade zeus_callbacks, for a newer version)."
         )
     try:
         raw = dict(data["context"])
         raw["power_limit_range_w"] = tuple(raw["power_limit_range_w"])
         saved = ProfileContext(**raw)
-        measurements = [(m, stats_from_saved(m, version)) for m in data["measurements"]]
+        measurements = [(m, stats_from_saved(m)) for m in data["measurements"]]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(
             f"The power-limit profile {str(path)!r} is corrupted ({type(e).__name__}: {e}). Delete it to profile again."

@@ -1,8 +1,8 @@
 """The saved form of a power-limit measurement, shared by profile files and checkpoints (`state_dict()`).
 
-Version 2 (written now): each limit's measurement is a dict of the `PowerLimitStats` fields, its chunks
-dicts of the `Chunk` fields. Version 1 (written up to commit 1e9a50b) is the same but for the chunks:
-positional lists (`Chunk.from_v1`). Both are read; a version this module does not know is refused.
+Version 2 (`SCHEMA_VERSION`): each limit's measurement is a dict of the `PowerLimitStats` fields, its chunks
+dicts of the `Chunk` fields. Version 1 (positional chunk lists) was written only by development commits (up
+to 1e9a50b) and is refused with what to do (`retired_version`), as is a version this module does not know.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
 
 __all__ = [
     "SCHEMA_VERSION",
-    "VERSIONS",
+    "retired_version",
     "saved_stats",
     "stats_from_saved",
     "measurement_problem",
@@ -32,7 +32,17 @@ SCHEMA_VERSION = 2
 # Steps measured at one limit: a billion is 11 days of 1 ms steps, far past any profile; a count beyond it
 # (issue 38 saw 1e20) would make a limit's per-step figures look exact and change the choice.
 MAX_STEPS = 10**9
-VERSIONS = (1, 2)
+_RETIRED = {1: "written only by development versions of zeus_callbacks (up to commit 1e9a50b)"}
+
+
+def retired_version(version: Any) -> str | None:
+    """Why a saved `version` other than `SCHEMA_VERSION` is not read (one this package once wrote and no
+    longer reads, or one it does not know), or None for `SCHEMA_VERSION`."""
+    if version == SCHEMA_VERSION:
+        return None
+    if version in _RETIRED:
+        return f"schema version {version!r}, {_RETIRED[version]}, which this version no longer reads"
+    return f"unknown schema version {version!r} (this zeus_callbacks reads {SCHEMA_VERSION})"
 
 
 def saved_stats(s: PowerLimitStats) -> dict[str, Any]:
@@ -40,8 +50,8 @@ def saved_stats(s: PowerLimitStats) -> dict[str, Any]:
     return s.to_dict()
 
 
-def stats_from_saved(entry: Any, version: int) -> PowerLimitStats:
-    """One limit's measurement as `saved_stats` (or version 1) wrote it.
+def stats_from_saved(entry: Any) -> PowerLimitStats:
+    """One limit's measurement as `saved_stats` wrote it.
 
     Raises:
         TypeError: not a dict of `PowerLimitStats` fields.
@@ -52,8 +62,7 @@ def stats_from_saved(entry: Any, version: int) -> PowerLimitStats:
     chunks = entry.get("chunks", [])
     if not isinstance(chunks, list):
         raise ChunkError(f"chunks {chunks!r} is not a list")
-    read = Chunk.from_v1 if version == 1 else Chunk.from_saved
-    return PowerLimitStats(**{**entry, "chunks": [read(c) for c in chunks]})
+    return PowerLimitStats(**{**entry, "chunks": [Chunk.from_saved(c) for c in chunks]})
 
 
 def measurement_problem(
@@ -140,13 +149,13 @@ def state_dict(
     }
 
 
-def _parse_stats(entries: Any, version: int) -> dict[float, PowerLimitStats]:
+def _parse_stats(entries: Any) -> dict[float, PowerLimitStats]:
     if not isinstance(entries, list):
         raise CorruptedStateError(f"stats is {type(entries).__name__}, not a list")
     stats: dict[float, PowerLimitStats] = {}
     for i, entry in enumerate(entries):
         try:
-            s = stats_from_saved(entry, version)
+            s = stats_from_saved(entry)
         except (TypeError, ChunkError) as e:
             raise CorruptedStateError(f"stats entry {i}: {e}") from None
         problem = measurement_problem(s, None, entry)
@@ -161,16 +170,17 @@ def _whole(value: Any) -> bool:
 
 
 def parse_state(state: Any) -> SavedState:
-    """`state_dict()` (of any version in `VERSIONS`) read back and checked whole, or `CorruptedStateError`
-    saying what is wrong with it."""
+    """`state_dict()` read back and checked whole, or `CorruptedStateError` saying what is wrong with it (a
+    retired or unknown schema version included: `retired_version`)."""
     if not isinstance(state, dict):
         raise CorruptedStateError(f"expected a dict, got {type(state).__name__}")
-    if state.get("version") not in VERSIONS:
-        raise CorruptedStateError(f"unknown version {state.get('version')!r}")
+    retired = retired_version(state.get("version"))
+    if retired is not None:
+        raise CorruptedStateError(retired)
     missing = [k for k in ("optimal_power_limit_w", "stats") if k not in state]
     if missing:
         raise CorruptedStateError(f"no {', '.join(missing)}")
-    stats = _parse_stats(state["stats"], state["version"])
+    stats = _parse_stats(state["stats"])
     optimal = state["optimal_power_limit_w"]
     if optimal is not None and not _power_limit(optimal):
         raise CorruptedStateError(f"optimal_power_limit_w={optimal!r} is not a power limit in watts")
