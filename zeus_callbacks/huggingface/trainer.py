@@ -17,6 +17,7 @@ from typing_extensions import override
 from zeus_callbacks.huggingface.checkpoints import (
     complete_checkpoint,
 )
+from zeus_callbacks.huggingface.trackers import TagsSimulatedRuns
 
 __all__ = [
     "ZeusTrainerMixin",
@@ -172,6 +173,7 @@ class ZeusTrainerMixin:
       resumed one's is corrupted. `skip_cut_short_checkpoints = False` on the subclass keeps transformers'
       resumption;
     - the callbacks that add metrics run before the `report_to` trackers, so the trackers get them.
+    - on simulated GPUs, each tracker's run is tagged SIMULATED in its metadata (`huggingface.trackers`).
     """
 
     skip_cut_short_checkpoints: ClassVar[bool] = True
@@ -190,6 +192,8 @@ class ZeusTrainerMixin:
             callbacks.remove(callback)
             callbacks.insert(0, callback)
             callback._in_zeus_trainer = True
+        if not any(isinstance(cb, TagsSimulatedRuns) for cb in callbacks):
+            callbacks.append(TagsSimulatedRuns(callbacks))  # after the trackers: their runs are set up
         if self.skip_cut_short_checkpoints:
             resume_from_checkpoint = complete_checkpoint(trainer.args.output_dir, resume_from_checkpoint)
             resumed = (
