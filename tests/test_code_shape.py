@@ -52,3 +52,17 @@ def test_the_formatter_holds() -> None:
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+@pytest.mark.system
+def test_the_type_checker_passes() -> None:
+    """`mypy` with pyproject's settings over the package (issue 37: `py.typed` was shipped while no type checker
+    ran). The modules it still skips are pyproject's `[[tool.mypy.overrides]]` to-do list."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "zeus_callbacks"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

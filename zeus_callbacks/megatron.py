@@ -171,7 +171,7 @@ class MegatronInstrumentation(EngineStep):
     # -- installing ------------------------------------------------------------------------------
     def _install(self) -> None:
         schedules = _schedules()
-        makers = {
+        makers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
             _ONE_F_ONE_B: functools.partial(self._schedule, interleaved=False),
             _INTERLEAVED: functools.partial(self._schedule, interleaved=True),
             "forward_step": self._forward,

@@ -195,10 +195,9 @@ def _simulate(args: argparse.Namespace) -> tempfile.TemporaryDirectory | None:
     # A fresh node (at its maximum limit) unless the user chose where simulated GPUs live.
     state_dir = os.environ.get("ZEUS_CALLBACKS_SIM_STATE_DIR")
     tmp_state = None if state_dir else tempfile.TemporaryDirectory(prefix="zeus-callbacks-demo-sim-")
+    where = state_dir if tmp_state is None else tmp_state.name
     try:
-        sim.simulate(
-            spec, noise=args.noise, seed=args.seed, state_dir=state_dir or tmp_state.name, export_env=False
-        )
+        sim.simulate(spec, noise=args.noise, seed=args.seed, state_dir=where, export_env=False)
     except (ValueError, FileNotFoundError):
         if tmp_state is not None:
             tmp_state.cleanup()

@@ -105,9 +105,11 @@ def run(args: argparse.Namespace) -> int:
     by_uuid = {g.uuid: g.label for g in gpus}
     if not restored and not defaults:
         print(f"Nothing to restore{label}.")
-    for e in restored:
-        via = "" if e.zeusd is None else f" through zeusd at {e.zeusd}"
-        print(f"Restored {e.knob} of {by_uuid.get(e.uuid, e.name)} to {_value(e)}{via}{label}.")
+    for entry in restored:
+        via = "" if entry.zeusd is None else f" through zeusd at {entry.zeusd}"
+        print(
+            f"Restored {entry.knob} of {by_uuid.get(entry.uuid, entry.name)} to {_value(entry)}{via}{label}."
+        )
     if left:
         hint = (
             "" if args.include_live else " or belong to running processes (--include-live to undo those too)"

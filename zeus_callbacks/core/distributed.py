@@ -114,8 +114,8 @@ def all_reduce_record(record: _Record) -> _Record:
     # Back in the declared type: a bool or an int field (its name, under postponed annotations), else float.
     kinds = {
         f.name: {"bool": bool, "int": int}.get(str(getattr(f.type, "__name__", f.type)), float)
-        for f in fields(record)
-    }  # type: ignore[arg-type]
+        for f in fields(record)  # type: ignore[arg-type]
+    }
     out: dict[str, Any] = {}
     for kind in ("sum", "max"):
         names = [n for n, o in ops.items() if (o == "sum") == (kind == "sum")]

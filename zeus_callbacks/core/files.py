@@ -61,7 +61,7 @@ class _Said(OSError):
     """An `OSError` whose message is a sentence about its file: `<file> <strerror>`."""
 
     def __str__(self) -> str:
-        return self.strerror if self.filename is None else f"{self.filename} {self.strerror}"
+        return str(self.strerror) if self.filename is None else f"{self.filename} {self.strerror}"
 
 
 class UnsafePathError(_Said):

@@ -198,7 +198,7 @@ def _reference(types: list[_Type], global_batch: int) -> tuple[float, float, flo
         capped = t.profile.max_batch_size is not None and batch > t.profile.max_batch_size
         extrapolated |= bool(ext[0]) or capped
     step = float(max(times))
-    idle = sum(t.count * t.profile.idle_power_w for t in types)
+    idle = sum(t.count * float(t.profile.idle_power_w or 0.0) for t in types)  # never None once built
     return batch, step, float(sum(actives) + step * idle), extrapolated
 
 

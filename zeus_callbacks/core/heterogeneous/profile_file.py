@@ -313,7 +313,7 @@ class GPUProfile:
             power_limits_w=np.round(self.power_limits_w * power_factor).astype(np.int64),
             time_s=self.time_s * time_factor,
             energy_j=self.energy_j * time_factor * power_factor,
-            idle_power_w=self.idle_power_w * power_factor,
+            idle_power_w=None if self.idle_power_w is None else self.idle_power_w * power_factor,
             max_batch_size=None if self.max_batch_size is None else self.max_batch_size * int(batch_factor),
             steps_per_window=self.steps_per_window,
             source=f"{self.source} (scaled)",
@@ -424,9 +424,9 @@ def _parse(data: Any, default_name: str, source: str) -> GPUProfile:
             i, j = row[w.power_limit_w], column[int(key)]
             time_s[i, j] = w.time_s / w.steps
             energy_j[i, j] = w.energy_j / w.steps
-    missing = [(b, p) for p in limits for b in batch_sizes if np.isnan(time_s[row[p], column[b]])]
-    if missing:
-        raise ValueError(f"profile {source}: (batch size, power limit) pairs not measured: {missing[:5]}.")
+    unmeasured = [(b, p) for p in limits for b in batch_sizes if np.isnan(time_s[row[p], column[b]])]
+    if unmeasured:
+        raise ValueError(f"profile {source}: (batch size, power limit) pairs not measured: {unmeasured[:5]}.")
     max_batch = metadata.get("max_batch_size")
     idle = metadata.get("idle_power_w")
     return GPUProfile(

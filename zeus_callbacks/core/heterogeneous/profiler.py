@@ -147,7 +147,7 @@ def _limits(gpu: GPU, power_limits: Sequence[int] | None, pl_step: int) -> list[
                 ALLOW_RAISING_ENV,
                 hi,
             )
-        power_limits = power_limit_grid(math.ceil(lo), math.floor(top), pl_step)
+        power_limits = [int(p) for p in power_limit_grid(math.ceil(lo), math.floor(top), pl_step)]
     limits = sorted({int(p) for p in power_limits}, reverse=True)
     outside = [p for p in limits if not lo <= p <= hi]
     if outside:

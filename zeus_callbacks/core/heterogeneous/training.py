@@ -307,11 +307,11 @@ class UnevenDistributedSampler(DistributedSampler):
         return self.num_steps * self.local_batch
 
     @property
-    def num_samples(self) -> int:  # DistributedSampler's name for this rank's samples per epoch
+    def num_samples(self) -> int:  # type: ignore[override]  # DistributedSampler's name for this rank's samples per epoch
         return len(self)
 
     @property
-    def total_size(self) -> int:  # DistributedSampler's name for the samples per epoch over all ranks
+    def total_size(self) -> int:  # type: ignore[override]  # DistributedSampler's name for the samples per epoch over all ranks
         return self.num_steps * self.global_batch
 
 

@@ -329,6 +329,7 @@ def _dependencies(
             edges.add((position[a], position[b]))
     for inst, n in position.items():
         v, m = inst.model_stage, inst.microbatch
+        nxt: tuple[int, str, int] | None
         if inst.kind == "forward":
             nxt = (v + 1, "forward", m) if v < last else (v, "backward", m)
         else:

@@ -281,7 +281,11 @@ class _Program:
         cost[t_col] = price_w
         flat_times = np.concatenate([np.asarray(t, dtype=float) for t in times])
         delays = dag.edge_delays()
-        indptr, indices, data, lower, upper = [0], [], [], [], []
+        indptr: list[int] = [0]
+        indices: list[int] = []
+        data: list[float] = []
+        lower: list[float] = []
+        upper: list[float] = []
 
         def add_row(
             cols: list[int] | np.ndarray, vals: list[float] | np.ndarray, lo: float, hi: float

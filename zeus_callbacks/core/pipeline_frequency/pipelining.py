@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from zeus_callbacks.core.pipeline_frequency.dag import Instruction
+from zeus_callbacks.core.pipeline_frequency.dag import Instruction, InstructionKind
 from zeus_callbacks.core.pipeline_frequency.engine_step import EngineStep
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
 
@@ -20,7 +20,7 @@ _STAGE_METHODS = {
 }
 
 # torch's `_ComputationType` values of the compute actions the planner models.
-_MODELLED = {"F": "forward", "B": "backward"}
+_MODELLED: dict[str, InstructionKind] = {"F": "forward", "B": "backward"}
 # Compute actions it does not model: the halves of a split backward (zero-bubble schedules), and a forward
 # overlapped with a backward (DualPipeV).
 _SPLIT = {"I", "W", "OVERLAP_F_B"}

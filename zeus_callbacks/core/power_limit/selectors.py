@@ -128,6 +128,9 @@ class ZeusCost(OptimumSelector):
         ValueError: `eta_knob` outside [0, 1] or `world_size` < 1.
     """
 
+    eta_knob: float
+    world_size: int
+
     def __init__(self, eta_knob: float, world_size: int = 1) -> None:
         _require_number("ZeusCost", "eta_knob", eta_knob, "a weight in [0, 1] such as 0.5")
         if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
@@ -175,6 +178,8 @@ class MaxSlowdownConstraint(OptimumSelector):
     """
 
     PREFERENCES = ("least_energy", "lowest_power_limit")
+    factor: float
+    prefer: str
 
     def __init__(self, factor: float, prefer: str = "least_energy") -> None:
         _require_number(

@@ -218,7 +218,7 @@ def _job_steps(records: list[RankRecord]) -> list[tuple[StepSpan, float | None]]
     for r in records:
         for s in r.steps:
             by_span[s.first_step, s.last_step].extend(s.energy_j)
-    out = []
+    out: list[tuple[StepSpan, float | None]] = []
     for s in records[0].steps:
         parts = by_span[s.first_step, s.last_step]
         out.append((s, None if None in parts or not parts else sum(parts)))  # type: ignore[arg-type]
