@@ -21,7 +21,6 @@ import importlib
 import logging
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -30,6 +29,7 @@ from typing import Any
 from zeus_callbacks.core.device.amd import AMDBackend, AMDDevice
 from zeus_callbacks.core.device.device import Device
 from zeus_callbacks.sim.amdsmi_library import LIBRARY_NAME, SimulatedAMDSMILibrary
+from zeus_callbacks.sim.host import HOST_CLOCK
 from zeus_callbacks.sim.system import SimulatedGPU, SimulatedSystem
 
 __all__ = ["SimulatedAMDBackend", "attach", "ensure", "installed"]
@@ -118,7 +118,8 @@ class SimulatedAMDBackend(AMDBackend):
 
     Differs from the real driver where amdsmi cannot say, as the NVIDIA simulator does (`sim/backend.py`):
     synchronising runs the simulator's model of the queued work, permission comes from the injected faults,
-    the clock is the node's, journals live beside the node's state, and every step boundary synchronises.
+    the clock is the node's (virtual, or the wall clock less the host's lag: `sim.host.HostClock`), journals
+    live beside the node's state, and every step boundary synchronises.
     """
 
     simulated = True
@@ -127,7 +128,9 @@ class SimulatedAMDBackend(AMDBackend):
     def __init__(self, system: SimulatedSystem) -> None:
         clock = system.clock
         super().__init__(
-            ensure(system), clock=time.time if clock is None else clock.now, virtual_clock=clock is not None
+            ensure(system),
+            clock=HOST_CLOCK.now if clock is None else clock.now,
+            virtual_clock=clock is not None,
         )
         self.system = system
 
