@@ -38,14 +38,21 @@ __all__ = ["AMDDevice", "AMDBackend", "real_backend", "load_amdsmi", "amd_error"
 logger = logging.getLogger(__name__)
 
 # amdsmi_get_gpu_asic_info's `target_graphics_version` -> AMD's architecture (LLVM's AMDGPU processor table).
-ARCHITECTURES = {"gfx908": "cdna", "gfx90a": "cdna2", "gfx940": "cdna3", "gfx941": "cdna3", "gfx942": "cdna3"}
-ARCHITECTURES["gfx950"] = "cdna4"
+ARCHITECTURES = {
+    "gfx908": "cdna",  # MI100
+    "gfx90a": "cdna2",  # MI200
+    "gfx940": "cdna3",
+    "gfx941": "cdna3",
+    "gfx942": "cdna3",  # MI300
+    "gfx950": "cdna4",  # MI350
+}
 SM_CLOCK_STEP_MHZ = 100
 """amdsmi_set_gpu_clk_range takes any MHz within the range amdsmi_get_clock_info gives; the clock list offered to
 the pipeline optimizer is that range in these steps, highest first."""
 _PERMISSION = (
     "Changing power caps and clocks on AMD GPUs writes amdgpu's sysfs files, which needs root: run as root, or "
-    "through Zeus's daemon zeusd (set ZEUSD_SOCK_PATH or ZEUSD_HOST_PORT); measuring still works."
+    "through Zeus's daemon zeusd built with AMD support (zeusd master; set ZEUSD_SOCK_PATH or ZEUSD_HOST_PORT); "
+    "measuring still works."
 )
 
 
