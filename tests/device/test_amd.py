@@ -243,3 +243,30 @@ def test_nvidia_and_amd_gpus_visible_at_once_are_refused_in_one_line():
     finally:
         amd_backend.attach(None)
         nvml_library.attach(None)
+
+
+@pytest.mark.slow
+def test_a_hard_death_on_mi300xs_is_undone_by_the_restore_watchdog(sim_gpus):
+    """A process that capped one MI300X and locked the other's clock, then died by SIGKILL: its watchdog (a
+    process of its own, reaching the GPUs through amdsmi as well) puts both back."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    system = sim_gpus("2*mi300x")
+    code = (
+        "import os; from zeus_callbacks.core.device.gpus import get_gpus; g = get_gpus();"
+        "g[1].set_power_limit_mw(400_000); g[0].lock_sm_clocks(500, 1000); os.kill(os.getpid(), 9)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=dict(os.environ), capture_output=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    deadline = time.monotonic() + 30  # an outcome: back at all, however loaded the host
+    while system.gpus[1].power_limit_mw != 750_000 or system.gpus[0].locked_sm_clocks_mhz is not None:
+        assert time.monotonic() < deadline, (
+            system.gpus[1].power_limit_mw,
+            system.gpus[0].locked_sm_clocks_mhz,
+        )
+        time.sleep(0.05)
