@@ -27,7 +27,7 @@ def main() -> None:
     )
     parser.add_argument("--devices", type=int, default=1, help="CPU processes (DDP when > 1)")
     parser.add_argument("--package", choices=["lightning", "pytorch_lightning"], default="lightning")
-    parser.add_argument("--max-steps", type=int, default=120)
+    parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--real", action="store_true", help="train on the real GPUs (changes power limits)")
     args = parser.parse_args()
     if not args.real:  # before any GPU is discovered
@@ -50,10 +50,12 @@ def main() -> None:
         def __init__(self) -> None:
             super().__init__()
             layers = [torch.nn.Linear(256, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)]
-            if not args.real:  # each step queues 10 ms forward, 20 ms backward on the simulated GPU (no host
+            if not args.real:  # each step queues 20 ms forward, 40 ms backward on the simulated GPU (no host
                 from zeus_callbacks.sim import SimulatedKernels  # CPU: the model's 1-2 ms run beside them)
 
-                layers.append(SimulatedKernels(gpu, 0.01))
+                # 60 ms a step: a sample is two steps on the A40's 100 ms energy counter, so the profile
+                # fits in the default --max-steps (at 30 ms, 120 steps did not: issue 37).
+                layers.append(SimulatedKernels(gpu, 0.02))
             self.net = torch.nn.Sequential(*layers)
 
         def training_step(self, batch, batch_idx):
@@ -72,7 +74,7 @@ def main() -> None:
     gpu = local_rank()
     monitor = ZeusMonitor(gpu_indices=[gpu])
     plo = LightningGlobalPowerLimitOptimizer(
-        monitor, MaxSlowdownConstraint(1.1), wait_steps=5, warmup_steps=2, profile_steps=8
+        monitor, MaxSlowdownConstraint(1.1), wait_steps=5, warmup_steps=2, profile_steps=8, pl_step=50
     )
     trainer = L.Trainer(
         accelerator="gpu" if args.real else "cpu",
