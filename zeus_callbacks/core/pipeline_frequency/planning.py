@@ -37,6 +37,10 @@ __all__ = [
 
 # Fewer profiled clocks than this per instruction type: its times are kept as measured (`fit_clock_times`).
 _MIN_FIT_CLOCKS = 3
+# A flat top spans at least this many clocks, and leaves at least as many below it to fit the slope on.
+_MIN_FLAT_CLOCKS = 2
+# A flat top is read only where it cuts the curve's absolute error at least by this factor (`_fit_curve`).
+_FLAT_TOP_GAIN = 0.5
 
 # What a stage records of an instruction: its kind, or (kind, virtual stage) with several chunks per rank.
 TraceKey = str | tuple[str, int]
@@ -163,21 +167,24 @@ def options_from_rows(rows: Iterable[ProfileRow]) -> dict[OptionKey, list[Freque
 def fit_clock_times(rows: Iterable[ProfileRow]) -> list[ProfileRow]:
     """The profile with each instruction type's times read off one curve across its clocks, for planning.
 
-    The curve is `time(f) = a + b * f_top / f` (`f_top`: the type's highest profiled clock; `a, b >= 0`: a
-    part the SM clock does not stretch, such as memory-bound kernels or host time, and a part it stretches
-    in proportion), fitted robustly (Theil-Sen: `b` the median of the pairwise slopes, `a` the median
-    intercept; `a = 0` and `b` the median ratio when the intercept would be negative). Each row keeps its
-    measured power: its energy is scaled with its time. Types with fewer than 3 clocks are kept as measured.
+    The curve is `time(f) = max(c, a + b * f_top / f)` (`f_top`: the type's highest profiled clock; `a, b >= 0`:
+    a part the SM clock does not stretch, such as memory-bound kernels or host time, and a part it stretches
+    in proportion; `c`: a flat top, the time no clock goes below). The slope is fitted robustly (Theil-Sen:
+    `b` the median of the pairwise slopes, `a` the median intercept; `a = 0` and `b` the median ratio when the
+    intercept would be negative). A flat top is read where the measurements say so: the top 2 or more clocks
+    measured alike (their median is `c`) and the slope fitted on 2 or more clocks below them, kept only where
+    it halves the curve's absolute error; otherwise `c = 0`. On a power-capped GPU, every clock above the one
+    the cap allows runs at that clock (the A40 capped at 200 W: from about 1620 MHz up, by the NSDI'23 A40
+    trace `sim/data/nsdi23/summary_power_a40.csv` as `sim/traces.operating_point` reads it), and a
+    memory-bound stage stops speeding up alike. Each row keeps its measured power: its energy is scaled with
+    its time. Types with fewer than 3 clocks are kept as measured.
 
     Why: a clock's instructions are measured over a few consecutive steps, so a change of the host's load
     (on simulated GPUs, the host's CPU time is part of each instruction) moves all of them alike, by more
     than one step of the sweep changes the time (45 MHz at 1740 MHz: 2.6%). Read clock by clock
     (`options_from_rows`), a lucky clock or an unlucky maximum makes a lower clock look as fast as the
     maximum, and the plan lowers instructions on the critical path for a saving that costs time; one curve
-    through the whole sweep prices every step. The curve has no flat top, so it suits the optimizer's own
-    sweep (a few clocks from the maximum down, on GPUs whose cap does not bind there); a profile measured
-    with care over a power-capped range is planned as measured (`plan_pipeline(fit_times=False)`, the
-    `pipeline-plan` command).
+    through the whole sweep prices every step. A real flat top is kept: there a lower clock is as fast.
     """
     groups: dict[OptionKey, list[ProfileRow]] = {}
     for r in rows:
@@ -191,12 +198,36 @@ def fit_clock_times(rows: Iterable[ProfileRow]) -> list[ProfileRow]:
             continue
         top = max(r.frequency_mhz for r in group)
         points = [(top / r.frequency_mhz, r.time_s) for r in group]
-        a, b = _theil_sen(points)
+        a, b, flat_s = _fit_curve(points)
         for r, (x, _) in zip(group, points, strict=True):
-            time_s = a + b * x
+            time_s = max(flat_s, a + b * x)
             energy_j = r.energy_j * time_s / r.time_s if r.time_s > 0 else r.energy_j
             out.append(dataclasses.replace(r, time_s=time_s, energy_j=energy_j))
     return out
+
+
+def _fit_curve(points: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
+    """`(a, b, c)` of the curve `t = max(c, a + b x)` through `(x, t)` points (`x = f_top / f >= 1`): the
+    Theil-Sen line, or, where it cuts the sum of absolute errors at least by `_FLAT_TOP_GAIN`, a flat top `c`
+    (the median of the top clocks, binding at `x = 1`) over the line of the clocks below it; `c = 0`: none."""
+    a, b = _theil_sen(points)
+    best, best_err = (a, b, 0.0), _FLAT_TOP_GAIN * _abs_error(points, a, b, 0.0)
+    xs = sorted({x for x, _ in points})
+    for n_flat in range(_MIN_FLAT_CLOCKS, len(xs) - _MIN_FLAT_CLOCKS + 1):
+        below = xs[n_flat]
+        flat_s = statistics.median(t for x, t in points if x < below)
+        fa, fb = _theil_sen([(x, t) for x, t in points if x >= below])
+        if flat_s <= fa + fb:  # not a flat top: the line is slower at the top clock already
+            continue
+        err = _abs_error(points, fa, fb, flat_s)
+        if err < best_err:
+            best, best_err = (fa, fb, flat_s), err
+    return best
+
+
+def _abs_error(points: Sequence[tuple[float, float]], a: float, b: float, flat_s: float) -> float:
+    """Sum of the absolute errors of `t = max(flat_s, a + b x)` at the points."""
+    return sum(abs(t - max(flat_s, a + b * x)) for x, t in points)
 
 
 def _theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
