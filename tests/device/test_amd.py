@@ -36,7 +36,7 @@ def _clean(monkeypatch: pytest.MonkeyPatch):
     sim.disable()
 
 
-def devices(spec: str = "2*mi300x", **kw) -> tuple[sim.SimulatedSystem, list[amd.AMDDevice]]:
+def devices(spec: str = "2*mi300x", **kw) -> tuple[sim.SimulatedSystem, list]:
     system = sim.simulate(spec, virtual_clock=True, ideal="sensor_gain", **kw)
     backend = SimulatedAMDBackend(system)
     backend.init()
