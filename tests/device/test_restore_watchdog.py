@@ -1,4 +1,8 @@
-"""The restore watchdog puts the GPU back within 1 s of a hard death, with no later process running."""
+"""The restore watchdog puts the GPU back after a hard death, with no later process running.
+
+How soon is `benchmarks/restore_latency.py`'s figure (17 ms median on an idle 2-core VM), not an assert: these
+tests wait up to `_RESTORE_DEADLINE_S` for the outcome, since a loaded host wakes the watchdog late (issue 37:
+no test asserts a duration)."""
 
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ if b"zeus_callbacks.core.device.watchdog" in open("/proc/self/cmdline", "rb").re
 
 
 @pytest.mark.slow
-def test_gpu_back_within_1s_of_a_death_right_after_the_first_change(sim_gpus, tmp_path):
+def test_gpu_back_after_a_death_right_after_the_first_change(sim_gpus, tmp_path):
     system = sim_gpus("a40")
     (tmp_path / "sitecustomize.py").write_text(_SLOW_WATCHDOG)
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
@@ -59,16 +63,21 @@ def test_gpu_back_within_1s_of_a_death_right_after_the_first_change(sim_gpus, tm
     proc = _start(tail="os.kill(os.getpid(), 9)", PYTHONPATH=path)
     proc.wait(timeout=10)
     assert proc.returncode == -signal.SIGKILL
-    _back_within(system.gpus[0], 1.0)
+    _back(system.gpus[0])
 
 
-def _back_within(gpu, seconds: float) -> float:
+# An outcome's deadline, not a timing: no other process runs that could put the GPU back.
+_RESTORE_DEADLINE_S = 30.0
+
+
+def _back(gpu) -> None:
     start = time.monotonic()
     while gpu.power_limit_mw != 300_000:
-        if time.monotonic() - start > seconds:
-            raise AssertionError(f"GPU still at {gpu.power_limit_mw / 1000:g} W {seconds} s after the death")
+        if time.monotonic() - start > _RESTORE_DEADLINE_S:
+            raise AssertionError(
+                f"GPU still at {gpu.power_limit_mw / 1000:g} W {_RESTORE_DEADLINE_S:g} s after the death"
+            )
         time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def _watchdogs_of(pid: int) -> list[int]:
@@ -85,14 +94,14 @@ def _watchdogs_of(pid: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGHUP])
-def test_gpu_back_within_1s_of_a_hard_death(sim_gpus, signum):
+def test_gpu_back_after_a_hard_death(sim_gpus, signum):
     system = sim_gpus("a40")
     proc = _start()
     assert system.gpus[0].power_limit_mw == 150_000
     proc.send_signal(signum)  # at once: the first change waited until its watchdog was ready
     proc.wait(timeout=10)
     assert proc.returncode == -signum
-    _back_within(system.gpus[0], 1.0)
+    _back(system.gpus[0])
     time.sleep(0.5)
     assert _watchdogs_of(proc.pid) == []  # it does not outlive its purpose
 
@@ -121,7 +130,7 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_sigterm_while_blocked_in_a_collective_restores_at_once(sim_gpus):
     """Issue 24: the rank's Python handler cannot run while it waits in a collective; the watchdog learns of
-    the SIGTERM through the wakeup fd and restores within 1 s, the rank still blocked."""
+    the SIGTERM through the wakeup fd and restores, the rank still blocked."""
     system = sim_gpus("2*a40")
     port = _free_port()
     setup = f"""
@@ -140,7 +149,7 @@ def test_sigterm_while_blocked_in_a_collective_restores_at_once(sim_gpus):
         time.sleep(1.5)
         assert system.gpus[0].power_limit_mw == 150_000
         blocked.send_signal(signal.SIGTERM)  # the scheduler's SIGTERM: no Python handler can run now
-        _back_within(system.gpus[0], 1.0)
+        _back(system.gpus[0])
         assert blocked.poll() is None  # still blocked in the collective: the watchdog restored it
         assert system.gpus[1].power_limit_mw == 300_000  # the other rank's GPU was never touched
         blocked.kill()  # ...and its SIGKILL after the grace period
@@ -192,7 +201,7 @@ def _resident_mb(pid: int) -> float:
 
 
 @pytest.mark.slow
-def test_gpu_back_within_1s_of_an_oom_killer_style_sigkill(sim_gpus):
+def test_gpu_back_after_an_oom_killer_style_sigkill(sim_gpus):
     """An emulated OOM kill (see `_ALLOCATING`): SIGKILL from outside while the child allocates memory."""
     system = sim_gpus("a40")
     proc = _start(tail=_ALLOCATING)
@@ -206,7 +215,7 @@ def test_gpu_back_within_1s_of_an_oom_killer_style_sigkill(sim_gpus):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     assert proc.returncode == -signal.SIGKILL
-    _back_within(system.gpus[0], 1.0)
+    _back(system.gpus[0])
     time.sleep(0.5)
     assert _watchdogs_of(proc.pid) == []
 
@@ -232,9 +241,9 @@ profile_power_limits(step)
 @pytest.mark.parametrize(
     "launcher", [[], ["bash", "-c", '"$0" "$1"; exit $?']], ids=["direct", "under-a-shell"]
 )
-def test_gpu_back_within_1s_of_profile_timeout(sim_gpus, tmp_path, launcher):
+def test_gpu_back_after_profile_timeout(sim_gpus, tmp_path, launcher):
     """`zeus-callbacks profile --timeout` SIGKILLs a run of the script past its time and returns: the GPU is
-    back within 1 s of that return (the kill came just before it), with the script gone and no later process
+    back after that return (the kill came just before it), with the script gone and no later process
     of this package running; also when the script runs under a launcher (here a shell that does not exec
     it), whose children the kill reaches too."""
     system = sim_gpus("a40")
@@ -252,7 +261,7 @@ def test_gpu_back_within_1s_of_profile_timeout(sim_gpus, tmp_path, launcher):
         timeout=120,
     )
     try:
-        _back_within(system.gpus[0], 1.0)
+        _back(system.gpus[0])
     except AssertionError as e:
         raise AssertionError(f"{e}\n{cli.stderr}") from None
     assert cli.returncode == 1, cli.stderr
