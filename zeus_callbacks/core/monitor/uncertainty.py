@@ -46,7 +46,9 @@ GAIN_ERROR = 0.05
 """The sensor's steady-state error against an external meter, as a gain within 1 +/- this per board:
 PART_TIME_POWER, "The error in nvidia-smi's power draw is +/- 5%" (its HTML version 2, as public READMEs quote
 and link it); nvml.h says the same of Fermi and Kepler boards (nvmlDeviceGetPowerUsage: "accurate to within
-+/- 5% of current power draw"). Issue 41's "-9% to +11%" could not be traced to a source and is not used."""
++/- 5% of current power draw"). The study's per-board data (its code's `plotting/figure_plotting.py`, 19 boards)
+hold 16 boards within it; docs/energy-uncertainty.md says what the three outside it (-9.5% to +6.4%) would
+change."""
 
 ABSOLUTE_ERROR_W = 5.0
 """nvidia-smi's stated accuracy of every power reading (`nvidia-smi --help-query-gpu`, power.draw,
