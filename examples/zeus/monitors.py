@@ -2,6 +2,9 @@
 `.price`), with only the imports changed, around a small training loop on the CPU.
 
     ZEUS_CALLBACKS_SIMULATE=a40 python examples/zeus/monitors.py
+
+On a simulated GPU each step's GPU work is queued on it (no host CPU) and waited for, so the monitors see
+the GPU busy for about 2 s whatever the host's speed and load; the model itself trains on the CPU.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import time
 
 import torch
+
+import zeus_callbacks.sim as sim
 
 # --- Zeus (imports changed from zeus.monitor.power / .temperature / .carbon / .price) ---
 from zeus_callbacks import (
@@ -23,17 +28,28 @@ from zeus_callbacks import (
 # --- end Zeus ---
 
 
-def train(seconds: float = 2.0) -> None:
-    """A few steps of a small MLP on random data."""
+def train(steps: int = 40, gpu_work_s: float = 0.05) -> None:
+    """`steps` steps of a small MLP on random data, each with `gpu_work_s` of simulated GPU work."""
+    torch.set_num_threads(1)  # the model is tiny: more threads only spin on a loaded host (0.5 ms a step)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    end = time.time() + seconds
-    while time.time() < end:
+    for _ in range(steps):
         x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
+        gpu_step(gpu_work_s)
+
+
+def gpu_step(work_s: float) -> None:
+    """On a simulated GPU, the step's GPU work: `work_s` at the maximum power limit, queued on GPU 0 and waited
+    for, as `loss.item()` waits for a real GPU; nothing otherwise (the model trains on the CPU)."""
+    system = sim.active()
+    if system is not None:
+        gpu = system.cuda_gpus()[0]
+        gpu.enqueue(work_s)
+        gpu.synchronize()
 
 
 def main() -> None:
