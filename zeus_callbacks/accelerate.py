@@ -14,12 +14,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from typing_extensions import Self
+from typing_extensions import Self, Unpack
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.heterogeneous.training import RankPlan, uneven_dataloader, unshard_dataloader
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.monitor.session import EnergySession
+from zeus_callbacks.core.power_limit.keywords import PowerLimitArguments
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
@@ -50,7 +51,9 @@ def local_gpu_index(accelerator: Accelerator | None = None) -> int:
 
 
 def prepare_power_limit_optimizer(
-    accelerator: Accelerator | None, optimum_selector: OptimumSelector | None = None, **options: Any
+    accelerator: Accelerator | None,
+    optimum_selector: OptimumSelector | None = None,
+    **options: Unpack[PowerLimitArguments],
 ) -> GlobalPowerLimitOptimizer:
     """A `GlobalPowerLimitOptimizer` on this process's GPU, its session registered for the accelerator's
     checkpoints.
@@ -78,7 +81,7 @@ def _session(
     owner: str,
     accelerator: Accelerator | None,
     optimum_selector: OptimumSelector | None,
-    options: dict[str, Any],
+    options: PowerLimitArguments,
 ) -> PowerLimitSession:
     """The session of this process's GPU, registered for the accelerator's checkpoints."""
     monitor = ZeusMonitor(gpu_indices=[local_gpu_index(accelerator)])
@@ -190,7 +193,7 @@ class PowerLimitOptimizerHelper(LoopHelper):
         optimum_selector: OptimumSelector | None = None,
         *,
         log_every_n_steps: int = 50,
-        **options: Any,
+        **options: Unpack[PowerLimitArguments],
     ) -> None:
         super().__init__(accelerator, log_every_n_steps)
         self._session: PowerLimitSession = _session(

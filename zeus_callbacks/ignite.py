@@ -8,8 +8,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from typing_extensions import Unpack
+
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.monitor.session import EnergySession
+from zeus_callbacks.core.power_limit.keywords import PowerLimitArguments
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
@@ -110,7 +113,7 @@ class IgnitePowerLimitOptimizer(IgniteAdapter):
         optimum_selector: OptimumSelector | None = None,
         *,
         log_every_n_steps: int = 50,
-        **options: Any,
+        **options: Unpack[PowerLimitArguments],
     ) -> None:
         name = type(self).__name__
         opts = PowerLimitOptions(owner=name, optimum_selector=optimum_selector, **options)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -27,11 +28,13 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import Unpack
 
 from zeus_callbacks import ZeusMonitor
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.monitor.session import EnergySession
+from zeus_callbacks.core.power_limit.keywords import OptimizerArguments, PowerLimitArguments
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import ZEUS_POSITIONAL, PowerLimitOptions
 from zeus_callbacks.core.power_limit.session import PowerLimitSession
@@ -350,3 +353,21 @@ def test_every_adapter_takes_the_options_record(adapter: Adapter) -> None:
     assert all(p.kind is p.KEYWORD_ONLY for p in params[len(record) :])
     with pytest.raises(TypeError, match=rf"`{adapter.name}\(\.\.\.\)`.*unexpected keyword argument 'warmup'"):
         adapter.cls(None, warmup=3)
+
+
+@pytest.mark.parametrize("adapter", [a for a in ADAPTERS if a.kind == "power_limit"], ids=lambda a: a.name)
+def test_type_checkers_see_every_option(adapter: Adapter) -> None:
+    """Issue 39: `**options` hid the options' names and types from type checkers and IDEs. Every power-limit
+    adapter's `**options` is `Unpack[PowerLimitArguments]`, whose names and types are the record's (less
+    `optimum_selector`, a parameter of its own); the core optimizer's is the same less `report_path`."""
+    types = typing.get_type_hints(PowerLimitOptions)
+    record = {f.name: types[f.name] for f in fields(PowerLimitOptions) if f.name != "optimum_selector"}
+    assert typing.get_type_hints(PowerLimitArguments) == record
+    assert set(record) - set(typing.get_type_hints(OptimizerArguments)) == {"report_path"}
+    for owner, arguments in (
+        (adapter.cls, PowerLimitArguments),
+        (GlobalPowerLimitOptimizer, OptimizerArguments),
+    ):
+        init = owner.__init__
+        options = eval(init.__annotations__["options"], vars(importlib.import_module(init.__module__)))
+        assert options == Unpack[arguments], owner

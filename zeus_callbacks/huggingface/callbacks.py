@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from zeus_callbacks.core.monitor.epoch_log import EpochLog
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.monitor.session import EnergySession
+from zeus_callbacks.core.power_limit.keywords import PowerLimitArguments
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
@@ -233,7 +234,10 @@ class HFGlobalPowerLimitOptimizer(RebuiltAsItself, SessionCallback, ResumesFromC
 
     @takes_power_limit_options(zeus_positional=True)
     def __init__(
-        self, monitor: ZeusMonitor, optimum_selector: OptimumSelector | None = None, **options: Any
+        self,
+        monitor: ZeusMonitor,
+        optimum_selector: OptimumSelector | None = None,
+        **options: Unpack[PowerLimitArguments],
     ) -> None:
         if "_session" in self.__dict__:
             return  # transformers' rebuild on resume, which is this instance (`RebuiltAsItself`)

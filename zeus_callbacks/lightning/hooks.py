@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from zeus_callbacks.core.heterogeneous.training import (
     RankPlan,
@@ -25,6 +25,7 @@ from zeus_callbacks.core.monitor.reporting import pipeline_frequency_metrics
 from zeus_callbacks.core.monitor.session import EnergySession
 from zeus_callbacks.core.pipeline_frequency.attach import StageAttachment
 from zeus_callbacks.core.pipeline_frequency.optimizer import PipelineFrequencyOptimizer
+from zeus_callbacks.core.power_limit.keywords import PowerLimitArguments
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
@@ -220,7 +221,10 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
 
     @takes_power_limit_options()
     def __init__(
-        self, monitor: ZeusMonitor, optimum_selector: OptimumSelector | None = None, **options: Any
+        self,
+        monitor: ZeusMonitor,
+        optimum_selector: OptimumSelector | None = None,
+        **options: Unpack[PowerLimitArguments],
     ) -> None:
         super().__init__()
         name = type(self).__name__

@@ -12,6 +12,8 @@ import os
 import signal
 from typing import Any
 
+from typing_extensions import Unpack
+
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.arguments import require_monitor
 from zeus_callbacks.core.device.errors import GPUError
@@ -21,6 +23,7 @@ from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit import power_budget
 from zeus_callbacks.core.power_limit.grid import milliwatts
 from zeus_callbacks.core.power_limit.job import find_job, profile_context
+from zeus_callbacks.core.power_limit.keywords import OptimizerArguments
 from zeus_callbacks.core.power_limit.meter import StepMeter
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.phases import Done, Inactive, Profiling, Waiting, Warmup
@@ -104,7 +107,10 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
 
     @takes_power_limit_options(zeus_positional=True, exclude=("report_path",))
     def __init__(
-        self, monitor: ZeusMonitor, optimum_selector: OptimumSelector | None = None, **options: Any
+        self,
+        monitor: ZeusMonitor,
+        optimum_selector: OptimumSelector | None = None,
+        **options: Unpack[OptimizerArguments],
     ) -> None:
         require_monitor("GlobalPowerLimitOptimizer", monitor)
         self.options = PowerLimitOptions(optimum_selector=optimum_selector, **options)

@@ -32,7 +32,8 @@ framework through scripted runs (to the end, raising mid-epoch, resumed from a c
 `search="zeus"`) and checks the session calls above. A new adapter is one module here plus one line in that
 test's `ADAPTERS` table (the framework, the kind: `"power_limit"` or `"energy"`, and the class); its options
 come from `PowerLimitOptions` (`tests/adapters/test_contract.py::test_every_adapter_takes_the_options_record`
-reads them from there). The adapters now registered:
+reads them from there), and type checkers see them through `**options: Unpack[PowerLimitArguments]`
+(`keywords`). The adapters now registered:
 
 - power limit: `HFGlobalPowerLimitOptimizer`, `LightningGlobalPowerLimitOptimizer`,
   `PowerLimitOptimizerHelper` (and `prepare_power_limit_optimizer`, whose session the user drives through
