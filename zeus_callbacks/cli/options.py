@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import warnings
 
 from zeus_callbacks.core.power_limit.selectors import (
     Energy,
@@ -33,5 +35,16 @@ def objective_from_args(args: argparse.Namespace) -> OptimumSelector:
     if args.objective == "zeus-cost":
         return ZeusCost(args.eta)
     if args.objective == "max-slowdown":
-        return MaxSlowdownConstraint(args.max_slowdown)
+        with warnings.catch_warnings(record=True) as unlikely:  # said in the option's words instead
+            warnings.simplefilter("always", UserWarning)
+            selector = MaxSlowdownConstraint(args.max_slowdown)
+        if unlikely:  # on stderr whatever the command's log level (`simulate` keeps the package's quiet)
+            factor = args.max_slowdown
+            print(
+                f"zeus-callbacks {getattr(args, 'command', '')}: warning: --max-slowdown {factor:g} lets each step "
+                f"take up to {factor:g}x as long as at the maximum power limit; did you mean --max-slowdown "
+                f"{1 + factor / 100:.2f} ({factor:g}% slower)?",
+                file=sys.stderr,
+            )
+        return selector
     return Energy() if args.objective == "energy" else Time()
