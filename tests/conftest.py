@@ -37,6 +37,8 @@ _ISOLATED_ENV = (
     "ZEUS_CALLBACKS_LEDGER",
     "CUDA_VISIBLE_DEVICES",
     "CUDA_DEVICE_ORDER",
+    "HIP_VISIBLE_DEVICES",  # HIP's and ROCr's selections of AMD GPUs (core/device/amd.py)
+    "ROCR_VISIBLE_DEVICES",
 )
 
 

@@ -17,6 +17,7 @@ from zeus_callbacks.core.device import amd
 from zeus_callbacks.core.device.errors import GPULostError, GPUNoPermissionError, GPUNotSupportedError
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.monitor.uncertainty import power_sensor
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.selectors import Energy
 from zeus_callbacks.sim.amd_backend import SimulatedAMDBackend
@@ -24,16 +25,6 @@ from zeus_callbacks.sim.amd_backend import SimulatedAMDBackend
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("amdsmi") is None, reason="the amd extra is not installed"
 )
-
-_VISIBLE = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
-
-
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch: pytest.MonkeyPatch):
-    for name in _VISIBLE:
-        monkeypatch.delenv(name, raising=False)
-    yield
-    sim.disable()
 
 
 def devices(spec: str = "2*mi300x", **kw) -> tuple[sim.SimulatedSystem, list]:
@@ -169,6 +160,14 @@ def test_the_device_layer_finds_the_simulated_mi300xs():
     assert isinstance(gpus[0].device, amd.AMDDevice)
 
 
+def test_the_mi300x_power_sensor_is_amds_own_assumption():
+    """The energy bound's sensor figures: AMD publishes no update period for Instinct boards, so the entry says
+    ASSUMED for AMD, not that a CDNA3 board comes "after Hopper"."""
+    sim.simulate("2*mi300x", virtual_clock=True)
+    source = power_sensor(get_gpus()[0]).source
+    assert source.startswith("ASSUMED") and "AMD" in source and "Hopper" not in source
+
+
 def test_the_power_limit_optimizer_chooses_a_cap_and_restores_both_mi300xs():
     """Virtual clock, 2 MI300Xs (A40 traces scaled to 250-750 W, MODELLED): Energy() settles on a cap within 2%
     of the modelled curve's least energy, sets both GPUs to it, and train end puts both back at 750 W."""
@@ -200,10 +199,14 @@ def test_cli_on_two_simulated_mi300xs(capsys, monkeypatch, tmp_path, command):
     rc, out, err = run_cli(capsys, [command])
     assert rc == 0, err
     assert out.count("AMD Instinct MI300X") == 2 and "SIMULATED" in out and "250-750" in out
+    assert "NVML" not in out and "nvml" not in out  # the vendor library is named as it is: amdsmi
+    if command == "devices":
+        assert out.splitlines()[1].split()[:2] == ["GPU", "amdsmi"]  # the column of amdsmi's indices
     if command == "doctor":
         from importlib.metadata import version
 
-        assert version("amdsmi") in out and "OK" in out  # amdsmi_get_lib_version: the package's release
+        assert f"amdsmi {version('amdsmi')}" in out and "OK" in out  # amdsmi_get_lib_version: the package's
+        assert "settings go through: direct" in out  # the in-process route's vendor-neutral name
 
 
 def test_clock_locks_through_the_gpu_policy_are_undone_when_the_gpus_are_released():

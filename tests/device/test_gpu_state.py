@@ -77,7 +77,7 @@ def test_journal_is_written_before_the_change(sim_gpus, monkeypatch):
             "name": "NVIDIA A40",
             "knob": "power_limit",
             "original": 300_000,
-            "route": "nvml",  # how the change was made, so how it is undone (zeusd: and its endpoint)
+            "route": "direct",  # how the change was made, so how it is undone (zeusd: and its endpoint)
             "zeusd": None,
         }
     ]

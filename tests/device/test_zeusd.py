@@ -57,13 +57,17 @@ def _client(monkeypatch: pytest.MonkeyPatch, daemon: Daemon | None = None, **env
 
 # -- choosing the route ----------------------------------------------------------------------------
 def test_route_follows_the_environment_as_zeus_does(monkeypatch):
-    assert setters.route().name == "nvml"
+    assert setters.route().name == "direct"
     monkeypatch.setenv(zeusd.HOST_PORT_ENV, "node1:4938")
     assert setters.route().name == "zeusd" and str(setters.route().endpoint) == "tcp:node1:4938"
     monkeypatch.setenv(zeusd.SOCK_ENV, "/run/zeusd/zeusd.sock")  # the socket is tried first
     assert str(setters.route().endpoint) == "unix:/run/zeusd/zeusd.sock"
-    monkeypatch.setenv(setters.SETTERS_ENV, "nvml")
-    assert setters.route().name == "nvml"
+    monkeypatch.setenv(setters.SETTERS_ENV, "direct")
+    assert setters.route().name == "direct"
+    monkeypatch.setenv(setters.SETTERS_ENV, "nvml")  # direct's name before AMD: environments still say it
+    assert (
+        setters.route().name == "direct" and setters.describe_choice()["why"] == "ZEUS_CALLBACKS_SETTERS=nvml"
+    )
     monkeypatch.setenv(setters.SETTERS_ENV, "zeusd")
     assert setters.route().name == "zeusd"
 
@@ -71,7 +75,10 @@ def test_route_follows_the_environment_as_zeus_does(monkeypatch):
 @pytest.mark.parametrize(
     ("env", "says"),
     [
-        ({setters.SETTERS_ENV: "daemon"}, "ZEUS_CALLBACKS_SETTERS='daemon' is not one of auto, nvml, zeusd"),
+        (
+            {setters.SETTERS_ENV: "daemon"},
+            "ZEUS_CALLBACKS_SETTERS='daemon' is not one of auto, direct, zeusd",
+        ),
         ({setters.SETTERS_ENV: "zeusd"}, "neither ZEUSD_SOCK_PATH nor ZEUSD_HOST_PORT"),
         ({zeusd.HOST_PORT_ENV: "node1"}, "ZEUSD_HOST_PORT='node1' is not host:port"),
         ({zeusd.SOCK_ENV: ""}, "ZEUSD_SOCK_PATH is set but empty"),
@@ -136,7 +143,7 @@ def test_the_daemons_index_is_found_by_pci_address(sim_gpus, start_zeusd, monkey
 
 
 @pytest.mark.system
-def test_restore_falls_back_to_nvml_where_this_process_may(sim_gpus, start_zeusd, monkeypatch):
+def test_restore_falls_back_to_the_direct_route_where_this_process_may(sim_gpus, start_zeusd, monkeypatch):
     system = sim_gpus("a40")  # this process holds the (simulated) capability
     daemon = start_zeusd()
     _client(monkeypatch, daemon)
@@ -148,8 +155,10 @@ def test_restore_falls_back_to_nvml_where_this_process_may(sim_gpus, start_zeusd
 
 
 @pytest.mark.system
-def test_a_journal_from_before_routes_is_still_repaired(sim_gpus):
-    """Entries without a route were NVML changes: they are read and undone as such."""
+@pytest.mark.parametrize("route", [None, "nvml"])
+def test_a_journal_from_before_routes_is_still_repaired(sim_gpus, route):
+    """Entries without a route were NVML changes, and `nvml` is the in-process route's name before AMD: both are
+    read and undone in this process (`direct`)."""
     system = sim_gpus("a40")
     gpus = get_gpus(repair=False)
     system.gpus[0].set_power_limit_mw(150_000)
@@ -158,9 +167,11 @@ def test_a_journal_from_before_routes_is_still_repaired(sim_gpus):
     directory = journal_dir()
     directory.mkdir(parents=True, mode=0o700, exist_ok=True)
     entry = {"uuid": gpus[0].uuid, "name": gpus[0].name, "knob": "power_limit", "original": 300_000}
+    if route is not None:
+        entry.update(route=route, zeusd=None)
     write_atomic(directory / f"{dead.pid}-0.json", {"pid": dead.pid, "start": "0", "entries": [entry]})
     [restored] = guard().repair_dead_runs(gpus)
-    assert (restored.route, restored.zeusd) == ("nvml", None)
+    assert (restored.route, restored.zeusd) == (route or "direct", None)
     assert system.gpus[0].power_limit_mw == 300_000
 
 
@@ -348,7 +359,7 @@ def _doctor(env: dict[str, str]) -> tuple[int, dict]:
 def test_doctor_reports_the_route_and_the_daemon(sim_gpus, start_zeusd, tmp_path):
     sim_gpus("a40", faults="no_cap_sys_admin")
     code, r = _doctor({})
-    assert code == 1 and r["setters"]["route"] == "nvml" and r["setters"]["zeusd"] is None
+    assert code == 1 and r["setters"]["route"] == "direct" and r["setters"]["zeusd"] is None
     assert "zeusd" in r["permission"]["reason"]  # the way out is named
     daemon = start_zeusd()
     code, r = _doctor(daemon.env)

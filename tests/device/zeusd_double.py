@@ -24,7 +24,10 @@ in ml-energy/zeus `zeusd/src/` at the tags `zeusd-v0.4.0`, `zeusd-v0.5.0` and ma
 
 Changes are applied through the simulator's NVML (`zeus_callbacks.sim.fake_nvml`) to the simulated node
 named by `ZEUS_CALLBACKS_SIMULATE` and `ZEUS_CALLBACKS_SIM_STATE_DIR`, whose state the client's NVML
-reads see. The daemon runs as root: the client's permission faults are not its own; `--faults` gives it
+reads see. On an AMD node (`2*mi300x`) master serves the GPUs through its AMD backend instead
+(`zeusd_double_amd.py`: `devices/gpu/amdsmi/mod.rs` over the simulated `libamd_smi.so`, chosen as
+`startup.rs` `resolve_gpu_backend` chooses it: the backend that reports GPUs); 0.4 and 0.5 have NVML only and
+do not start there. The daemon runs as root: the client's permission faults are not its own; `--faults` gives it
 faults of its own (e.g. `not_supported=clocks`, `lost_after=0`).
 
 Run: `python zeusd_double.py (--socket PATH | --tcp HOST:PORT) [--generation G] [--signing-key KEY]
@@ -49,6 +52,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zeusd_double_amd import AmdsmiGpu, AmdsmiLibrary, is_amd_node  # noqa: E402
 from zeusd_double_rules import (  # noqa: E402
     GENERATIONS,
     GROUPS,
@@ -84,11 +88,11 @@ def _node(faults: str) -> Any:
 
 
 class GpuCommand:
-    """One queued command (`devices/gpu/mod.rs` `GpuCommand`): `op(nvml, handle)`; `future` is None when
-    nobody waits (`block=false`)."""
+    """One queued command (`devices/gpu/mod.rs` `GpuCommand`): the route's `name` and query `q`; `future` is
+    None when nobody waits (`block=false`)."""
 
-    def __init__(self, op: Any, write: bool, future: Future | None) -> None:
-        self.op, self.write, self.future = op, write, future
+    def __init__(self, name: str, q: dict[str, Any], write: bool, future: Future | None) -> None:
+        self.name, self.q, self.write, self.future = name, q, write, future
 
 
 class GpuWorker(threading.Thread):
@@ -124,12 +128,7 @@ class GpuWorker(threading.Thread):
         if self.owner.queue_delay_s:
             time.sleep(self.owner.queue_delay_s)
         try:
-            with _NVML_LOCK:
-                nvml = _node(self.owner.faults)
-                try:
-                    result = command.op(nvml, nvml.nvmlDeviceGetHandleByIndex(self.gpu_id))
-                except nvml.NVMLError as e:
-                    result = Refusal(*nvml_answer(getattr(e, "value", None), self.owner.generation))
+            result = self.owner.run(self.gpu_id, command.name, command.q)
         except Exception as e:  # noqa: BLE001 - a double must answer, as zeusd's task does
             result = Refusal(500, f"Management task for GPU {self.gpu_id} failed: {e!r}")
         self.owner.record(
@@ -152,13 +151,24 @@ class Daemon:
         self.holds_left = args.hold_writes
         self.log = args.log
         self._log_lock = threading.Lock()
-        with _NVML_LOCK:
-            nvml = _node("")  # startup.rs reads names and addresses once, before any request
-            handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
-            self.names = [nvml.nvmlDeviceGetName(h) for h in handles]
-            self.pci = [_lspci(nvml.nvmlDeviceGetPciInfo_v3(h).busId) for h in handles]
+        self.amd: list[AmdsmiGpu] | None = None  # master's AMD backend (zeusd_double_amd.py): an AMD node
+        with _NVML_LOCK:  # startup.rs reads names and addresses once, before any request
+            if is_amd_node():
+                if self.generation != "master":  # 0.4 and 0.5 start NVML alone (their startup.rs)
+                    raise SystemExit(
+                        f"zeusd {self.generation} has no AMD backend: NVML finds no GPU on this node"
+                    )
+                lib = AmdsmiLibrary("")
+                self.amd = [AmdsmiGpu(i, lib) for i in range(len(lib.gpus()))]
+                self.names, self.pci = [g.name for g in self.amd], [g.pci_address for g in self.amd]
+                count = len(self.amd)
+            else:
+                nvml = _node("")
+                handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+                count, self.names = len(handles), [nvml.nvmlDeviceGetName(h) for h in handles]
+                self.pci = [_lspci(nvml.nvmlDeviceGetPciInfo_v3(h).busId) for h in handles]
         gpu_enabled = "gpu-control" in self.groups or "gpu-read" in self.groups
-        self.workers = [GpuWorker(self, i) for i in range(len(handles) if gpu_enabled else 0)]
+        self.workers = [GpuWorker(self, i) for i in range(count if gpu_enabled else 0)]
         for w in self.workers:
             w.start()
 
@@ -172,8 +182,20 @@ class Daemon:
         if self.generation == "master":
             for g in gpus:
                 # `cumulative_energy_available`: nvml.rs `validate_energy_counters` (NotSupported: false).
-                g.update(pci_address=self.pci[g["id"]], cumulative_energy_available=True)
+                energy = True if self.amd is None else self.amd[g["id"]].energy_available
+                g.update(pci_address=self.pci[g["id"]], cumulative_energy_available=energy)
         return {"gpus": gpus, "cpus": [], **common}
+
+    def run(self, gpu_id: int, name: str, q: dict[str, Any]) -> Any:
+        """Command `name` on GPU `gpu_id`: its result, or a `Refusal` (`GpuCommand::execute`)."""
+        with _NVML_LOCK:
+            if self.amd is not None:
+                return self.amd[gpu_id].run(self.faults, name, q)
+            nvml = _node(self.faults)
+            try:
+                return _NVML_CALLS[name](nvml, nvml.nvmlDeviceGetHandleByIndex(gpu_id), q)
+            except nvml.NVMLError as e:
+                return Refusal(*nvml_answer(getattr(e, "value", None), self.generation))
 
     def record(self, line: str) -> None:
         if self.log:
@@ -250,12 +272,6 @@ _NVML_CALLS: dict[str, Any] = {
         "enabled": nvml.nvmlDeviceGetPersistenceMode(h) == nvml.NVML_FEATURE_ENABLED
     },
 }
-
-
-def _op(name: str, q: dict[str, Any]) -> Any:
-    """The NVML calls of a command (`devices/gpu/nvml.rs`), as a function of the module and the handle."""
-    call = _NVML_CALLS[name]
-    return lambda nvml, h: call(nvml, h, q)
 
 
 def _instant_power_mw(nvml: Any, h: Any) -> int:
@@ -365,7 +381,7 @@ class Handler(BaseHTTPRequestHandler):
         futures = {}
         for i in ids:
             future: Future | None = Future() if q["block"] else None
-            daemon.workers[i].submit(GpuCommand(_op(name, q), True, future))
+            daemon.workers[i].submit(GpuCommand(name, q, True, future))
             futures[i] = future
         if not q["block"]:
             return self._send(200)
@@ -397,7 +413,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._stream(daemon, ids)
         futures = {i: Future() for i in ids}
         for i in ids:
-            daemon.workers[i].submit(GpuCommand(_op(name, q), False, futures[i]))
+            daemon.workers[i].submit(GpuCommand(name, q, False, futures[i]))
         results = {i: f.result() for i, f in futures.items()}
         errors = {i: r for i, r in results.items() if isinstance(r, Refusal)}
         if errors:
@@ -417,9 +433,8 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         try:
             while True:
-                with _NVML_LOCK:
-                    nvml = _node(daemon.faults)
-                    power = {i: _instant_power_mw(nvml, nvml.nvmlDeviceGetHandleByIndex(i)) for i in ids}
+                readings = {i: daemon.run(i, "get_power", {}) for i in ids}
+                power = {i: p for i, p in readings.items() if not isinstance(p, Refusal)}
                 now = int(time.time() * 1000)
                 if daemon.generation == "0.4":
                     events = [{"timestamp_ms": now, "power_mw": power}]

@@ -457,6 +457,26 @@ def _set_clk_range(lib: SimulatedAMDSMILibrary, h: int | None, lo: int, hi: int,
     g.lock_sm_clocks(int(lo), int(hi))
 
 
+@_c("amdsmi_set_gpu_clk_limit", _P, c_uint32, c_uint32, c_uint64)
+def _set_clk_limit(lib: SimulatedAMDSMILibrary, h: int | None, kind: int, limit: int, mhz: int) -> None:
+    """One end (CLK_LIMIT_MIN 0, MAX 1) of a clock's range in MHz, as zeusd master sets clocks
+    (`zeusd/src/devices/gpu/amdsmi/mod.rs` 766-799); an end that would cross the other is INVAL (zeusd orders its
+    two writes so that they never cross: `clk_write_order`, 613-619)."""
+    g = lib.gpu(h, feature="clocks", setter=True)
+    if kind == _CLK_MEM:
+        levels = amd_facts(g.spec.kind).mclk_levels_mhz
+        if not levels[0] <= mhz <= levels[-1]:
+            raise AMDSMIStatus(INVAL)
+        g.set_memory_clocks_locked(True)
+        return
+    if kind != _CLK_GFX or limit not in (0, 1):
+        raise AMDSMIStatus(NOT_SUPPORTED if kind != _CLK_GFX else INVAL)
+    lo, hi = (int(mhz), _sclk_range(g)[1]) if limit == 0 else (_sclk_range(g)[0], int(mhz))
+    if not g.spec.min_sm_clock_mhz <= lo <= hi <= g.spec.max_sm_clock_mhz:
+        raise AMDSMIStatus(INVAL)
+    g.lock_sm_clocks(lo, hi)
+
+
 @_c("amdsmi_get_gpu_perf_level", _P, _P)
 def _perf_level(lib: SimulatedAMDSMILibrary, h: int | None, out: int | None) -> None:
     g = lib.gpu(h)

@@ -372,6 +372,7 @@ class AMDBackend(Backend):
     """
 
     vendor = "amd"
+    library = "amdsmi"
 
     def __init__(self, amdsmi: ModuleType, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -27,7 +27,7 @@ class JournalEntry:
     name: str
     knob: str  # power_limit | sm_clocks | persistence
     original: Any  # mW for power_limit, bool for persistence, None for sm_clocks (unlocked)
-    route: str = "nvml"  # nvml | zeusd: how the change was made, and so how it is undone
+    route: str = "direct"  # direct | zeusd (| nvml, direct's old name): how the change was made and is undone
     zeusd: str | None = None  # zeusd's endpoint (`unix:PATH` or `tcp:HOST:PORT`) when route is zeusd
     # A change sent to zeusd that got no answer: it may be applied later (zeusd runs every queued command),
     # so the restore sends the original even where the GPU still reads it.
@@ -57,7 +57,7 @@ def _routes(gpu: GPU, entry: JournalEntry) -> list[setters.Route]:
         out.append(setters.route())
     except InvalidInputError as e:
         logger.debug("Not restoring through this process's route: %s", e)
-    in_process = setters.nvml_route()
+    in_process = setters.direct_route()
     if in_process.may_change(gpu):
         out.append(in_process)
     return list({id(r): r for r in out}.values())

@@ -2,12 +2,13 @@
 
 Every change of a power limit, SM clock lock or persistence mode, and every restore of one, goes through a
 route (`route()` for this process's changes; `for_journal(...)` for a journaled one). Reads always use the
-`Device` in this process. The in-process route is named `nvml` (journals, `ZEUS_CALLBACKS_SETTERS`) for every
-vendor, as it was before there were others.
+`Device` in this process. The in-process route is named `direct` (journals, `ZEUS_CALLBACKS_SETTERS`, `doctor`)
+for every vendor; `nvml`, its name before there were other vendors, is still accepted: journals that say it are
+restored in this process, and `ZEUS_CALLBACKS_SETTERS=nvml` means `direct`.
 
 `ZEUS_CALLBACKS_SETTERS` chooses: `auto` (default: zeusd when `ZEUSD_SOCK_PATH` or `ZEUSD_HOST_PORT` is set,
-as Zeus does, else in this process), `nvml` (in this process even where zeusd is configured), `zeusd` (zeusd, and an error
-when it is not configured).
+as Zeus does, else in this process), `direct` (in this process even where zeusd is configured), `zeusd` (zeusd,
+and an error when it is not configured).
 """
 
 from __future__ import annotations
@@ -26,21 +27,22 @@ __all__ = [
     "SETTERS_ENV",
     "ROUTES",
     "Route",
-    "NVMLRoute",
+    "DirectRoute",
     "route",
     "route_for",
-    "nvml_route",
+    "direct_route",
     "describe_choice",
     "forget",
 ]
 
 SETTERS_ENV = "ZEUS_CALLBACKS_SETTERS"
-ROUTES = ("nvml", "zeusd")
+ROUTES = ("direct", "zeusd")
+OLD_NAMES = {"nvml": "direct"}  # names journals and environments may still hold
 _CHOICES = ("auto", *ROUTES)
 
 
 class Route(Protocol):
-    """How settings reach a GPU. `name` is `nvml` or `zeusd`; `endpoint` is zeusd's (None for NVML)."""
+    """How settings reach a GPU. `name` is `direct` or `zeusd`; `endpoint` is zeusd's (None in this process)."""
 
     name: str
 
@@ -51,15 +53,15 @@ class Route(Protocol):
     def set_persistence_mode(self, gpu: GPU, enabled: bool, what: str = ...) -> None: ...
 
 
-class NVMLRoute:
-    """The GPU's own vendor library, called in this process (needs CAP_SYS_ADMIN). Named `nvml` in journals
-    and `ZEUS_CALLBACKS_SETTERS` since before other vendors; it calls whichever vendor's `Device` the GPU is."""
+class DirectRoute:
+    """The GPU's own vendor library (NVML, amdsmi), called in this process (needs CAP_SYS_ADMIN or root): it
+    calls whichever vendor's `Device` the GPU is."""
 
-    name = "nvml"
+    name = "direct"
     endpoint = None
 
     def __repr__(self) -> str:
-        return "NVMLRoute()"
+        return "DirectRoute()"
 
     def may_change(self, gpu: GPU) -> bool:
         """Whether this process may change the GPU itself (for a real GPU: it holds CAP_SYS_ADMIN)."""
@@ -78,7 +80,7 @@ class NVMLRoute:
         gpu.device.set_persistence_mode(bool(enabled))
 
 
-_NVML = NVMLRoute()
+_DIRECT = DirectRoute()
 _cache: tuple[tuple[str | None, ...], Route] | None = None
 _lock = threading.Lock()
 
@@ -90,11 +92,12 @@ def _env_key() -> tuple[str | None, ...]:
 
 def _choice() -> str:
     text = (os.environ.get(SETTERS_ENV) or "auto").strip().lower()
+    text = OLD_NAMES.get(text, text)
     if text not in _CHOICES:
         raise InvalidInputError(
             f"{SETTERS_ENV}={os.environ[SETTERS_ENV]!r} is not one of {', '.join(_CHOICES)}: `zeusd` sends GPU "
-            "settings to Zeus's daemon, `nvml` changes them in this process, `auto` (default) uses zeusd when "
-            f"{zeusd.SOCK_ENV} or {zeusd.HOST_PORT_ENV} is set."
+            "settings to Zeus's daemon, `direct` changes them in this process through the GPU's library (NVML, "
+            f"amdsmi), `auto` (default) uses zeusd when {zeusd.SOCK_ENV} or {zeusd.HOST_PORT_ENV} is set."
         )
     return text
 
@@ -112,7 +115,7 @@ def route() -> Route:
         if _cache is not None and _cache[0] == key:
             return _cache[1]
     choice = _choice()
-    endpoint = None if choice == "nvml" else zeusd.ZeusdEndpoint.from_env()
+    endpoint = None if choice == "direct" else zeusd.ZeusdEndpoint.from_env()
     if choice == "zeusd" and endpoint is None:
         raise InvalidInputError(
             f"{SETTERS_ENV}=zeusd, but neither {zeusd.SOCK_ENV} nor {zeusd.HOST_PORT_ENV} says where zeusd "
@@ -120,32 +123,35 @@ def route() -> Route:
         )
     if endpoint is not None:
         zeusd.timeout_s()  # a malformed timeout is said now, not at the first change
-    chosen: Route = _NVML if endpoint is None else zeusd.client_for(endpoint, os.environ.get(zeusd.TOKEN_ENV))
+    chosen: Route = (
+        _DIRECT if endpoint is None else zeusd.client_for(endpoint, os.environ.get(zeusd.TOKEN_ENV))
+    )
     with _lock:
         _cache = (key, chosen)
     return chosen
 
 
 def route_for(name: str, endpoint: str | None) -> Route:
-    """The route a journaled change was made through (`name`, zeusd's `endpoint`), to undo it the same way.
+    """The route a journaled change was made through (`name`, zeusd's `endpoint`), to undo it the same way
+    (`nvml`, the in-process route's old name, is `direct`).
 
     Raises:
         ValueError: an unknown route, or a zeusd route without a readable endpoint.
     """
-    if name == "nvml":
-        return _NVML
+    if OLD_NAMES.get(name, name) == "direct":
+        return _DIRECT
     if name == "zeusd" and endpoint is not None:
         return zeusd.client_for(zeusd.ZeusdEndpoint.parse(endpoint), os.environ.get(zeusd.TOKEN_ENV))
     raise ValueError(f"unknown route {name!r} (endpoint {endpoint!r})")
 
 
-def nvml_route() -> Route:
-    """NVML in this process (restores fall back to it where this process may use it)."""
-    return _NVML
+def direct_route() -> Route:
+    """The vendor's library in this process (restores fall back to it where this process may use it)."""
+    return _DIRECT
 
 
 def describe_choice() -> dict[str, Any]:
-    """For `zeus-callbacks doctor`: the route (`nvml`/`zeusd`), why, and zeusd's endpoint; `error` when the
+    """For `zeus-callbacks doctor`: the route (`direct`/`zeusd`), why, and zeusd's endpoint; `error` when the
     environment is unusable."""
     try:
         chosen = route()
@@ -155,8 +161,8 @@ def describe_choice() -> dict[str, Any]:
     if chosen.name == "zeusd":
         source = zeusd.SOCK_ENV if os.environ.get(zeusd.SOCK_ENV) is not None else zeusd.HOST_PORT_ENV
         why = f"{SETTERS_ENV}=zeusd" if choice == "zeusd" else f"{source} is set"
-    elif choice == "nvml":
-        why = f"{SETTERS_ENV}=nvml"
+    elif choice == "direct":
+        why = f"{SETTERS_ENV}={os.environ.get(SETTERS_ENV, '').strip()}"
     else:
         why = f"neither {zeusd.SOCK_ENV} nor {zeusd.HOST_PORT_ENV} is set"
     endpoint = getattr(chosen, "endpoint", None)

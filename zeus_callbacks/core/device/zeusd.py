@@ -7,7 +7,9 @@ bearer token. Every released API generation is spoken (zeusd 0.4, 0.5, and maste
 zeusd's source; see `zeusd_api`): `POST /gpu/set_power_limit?gpu_ids=I&power_limit_mw=MW&block=true` and
 its siblings for clocks and persistence, every parameter in the query string, `block=true` so that errors
 are reported; `GET /discover` gives the generation, the daemon's GPUs and its enabled API groups;
-`GET /auth/whoami` the token's scopes. Reads stay on NVML: only the setters go through here.
+`GET /auth/whoami` the token's scopes. Reads stay on the vendor library in this process: only the setters go
+through here. AMD GPUs need zeusd master, whose AMD backend serves the same routes but unlocks clocks only
+through `reset_locked_clocks` (`zeusd_api.reset_clocks_path`) and has no persistence mode.
 
 zeusd queues each GPU's commands and runs every one, even after its caller has gone
 (`zeusd/src/devices/gpu/mod.rs`): a change that got no answer in time may still be applied, so it is not
@@ -43,6 +45,7 @@ from zeus_callbacks.core.device.zeusd_api import (
     match_gpu,
     parse_discovery,
     pci_key,
+    reset_clocks_path,
 )
 from zeus_callbacks.core.device.zeusd_endpoint import (
     HOST_PORT_ENV,
@@ -100,6 +103,7 @@ _KNOB_OF = {
     "/gpu/set_power_limit": "power_limit",
     "/gpu/set_gpu_locked_clocks": "sm_clocks",
     "/gpu/reset_gpu_locked_clocks": "sm_clocks",
+    "/gpu/reset_locked_clocks": "sm_clocks",
     "/gpu/set_persistence_mode": "persistence",
 }
 
@@ -259,10 +263,12 @@ class ZeusdClient:
         if kind == "not_supported":
             return GPUNotSupportedError(f"{head}: not supported on this GPU or driver.")
         if kind == "gpu_lost":
-            return GPULostError(f"{head}: the GPU is lost; check `nvidia-smi` and the kernel log.")
+            return GPULostError(
+                f"{head}: the GPU is lost; check `nvidia-smi` (AMD: `amd-smi list`) and the kernel log."
+            )
         if kind == "invalid_arg":
             return GPUError(
-                f"{head}; NVML on zeusd's side refused the value: check the GPU's supported range."
+                f"{head}; the GPU library on zeusd's side refused the value: check the GPU's supported range."
             )
         if kind == "unknown_gpu":
             return GPUError(
@@ -301,8 +307,8 @@ class ZeusdClient:
         return self.request("GET", "/auth/whoami")
 
     def match(self, gpu: GPU, what: str = "Finding the GPU on zeusd") -> Match:
-        """zeusd's index of `gpu` and how it was found (`zeusd_api.match_gpu`: by PCI address, else by NVML
-        index only where this job provably sees the node as zeusd does).
+        """zeusd's index of `gpu` and how it was found (`zeusd_api.match_gpu`: by PCI address, else by the vendor
+        library's index only where this job provably sees the node as zeusd does). AMD GPUs need master.
 
         Raises:
             GPUNoPermissionError: the daemon is unreachable, has no GPU control, or wants a token not given.
@@ -323,6 +329,13 @@ class ZeusdClient:
                 f"{what} on {gpu.label}: {self._where()} requires a token; set {TOKEN_ENV} to one issued with "
                 "the gpu-control scope (`zeusd token issue --scope gpu-control`). Measuring still works."
             )
+        if gpu.vendor == "amd" and found.generation != "master":
+            raise GPUNoPermissionError(
+                f"{what} on {gpu.label} through {self._where()}: {found.describe} has no AMD backend (zeusd 0.4 "
+                "and 0.5 drive NVML only): run zeusd master, built with its default `amdsmi` feature, or run as "
+                "root with ZEUS_CALLBACKS_SETTERS=direct. Measuring still works."
+            )
+        library = gpu.backend.library
         try:
             hit = match_gpu(
                 found,
@@ -330,10 +343,11 @@ class ZeusdClient:
                 nvml_index=gpu.vendor_index,
                 node_names=_node_names(gpu),
                 cuda_visible=cuda_visible_devices(),
+                library=library,
             )
         except MappingRefused as e:
             raise GPUError(
-                f"{what} on {gpu.label} (NVML index {gpu.vendor_index}) through {self._where()}: {e}."
+                f"{what} on {gpu.label} ({library} index {gpu.vendor_index}) through {self._where()}: {e}."
             ) from None
         with self._lock:
             self._ids[gpu.uuid] = hit
@@ -364,7 +378,7 @@ class ZeusdClient:
         if gpu.power_limit_scope == "module":
             raise GPUNotSupportedError(
                 f"{what} on {gpu.label}: its power limit is its module's (the GPU's own is N/A), which zeusd "
-                "cannot set; set ZEUS_CALLBACKS_SETTERS=nvml to change it through NVML in this process."
+                "cannot set; set ZEUS_CALLBACKS_SETTERS=direct to change it through NVML in this process."
             )
         self._post(gpu, what, "/gpu/set_power_limit", power_limit_mw=int(value_mw))
 
@@ -375,11 +389,15 @@ class ZeusdClient:
         )
 
     def reset_sm_clocks(self, gpu: GPU, what: str = "Resetting SM clocks") -> None:
-        """`POST /gpu/reset_gpu_locked_clocks`."""
-        self._post(gpu, what, "/gpu/reset_gpu_locked_clocks")
+        """`POST /gpu/reset_gpu_locked_clocks`; on AMD `POST /gpu/reset_locked_clocks` (zeusd master refuses
+        the other there: every AMD clock domain is reset at once, as the in-process reset does)."""
+        self._post(gpu, what, reset_clocks_path(gpu.vendor))
 
     def set_persistence_mode(self, gpu: GPU, enabled: bool, what: str = "Setting persistence mode") -> None:
-        """`POST /gpu/set_persistence_mode`."""
+        """`POST /gpu/set_persistence_mode` (refused here for AMD GPUs, which have no such mode: zeusd master
+        answers 400, `devices/gpu/amdsmi/mod.rs` 968-972)."""
+        if gpu.vendor == "amd":
+            raise GPUNotSupportedError(f"{what} on {gpu.label}: AMD GPUs have no persistence mode.")
         self._post(gpu, what, "/gpu/set_persistence_mode", enabled=bool(enabled))
 
 

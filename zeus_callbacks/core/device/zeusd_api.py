@@ -17,6 +17,19 @@ and at master (still `version = "0.5.0"` in its Cargo.toml, but with more fields
 
 zeusd numbers GPUs as NVML does on the daemon's side: all of the node's, in PCI bus order. A job's NVML may
 see fewer (a container, a cgroup), so an index is only meaningful where both provably see the same GPUs.
+
+AMD GPUs: only master has an AMD backend (`devices/gpu/amdsmi/mod.rs`, "amdsmi" below; 0.4 and 0.5 hold
+`nvml.rs` alone), behind the same routes; `startup.rs` `resolve_gpu_backend` (177-253) serves whichever
+backend reports GPUs. It numbers them in amdsmi's order, every socket's processors in turn (`enumerate_gpus`,
+amdsmi 567-574; `init`, 630-636), which is amdsmi's Python `amdsmi_get_processor_handles` order, not HIP's; its
+`/discover` gives each `pci_address` as `{:04x}:{:02x}:{:02x}.{:x}` (`amdsmi/ffi.rs` 148-156, `startup.rs`
+157-158), so GPUs are matched by PCI address. Its rules: `set_power_limit` takes mW and sets the socket's cap
+(`amdsmi_set_power_cap(h, 0, mW * 1000)`, amdsmi 980-987); `set_gpu_locked_clocks` takes MHz and writes the
+graphics clock's two ends (`amdsmi_set_gpu_clk_limit`, 1001-1007, 766-859); `reset_gpu_locked_clocks` is refused
+("AMD GPUs cannot reset a single clock domain; use reset_locked_clocks", 1009-1014): `reset_locked_clocks`
+(routes/gpu.rs 163) sets the performance level to AUTO for every domain (1034-1044), as the in-process reset
+does; persistence mode is refused (968-978). Its errors (`error.rs` 30-40, 71, 80-86): `Invalid request: <text>`
+(400) and `AMDSMI error <status>: <text>` (403 NO_PERM 10, 400 INVAL 1 and NOT_SUPPORTED 2, else 500).
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ __all__ = [
     "match_gpu",
     "Answer",
     "classify",
+    "reset_clocks_path",
 ]
 
 # "master" is zeusd after its 0.5.0 release (its Cargo.toml still says 0.5.0): the first with PCI addresses.
@@ -51,6 +65,24 @@ WRAPPER_GPU_LOST = "device fell off the bus or has otherwise become inacessible"
 WRAPPER_RESET_REQUIRED = "device requires a reset before it can be used again"
 # `error.rs` from 0.5: what a platform without persistence mode answers (400).
 PERSISTENCE_CANNOT_BE_DISABLED = "Persistence mode cannot be disabled on this platform."
+# master's AMD errors (`error.rs` 36-37; statuses from `amdsmi/ffi.rs` 10-17 and amdsmi's `amdsmi_status_t`).
+AMDSMI_ERROR = "amdsmi error "
+AMDSMI_KINDS = {
+    10: "no_permission",
+    1: "invalid_arg",
+    2: "not_supported",
+    3: "not_supported",
+    55: "not_supported",
+}
+AMDSMI_LOST = (31, 14, 54)  # NOT_FOUND, FILE_ERROR, AMDGPU_RESTART_ERR: the device does not answer
+# master's AMD refusals (`Invalid request: ...`, amdsmi 968-978 and 1009-1029): the route does not apply to AMD.
+AMD_REFUSALS = ("not supported on amd gpus", "cannot reset a single clock domain")
+
+
+def reset_clocks_path(vendor: str) -> str:
+    """The route that unlocks a GPU's clocks: `reset_gpu_locked_clocks` (NVML's graphics clock alone), but on AMD
+    `reset_locked_clocks`, zeusd master's only clock reset for AMD (amdsmi 1009-1014 refuses the other)."""
+    return "/gpu/reset_locked_clocks" if vendor == "amd" else "/gpu/reset_gpu_locked_clocks"
 
 
 @dataclass(frozen=True)
@@ -78,7 +110,7 @@ class Discovery:
         return {
             "0.4": "zeusd 0.4 (GPU indices only)",
             "0.5": "zeusd 0.5 (GPU names, no PCI addresses)",
-            "master": "zeusd after 0.5 (GPU PCI addresses)",
+            "master": "zeusd after 0.5 (GPU PCI addresses; NVIDIA or AMD GPUs)",
         }[self.generation]
 
 
@@ -156,8 +188,10 @@ def match_gpu(
     nvml_index: int,
     node_names: list[str],
     cuda_visible: str | None = None,
+    library: str = "NVML",
 ) -> Match:
-    """zeusd's index of the GPU at NVML index `nvml_index` (this job's NVML, which sees `node_names`).
+    """zeusd's index of the GPU at index `nvml_index` of this job's `library` (NVML or amdsmi), which sees
+    `node_names`.
 
     By PCI address where zeusd gives them. Otherwise by NVML index, only where this job provably sees the
     node as zeusd does: as many GPUs, with the same names in the same order (0.5; 0.4 gives no names), and
@@ -169,7 +203,7 @@ def match_gpu(
     addressed = [g for g in found.gpus if g.pci_address]
     if addressed:
         if pci is None:
-            raise MappingRefused("this job's NVML gives no PCI address for it; check the driver")
+            raise MappingRefused(f"this job's {library} gives no PCI address for it; check the driver")
         hits = [g for g in addressed if pci_key(g.pci_address or "") == pci]
         if len(hits) != 1:
             listed = ", ".join(f"{g.id}: {g.pci_address}" for g in addressed)
@@ -188,22 +222,22 @@ def match_gpu(
     if len(node_names) != len(found.gpus) or ids != list(range(len(ids))):
         raise MappingRefused(
             f"{upgrade}, and this job sees {len(node_names)} GPU(s) where zeusd serves {len(found.gpus)}, so "
-            f"NVML index {nvml_index} may be another GPU on zeusd's side: {fix}"
+            f"{library} index {nvml_index} may be another GPU on zeusd's side: {fix}"
         )
     if _visible_subset(cuda_visible, len(node_names)):
         raise MappingRefused(
             f"{upgrade}, and CUDA_VISIBLE_DEVICES={cuda_visible!r} gives this job part of the node, so its "
-            f"NVML view cannot be proven to be zeusd's: {fix}"
+            f"{library} view cannot be proven to be zeusd's: {fix}"
         )
     theirs = {g.id: g.name for g in found.gpus}
     if any(theirs[i] is not None and theirs[i] != name for i, name in enumerate(node_names)):
         order = ", ".join(f"{g.id}: {g.name}" for g in sorted(found.gpus, key=lambda g: g.id))
         raise MappingRefused(
-            f"{upgrade}, and its GPUs [{order}] are not this job's NVML GPUs {node_names} in the same order: "
+            f"{upgrade}, and its GPUs [{order}] are not this job's {library} GPUs {node_names} in the same order: "
             f"{fix}"
         )
     same = "same names" if found.generation != "0.4" else "zeusd 0.4 gives no names"
-    return Match(nvml_index, f"NVML index {nvml_index} (the same {len(node_names)} GPU(s), {same})")
+    return Match(nvml_index, f"{library} index {nvml_index} (the same {len(node_names)} GPU(s), {same})")
 
 
 @dataclass(frozen=True)
@@ -231,8 +265,23 @@ def _texts(body: Any) -> str:
     return "" if body is None else str(body).strip()[:300]
 
 
+def _amd_kind(lowered: str) -> str | None:
+    """The kind of master's AMD errors: `AMDSMI error <status>: ...` by status, `Invalid request: ...` refusals."""
+    at = lowered.find(AMDSMI_ERROR)
+    if at >= 0:
+        digits = lowered[at + len(AMDSMI_ERROR) :].split(":", 1)[0].strip()
+        status = int(digits) if digits.isdigit() else None
+        return "gpu_lost" if status in AMDSMI_LOST else AMDSMI_KINDS.get(status or -1)
+    if "invalid request: " in lowered and any(r in lowered for r in AMD_REFUSALS):
+        return "not_supported"
+    return None
+
+
 def _wrapper_kind(text: str) -> str | None:
     lowered = text.lower()
+    amd = _amd_kind(lowered)
+    if amd is not None:
+        return amd
     if WRAPPER_GPU_LOST in lowered or WRAPPER_RESET_REQUIRED in lowered:
         return "gpu_lost"
     if WRAPPER_NOT_SUPPORTED in lowered or PERSISTENCE_CANNOT_BE_DISABLED.lower() in lowered:

@@ -96,6 +96,12 @@ GA100_GH100 = PowerSensor(0.100, 0.025, f"{PART_TIME_POWER}: GA100, GH100")
 # worse of the measured data-centre cases.
 OLDER = PowerSensor(0.100, 0.100, "ASSUMED (before Volta: a 100 ms update seen whole)")
 NEWER = PowerSensor(0.100, 0.025, "ASSUMED (after Hopper: as GH100)")
+# AMD Instinct (CDNA): amdsmi.h documents units and which field each generation fills (`current_socket_power`
+# on MI300 and newer, `average_socket_power` before; the energy accumulator in 15.259 µJ ticks) but neither
+# the update period nor the window of either; AMD publishes none. ASSUMED, and said to be so: GH100's
+# part-time figures, the worse measured data-centre case. (arXiv:2604.06056 measures MI250X and MI300A
+# update intervals from outside AMD; not the MI300X, not used here.)
+AMD_INSTINCT = PowerSensor(0.100, 0.025, "ASSUMED (AMD publishes no update period for Instinct: as GH100)")
 
 
 _BEFORE_VOLTA = ("kepler", "maxwell", "pascal")
@@ -106,6 +112,8 @@ def power_sensor(gpu: GPU) -> PowerSensor:
     standard power reading: the 1-second average on GA102 (A40, A10G), the instant one on GA100 (A100, A30), as
     nvml.h says of `NVML_FI_DEV_POWER_AVERAGE` ("Ampere (except GA100) or newer")."""
     arch = gpu.architecture
+    if gpu.vendor == "amd":
+        return AMD_INSTINCT
     if arch is None or arch in _BEFORE_VOLTA:
         return OLDER
     if arch == "volta":
