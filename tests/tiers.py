@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing.util
 import os
+import platform
 import subprocess
 from collections.abc import Iterator
 
@@ -26,6 +27,15 @@ import pytest
 from zeus_callbacks.core.device.watchdog import WATCHDOG_ENV
 
 SYSTEM = "system"
+
+# The standard library's one-time probe of the processor (`platform.processor()` runs `uname -p` once per
+# process and caches it) is made here, before any test: libraries a test imports call it at import (MLflow's
+# telemetry schema, imported by transformers' tracker integrations), and that first import is not the test
+# starting a process.
+platform.processor()
+# Nor do the trackers' own usage reports leave the test process (MLflow 3 sends telemetry unless told not to).
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
