@@ -273,3 +273,13 @@ def test_a_hard_death_on_mi300xs_is_undone_by_the_restore_watchdog(sim_gpus):
             system.gpus[0].locked_sm_clocks_mhz,
         )
         time.sleep(0.05)
+
+
+@pytest.mark.system
+def test_no_visible_mi300x_names_hips_variables(capsys, monkeypatch, tmp_path):
+    """HIP_VISIBLE_DEVICES='' hides every AMD GPU: `devices` says which variables select them, HIP's among them."""
+    monkeypatch.setenv("ZEUS_CALLBACKS_SIMULATE", "2*mi300x")
+    monkeypatch.setenv("ZEUS_CALLBACKS_SIM_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "")
+    rc, out, _ = run_cli(capsys, ["devices"])
+    assert rc == 0 and "No GPU is visible" in out and "HIP_VISIBLE_DEVICES" in out

@@ -11,6 +11,7 @@ from zeus_callbacks.core.device.errors import MIGNotSupportedError, MixedVendorE
 from zeus_callbacks.core.device.gpus import GPU, GPUs, get_gpus
 from zeus_callbacks.core.device.node_info import safe_call
 
+NO_VISIBLE_GPU = "No GPU is visible to this process (check CUDA_VISIBLE_DEVICES; AMD: HIP_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES)."
 NO_GPU_MESSAGE = (
     "No NVIDIA or AMD GPU or driver found. To use simulated GPUs, set ZEUS_CALLBACKS_SIMULATE=a40 "
     "(or v100, a10g, t4; e.g. ZEUS_CALLBACKS_SIMULATE='4*a40')."
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if gpus.simulated:
         print("SIMULATED GPUs (ZEUS_CALLBACKS_SIMULATE): every figure they report is a simulation.")
     if not rows:
-        print("No GPU is visible to this process (check CUDA_VISIBLE_DEVICES).")
+        print(NO_VISIBLE_GPU)
         return 0
     print(_table(rows, gpus.backend.library))
     for r in rows:

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from zeus_callbacks.cli.devices import discover
+from zeus_callbacks.cli.devices import NO_VISIBLE_GPU, discover
 from zeus_callbacks.core.device import global_lock, node_info, setters, zeusd
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.device.gpus import GPU, GPUs, get_gpus
@@ -148,7 +148,7 @@ def check(gpus: GPUs | None = None) -> dict[str, Any]:
     ]
     setter = setter_report(gpus)
     rows = [describe(g) for g in gpus]
-    problems: list[str] = [] if rows else ["No GPU is visible to this process (check CUDA_VISIBLE_DEVICES)."]
+    problems: list[str] = [] if rows else [NO_VISIBLE_GPU]
     warnings: list[str] = []
     for row in rows:
         p, w = _gpu_findings(row)
