@@ -47,7 +47,7 @@ def _no_zeusd_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- zeusd's variables (every command that may change a GPU reads them) -------------------------------------
 NO_SOCKET = {zeusd.SOCK_ENV: "/nonexistent/zeusd.sock"}
 ZEUSD_ENV_CASES = [
-    ({setters.SETTERS_ENV: "daemon"}, ["ZEUS_CALLBACKS_SETTERS='daemon'", "auto, nvml, zeusd"]),
+    ({setters.SETTERS_ENV: "daemon"}, ["ZEUS_CALLBACKS_SETTERS='daemon'", "auto, direct, zeusd"]),
     ({setters.SETTERS_ENV: "zeusd"}, ["ZEUS_CALLBACKS_SETTERS=zeusd", "ZEUSD_SOCK_PATH=/run/zeusd"]),
     ({zeusd.HOST_PORT_ENV: "node1"}, ["ZEUSD_HOST_PORT='node1'", "node1:4938"]),
     ({zeusd.HOST_PORT_ENV: "node1:0"}, ["ZEUSD_HOST_PORT='node1:0'", "node1:4938"]),
