@@ -152,7 +152,8 @@ def parse_discovery(body: Any) -> Discovery:
 def pci_key(address: str) -> tuple[int, int, int] | None:
     """(domain, bus, device) of `0000:17:00.0` or NVML's `00000000:17:00.0`; None if malformed.
 
-    The function is left out: zeusd writes `.0` for every GPU (`devices/gpu/nvml.rs`, `pci_address`).
+    The function is left out: zeusd writes `.0` for every NVIDIA GPU (`devices/gpu/nvml.rs`, `pci_address`), and
+    amdsmi's own function for an AMD one (`devices/gpu/amdsmi/ffi.rs` 148-156).
     """
     try:
         domain, bus, rest = address.strip().split(":")
