@@ -3,7 +3,6 @@ nvidia-ml-py, through the real NVIDIA backend (`core/device/nvidia.py`)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from zeus_callbacks.core.device.backend import Backend
 from zeus_callbacks.core.device.device import Device
 from zeus_callbacks.core.device.nvidia import NVIDIABackend, NVIDIADevice
 from zeus_callbacks.sim import nvml_library
+from zeus_callbacks.sim.host import HOST_CLOCK
 from zeus_callbacks.sim.system import SimulatedGPU, SimulatedSystem
 
 __all__ = ["SimulatedBackend", "simulated_backend"]
@@ -25,9 +25,10 @@ class SimulatedBackend(NVIDIABackend):
 
     Differs from the real driver where NVML cannot say: synchronising runs the simulator's model of the
     queued work, CUDA's numbering comes from the simulator's model of it (torch stands in for it on real
-    GPUs), permission comes from the injected faults, the clock is the node's (virtual or wall),
-    journals live beside the node's persistent state, and every step boundary synchronises (standing in
-    for the bounded launch queue that keeps a real host at most about a step ahead of its GPU).
+    GPUs), permission comes from the injected faults, the clock is the node's (virtual, or the wall clock
+    less the host's lag: `sim.host.HostClock`), journals live beside the node's persistent state, and every
+    step boundary synchronises (standing in for the bounded launch queue that keeps a real host at most
+    about a step ahead of its GPU).
     """
 
     simulated = True
@@ -37,7 +38,7 @@ class SimulatedBackend(NVIDIABackend):
         clock = system.clock
         nvml_library.ensure(system)
         super().__init__(
-            pynvml, clock=time.time if clock is None else clock.now, virtual_clock=clock is not None
+            pynvml, clock=HOST_CLOCK.now if clock is None else clock.now, virtual_clock=clock is not None
         )
         self.system = system
 
