@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TypedDict
 
 import pynvml
 
@@ -13,6 +14,7 @@ __all__ = [
     "spec_for",
     "PART_TIME_POWER",
     "UPDATE_TIMING",
+    "UpdateTiming",
     "SENSOR_GAIN_ERROR",
     "sensor_gain",
 ]
@@ -99,6 +101,14 @@ class GPUSpec:
         return list(range(self.max_sm_clock_mhz, self.min_sm_clock_mhz - 1, -self.sm_clock_step_mhz))
 
 
+class UpdateTiming(TypedDict):
+    """A generation's power update period and window and energy refresh: `GPUSpec`'s fields of that name."""
+
+    power_update_ms: float
+    power_window_ms: float
+    energy_refresh_ms: float
+
+
 _GiB = 1024**3
 _MiB = 1024**2
 # Power update period and window per generation, from PART_TIME_POWER (its measurements of nvidia-smi's
@@ -109,10 +119,14 @@ _MiB = 1024**2
 # updates, not counter refreshes, and the simulator's counter integrates all the energy drawn (bursts
 # between power windows included), refreshing its visible value once per update period. Override it with
 # ZEUS_CALLBACKS_SIM_ENERGY_REFRESH_MS.
-_VOLTA = {"power_update_ms": 20.0, "power_window_ms": 10.0, "energy_refresh_ms": 20.0}
-_TURING_GA102 = {"power_update_ms": 100.0, "power_window_ms": 100.0, "energy_refresh_ms": 100.0}
-_GA100_GH100 = {"power_update_ms": 100.0, "power_window_ms": 25.0, "energy_refresh_ms": 100.0}
-UPDATE_TIMING = {"volta": _VOLTA, "turing_ga102": _TURING_GA102, "ga100_gh100": _GA100_GH100}
+_VOLTA = UpdateTiming(power_update_ms=20.0, power_window_ms=10.0, energy_refresh_ms=20.0)
+_TURING_GA102 = UpdateTiming(power_update_ms=100.0, power_window_ms=100.0, energy_refresh_ms=100.0)
+_GA100_GH100 = UpdateTiming(power_update_ms=100.0, power_window_ms=25.0, energy_refresh_ms=100.0)
+UPDATE_TIMING: dict[str, UpdateTiming] = {
+    "volta": _VOLTA,
+    "turing_ga102": _TURING_GA102,
+    "ga100_gh100": _GA100_GH100,
+}
 """The power update period and window and the energy refresh of each family PART_TIME_POWER measured."""
 SPECS: dict[str, GPUSpec] = {
     "a40": GPUSpec(
