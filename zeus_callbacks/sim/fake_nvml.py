@@ -18,7 +18,7 @@ import pynvml as _real
 from zeus_callbacks.sim.system import SimulatedGPU, SimulatedSystem
 
 if TYPE_CHECKING:
-    from zeus_callbacks.sim.dump_node import LimitScope
+    from zeus_callbacks.sim.dump_node import DumpBoardModel, LimitScope
 
 # Re-export NVML constants and error classes so `fake_nvml.NVMLError_NoPermission` etc. exist.
 for _name in dir(_real):
@@ -262,26 +262,26 @@ def _memory_power(g: SimulatedGPU) -> float | None:
 # Module power (`NVML_POWER_SCOPE_MODULE`, nvml.h: "Metrics for the module (e.g. CPU + GPU) are retrieved";
 # "CPU here refers to NVIDIA CPU (e.g. Grace)"): answered on a board whose dump shows `Module Power Readings`
 # (GH200). Its draw is ASSUMED to be the GPU's plus the rest of the module's as the dump shows it.
-def _module(read: Callable[[SimulatedGPU, LimitScope], float]) -> _Field:
+def _module(read: Callable[[SimulatedGPU, DumpBoardModel, LimitScope], float]) -> _Field:
     return lambda g: (
-        None if g.board is None or g.board.module_limits is None else read(g, g.board.module_limits)
+        None if g.board is None or g.board.module_limits is None else read(g, g.board, g.board.module_limits)
     )
 
 
-_MODULE_FIELDS = {
+_MODULE_FIELDS: dict[int, _Field] = {
     _real.NVML_FI_DEV_POWER_INSTANT: _module(
-        lambda g, m: (g.power_mw() + g.board.module_other_w * 1000) * g.sensor_gain
+        lambda g, board, m: (g.power_mw() + board.module_other_w * 1000) * g.sensor_gain
     ),
     _real.NVML_FI_DEV_POWER_AVERAGE: _module(
-        lambda g, m: (g.average_power_mw() + g.board.module_other_w * 1000) * g.sensor_gain
+        lambda g, board, m: (g.average_power_mw() + board.module_other_w * 1000) * g.sensor_gain
     ),
-    _real.NVML_FI_DEV_POWER_MIN_LIMIT: _module(lambda g, m: m.min_mw),
-    _real.NVML_FI_DEV_POWER_MAX_LIMIT: _module(lambda g, m: m.max_mw),
-    _real.NVML_FI_DEV_POWER_DEFAULT_LIMIT: _module(lambda g, m: m.default_mw),
-    _real.NVML_FI_DEV_POWER_CURRENT_LIMIT: _module(lambda g, m: g.module_limit_mw),
-    _real.NVML_FI_DEV_POWER_REQUESTED_LIMIT: _module(lambda g, m: g.module_limit_mw),
+    _real.NVML_FI_DEV_POWER_MIN_LIMIT: _module(lambda g, board, m: m.min_mw),
+    _real.NVML_FI_DEV_POWER_MAX_LIMIT: _module(lambda g, board, m: m.max_mw),
+    _real.NVML_FI_DEV_POWER_DEFAULT_LIMIT: _module(lambda g, board, m: m.default_mw),
+    _real.NVML_FI_DEV_POWER_CURRENT_LIMIT: _module(lambda g, board, m: g.module_limit_mw),
+    _real.NVML_FI_DEV_POWER_REQUESTED_LIMIT: _module(lambda g, board, m: g.module_limit_mw),
 }
-_FIELDS_BY_SCOPE = {
+_FIELDS_BY_SCOPE: dict[int, dict[int, _Field]] = {
     _real.NVML_POWER_SCOPE_GPU: _POWER_FIELDS,
     _real.NVML_POWER_SCOPE_MODULE: _MODULE_FIELDS,
     _real.NVML_POWER_SCOPE_MEMORY: {_real.NVML_FI_DEV_POWER_AVERAGE: _memory_power},
