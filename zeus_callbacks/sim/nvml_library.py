@@ -215,6 +215,13 @@ def _check_out(*pointers: Any) -> None:
         raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
 
+def _string_in(pointer: bytes | None) -> bytes:
+    """A `const char *` input as bytes; a null pointer (or an empty string) is NVML's invalid argument."""
+    if not pointer:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    return pointer
+
+
 _UINT = POINTER(c_uint)
 _HANDLE_OUT = POINTER(pynvml.c_nvmlDevice_t)
 _HANDLE = c_void_p  # nvmlDevice_t: a pointer to an opaque struct, the same as void * in the ABI
@@ -282,14 +289,14 @@ def _handle_by_index(lib: SimulatedNVMLLibrary, index: int, device: Any) -> None
 
 @_c("nvmlDeviceGetHandleByUUID", c_char_p, _HANDLE_OUT)
 def _handle_by_uuid(lib: SimulatedNVMLLibrary, uuid: bytes | None, device: Any) -> None:
-    _check_out(uuid, device)
-    device[0] = lib.handle_for(fake_nvml.nvmlDeviceGetHandleByUUID(uuid))
+    _check_out(device)
+    device[0] = lib.handle_for(fake_nvml.nvmlDeviceGetHandleByUUID(_string_in(uuid)))
 
 
 @_c("nvmlDeviceGetHandleByPciBusId_v2", c_char_p, _HANDLE_OUT)
 def _handle_by_pci(lib: SimulatedNVMLLibrary, bus_id: bytes | None, device: Any) -> None:
-    _check_out(bus_id, device)
-    device[0] = lib.handle_for(fake_nvml.nvmlDeviceGetHandleByPciBusId(bus_id))
+    _check_out(device)
+    device[0] = lib.handle_for(fake_nvml.nvmlDeviceGetHandleByPciBusId(_string_in(bus_id)))
 
 
 # -- identity -------------------------------------------------------------------------------------
@@ -405,7 +412,7 @@ def _temperature_v(lib: SimulatedNVMLLibrary, h: int, reading: Any) -> None:
 
 # Functions of one `unsigned int` answer, or none (setters); the inputs after the handle are `unsigned int`
 # (the enums `nvmlClockType_t`, `nvmlTemperatureSensors_t` and `nvmlEnableState_t` included).
-for _name, _inputs in {
+for _function, _inputs in {
     "nvmlDeviceGetIndex": 0,
     "nvmlDeviceGetArchitecture": 0,
     "nvmlDeviceGetPowerUsage": 0,
@@ -417,8 +424,8 @@ for _name, _inputs in {
     "nvmlDeviceGetClockInfo": 1,
     "nvmlDeviceGetTemperature": 1,
 }.items():
-    _uint_out(_name, *[c_uint] * _inputs)
-for _name, _inputs in {
+    _uint_out(_function, *[c_uint] * _inputs)
+for _function, _inputs in {
     "nvmlDeviceSetPowerManagementLimit": 1,
     "nvmlDeviceSetPersistenceMode": 1,
     "nvmlDeviceSetGpuLockedClocks": 2,
@@ -426,7 +433,7 @@ for _name, _inputs in {
     "nvmlDeviceSetMemoryLockedClocks": 2,
     "nvmlDeviceResetMemoryLockedClocks": 0,
 }.items():
-    _no_out(_name, *[c_uint] * _inputs)
+    _no_out(_function, *[c_uint] * _inputs)
 
 
 # -- installing the library beneath pynvml ---------------------------------------------------------
