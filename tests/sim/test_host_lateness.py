@@ -206,3 +206,35 @@ def test_once_kernels_are_queued_host_cpu_time_is_not_gpu_work(host):
     assert HOST_CLOCK.now() - t0 == pytest.approx(0.01)
     assert (gpu.energy_mj() - e0) / 1000 == pytest.approx(0.01 * gpu.spec.idle_power_w)
     assert gpu.power_mw() == pytest.approx(gpu.spec.idle_power_w * 1000)
+
+
+def test_a_monitor_window_leaves_the_lateness_out(host):
+    """Through NVML and `ZeusMonitor` (the clock the simulated backend gives it is the node's): each step's
+    window is the model's time and energy whether the host wakes on time or late. Fails if the monitor times
+    windows on the wall clock (each window then lasts the last wake's lateness less the one before)."""
+    from zeus_callbacks import sim
+    from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+
+    def windows(late_s: float) -> list[tuple[float, float]]:
+        h = host(late_s)
+        sim.simulate("a40", state_dir="", ideal="energy_counter,sensor_gain", export_env=False)
+        monitor = ZeusMonitor(gpu_indices=[0])
+        monitor.gpus[0].set_power_limit_mw(175_000)
+        out = []
+        for step in range(6):
+            monitor.begin_window("step")
+            h.work(0.002)
+            sim.enqueue_work(0, WORK_S)
+            h.work(0.007 if step % 2 else 0.001)  # unequal host work: the lateness differs between wakes
+            h.late_s = late_s * (step % 3)
+            m = monitor.end_window("step")
+            out.append((m.time, m.total_energy))
+            h.work(0.005)
+        monitor.close()
+        sim.disable()
+        return out
+
+    on_time, late = windows(0.0), windows(LATE_S)
+    assert _figures(late) == pytest.approx(_figures(on_time), rel=1e-9, abs=1e-9)
+    tr = _node().gpus[0].trace
+    assert late[-1][0] == pytest.approx(0.002 + WORK_S * tr.relative_time(175))
