@@ -98,12 +98,12 @@ def job_identity(environ: Mapping[str, str] | None = None) -> JobIdentity:
         return JobIdentity(
             "kubernetes", job, user, host, rank=_rank(env, "RANK"), partition=namespace, pod=pod
         )
-    job = env.get(JOB_ID_ENV)
-    if not job:
-        job = uuid.uuid4().hex[:12]
+    job_id = env.get(JOB_ID_ENV)
+    if not job_id:
+        job_id = uuid.uuid4().hex[:12]
         if environ is None:
-            os.environ[JOB_ID_ENV] = job  # the ranks and tools this process starts share it
-    return JobIdentity("local", job, user, host, rank=_rank(env, "RANK"))
+            os.environ[JOB_ID_ENV] = job_id  # the ranks and tools this process starts share it
+    return JobIdentity("local", job_id, user, host, rank=_rank(env, "RANK"))
 
 
 def _rank(env: Mapping[str, str], name: str) -> int | None:
