@@ -280,7 +280,7 @@ def _judge(record: dict[str, Any], uid: int) -> str:
     if _runs(record["pid"], record.get("start"), uid):
         return "live"
     restorer = record.get("restorer")
-    if isinstance(restorer, list) and len(restorer) == 2 and _runs(*restorer, uid):
+    if isinstance(restorer, list) and len(restorer) == 2 and _runs(restorer[0], restorer[1], uid):
         return "restoring"
     return "dead"
 
