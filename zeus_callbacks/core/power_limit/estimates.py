@@ -259,7 +259,8 @@ def _visit_windows(own: list[tuple[Chunk, bool]]) -> list[float]:
     i = len(own) - 1
     while i >= 0:
         c, kept = own[i]
-        if c.settling or not c.dated or not kept:
+        # `c.dated`, spelt out so that the type checker knows `c.power_w` is a float below
+        if c.settling or not kept or c.power_w is None or c.end_s is None:
             i -= 1
             continue
         span, j = 0.0, i
