@@ -77,7 +77,7 @@ class NVIDIABackend(Backend):
         except self.nvml.NVMLError as e:
             raise nvml_error(self.nvml, e, "Initialising NVML", "this machine") from None
 
-    def devices(self) -> list[NVIDIADevice]:
+    def devices(self) -> list[Device]:
         """The CUDA devices of this process, in CUDA's numbering, tied to NVML by UUID. GPUs NVML counts but
         the job may not open (a container's or cgroup's device list) are skipped with one log message.
 
@@ -103,7 +103,7 @@ class NVIDIABackend(Backend):
                     f"CUDA device {i} is the MIG device {uuid}; NVML cannot measure or control MIG instances. "
                     "Select whole GPUs (CUDA_VISIBLE_DEVICES) or disable MIG."
                 )
-        devices = [NVIDIADevice(nvml, uuid, i, self.simulated) for i, uuid in enumerate(uuids)]
+        devices: list[Device] = [NVIDIADevice(nvml, uuid, i, self.simulated) for i, uuid in enumerate(uuids)]
         for d in devices:
             if d.mig_enabled():
                 raise MIGNotSupportedError(
@@ -111,12 +111,12 @@ class NVIDIABackend(Backend):
                     f"(`nvidia-smi -i {d.vendor_index} -mig 0`) or use another GPU."
                 )
         ours = {d.vendor_index for d in devices}
-        for i, e in failed.items():
+        for i, error in failed.items():
             if i not in ours:  # another job's GPU (e.g. lost) stops only the jobs that use it
                 logger.warning(
                     "NVML GPU %d does not answer (%s); it is not one of this process's GPUs, so it is skipped.",
                     i,
-                    e,
+                    error,
                 )
         return devices
 
