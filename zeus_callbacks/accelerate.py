@@ -25,6 +25,7 @@ from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 from zeus_callbacks.core.power_limit.session import PowerLimitSession
+from zeus_callbacks.core.wrong_framework import OneFramework
 
 if TYPE_CHECKING:  # pragma: no cover
     from accelerate import Accelerator
@@ -37,6 +38,17 @@ __all__ = [
     "local_gpu_index",
     "prepare_accelerate_dataloader",
 ]
+
+
+def _refuse_a_monitor(owner: str, accelerator: Any) -> None:
+    """The helpers take the run's `Accelerator` (or None), and build the monitor of this process's GPU."""
+    if isinstance(accelerator, ZeusMonitor):
+        own = ", or the one given as `monitor=`" if owner == "ZeusMonitorHelper" else ""
+        raise TypeError(
+            f"`{owner}(ZeusMonitor(...))`: its first argument is the run's accelerate.Accelerator (None in a "
+            f"plain loop), not a monitor; it measures this process's GPU (`local_gpu_index`){own}. Pass the "
+            "accelerator."
+        )
 
 
 def local_gpu_index(accelerator: Accelerator | None = None) -> int:
@@ -73,6 +85,7 @@ def prepare_power_limit_optimizer(
     Raises:
         ValueError: A bad argument; the message names it.
     """
+    _refuse_a_monitor("prepare_power_limit_optimizer", accelerator)
     session = _session("prepare_power_limit_optimizer", accelerator, optimum_selector, options)
     return session.optimizer
 
@@ -92,7 +105,7 @@ def _session(
     return session
 
 
-class LoopHelper:
+class LoopHelper(OneFramework):
     """What both helpers share: a `with` block around training (`start`; leaving it normally → `summary`,
     logged, then `end`; by an exception → `fail`: no collective, no summary), and `step()` around each batch
     (`step_begin`; `step_end` at the micro-batch where `accelerator.sync_gradients`, the one whose backward
@@ -107,6 +120,7 @@ class LoopHelper:
     _session: PowerLimitSession | EnergySession
 
     def __init__(self, accelerator: Accelerator | None, log_every_n_steps: int) -> None:
+        _refuse_a_monitor(type(self).__name__, accelerator)
         if log_every_n_steps < 0:
             raise ValueError(
                 f"`{type(self).__name__}(log_every_n_steps={log_every_n_steps!r})`: must be >= 0."
@@ -186,6 +200,9 @@ class PowerLimitOptimizerHelper(LoopHelper):
         chosen_w = plo.optimizer.optimal_power_limit_w
     """
 
+    _what = "the Accelerate and plain-loop helper (a `with` block)"
+    _does = "power_limit"
+
     @takes_power_limit_options(own={"log_every_n_steps": 50})
     def __init__(
         self,
@@ -233,6 +250,9 @@ class ZeusMonitorHelper(LoopHelper):
                     ...
         total_j = energy.total_energy_j
     """
+
+    _what = "the Accelerate and plain-loop helper (a `with` block)"
+    _does = "energy"
 
     def __init__(
         self,

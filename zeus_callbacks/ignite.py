@@ -17,13 +17,14 @@ from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 from zeus_callbacks.core.power_limit.session import PowerLimitSession
+from zeus_callbacks.core.wrong_framework import OneFramework
 
 __all__ = ["IgnitePowerLimitOptimizer", "IgniteZeusMonitor"]
 
 Handler = Callable[[Any], None]
 
 
-class IgniteAdapter:
+class IgniteAdapter(OneFramework):
     """What both Ignite adapters share: one handler per event, added by `attach` and removed by `detach`,
     the figures put in `engine.state.metrics` (where Ignite's loggers read them), and the session's `fail`
     on `EXCEPTION_RAISED` without swallowing the error. A subclass sets `_session` and `_every`, and says
@@ -106,6 +107,9 @@ class IgnitePowerLimitOptimizer(IgniteAdapter):
         trainer.run(loader, max_epochs=3)
     """
 
+    _what = "a PyTorch Ignite handler (`attach` it to an Engine)"
+    _does = "power_limit"
+
     @takes_power_limit_options(own={"log_every_n_steps": 50})
     def __init__(
         self,
@@ -166,6 +170,9 @@ class IgniteZeusMonitor(IgniteAdapter):
         trainer.run(loader, max_epochs=3)
         total_j = trainer.state.metrics["energy/total_j"]
     """
+
+    _what = "a PyTorch Ignite handler (`attach` it to an Engine)"
+    _does = "energy"
 
     def __init__(
         self,

@@ -41,6 +41,11 @@ from zeus_callbacks.core.power_limit.session import PowerLimitSession
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
+try:  # DeepSpeed probes its accelerator in a subprocess when first imported, which transformers' first Trainer
+    import deepspeed  # noqa: F401  does: imported here, at collection, it is no test's subprocess (tests/tiers.py)
+except ImportError:
+    pass
+
 OPTIONS = {"wait_steps": 1, "warmup_steps": 1, "profile_steps": 2, "pl_step": 100}
 STEPS_PER_EPOCH, RAISE_AFTER = 4, 5
 COLLECTIVES = ("all_reduce", "all_reduce_record", "broadcast_object", "all_gather_object")

@@ -18,6 +18,7 @@ from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 from zeus_callbacks.core.power_limit.session import PowerLimitSession
+from zeus_callbacks.core.wrong_framework import OneFramework
 from zeus_callbacks.huggingface.checkpoints import (
     TRAINER_STATE_NAME,
     checkpoint_state,
@@ -47,7 +48,25 @@ __all__ = ["HFZeusMonitor", "HFGlobalPowerLimitOptimizer", "HFEpochLog"]
 logger = logging.getLogger("zeus_callbacks.huggingface")
 
 
-class SessionCallback(RestoresOnException, LogsFirst):
+class BuiltByTheUser:
+    """A callback that needs arguments (the monitor): built with none, it says what went wrong.
+
+    transformers' `Trainer(callbacks=[...])` takes classes too and builds them with no arguments
+    (`CallbackHandler.add_callback`), so a class passed there instead of an instance would fail with
+    Python's bare "missing ... 'monitor'".
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs:
+            raise TypeError(
+                f"`{cls.__name__}()` was built without arguments: it needs the zeus_callbacks.ZeusMonitor of this "
+                "process's GPU(s). Given to Trainer(callbacks=[...]) as a class, transformers builds it so: "
+                f"pass an instance, `callbacks=[{cls.__name__}(ZeusMonitor(gpu_indices=[local_rank]))]`."
+            )
+        return super().__new__(cls)
+
+
+class SessionCallback(BuiltByTheUser, OneFramework, RestoresOnException, LogsFirst):
     """The trainer hooks that drive either session the same way (`PowerLimitSession`, `EnergySession`; the
     contract is in `zeus_callbacks.core.power_limit.session`): `on_step_begin`/`on_step_end` → `step_begin`/
     `step_end` (transformers' step hooks fire once per optimizer step), `on_log` → `interval_metrics`, or
@@ -139,6 +158,9 @@ class HFZeusMonitor(SessionCallback):
         total_j = trainer.state.log_history[-1]["energy/total_j"]
     """
 
+    _what = "a transformers TrainerCallback"
+    _does = "energy"
+
     def __init__(
         self,
         monitor: ZeusMonitor,
@@ -178,7 +200,7 @@ class RebuiltAsItself:
             return cls._itself
         own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
         own.__doc__ = cls.__doc__
-        instance = super().__new__(own)
+        instance = super().__new__(own, *args, **kwargs)  # `BuiltByTheUser`: not without arguments
         own._itself = instance
         return instance
 
@@ -231,6 +253,9 @@ class HFGlobalPowerLimitOptimizer(RebuiltAsItself, SessionCallback, ResumesFromC
         trainer.train()
         report = plo.optimizer.report()
     """
+
+    _what = "a transformers TrainerCallback"
+    _does = "power_limit"
 
     @takes_power_limit_options(zeus_positional=True)
     def __init__(

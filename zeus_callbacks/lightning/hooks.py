@@ -30,6 +30,7 @@ from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
 from zeus_callbacks.core.power_limit.session import PowerLimitSession
+from zeus_callbacks.core.wrong_framework import OneFramework
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -60,7 +61,7 @@ def _is_logging_step(trainer: pl.Trainer) -> bool:
     return trainer._logger_connector.should_update_logs
 
 
-class ZeusMonitorHooks(CallbackHooks):
+class ZeusMonitorHooks(OneFramework, CallbackHooks):
     """Log the GPU energy of training to the trainer's loggers, per logging interval and for the run.
 
     A thin adapter of an `EnergySession` (the adapter contract, in `zeus_callbacks.core.monitor.session`):
@@ -98,6 +99,9 @@ class ZeusMonitorHooks(CallbackHooks):
         trainer.fit(model)
         total_j = energy.total_energy_j()
     """
+
+    _what = "a Lightning callback"
+    _does = "energy"
 
     def __init__(
         self,
@@ -170,7 +174,7 @@ class ZeusMonitorHooks(CallbackHooks):
         self._session.checkpoint(trainer.global_step)
 
 
-class GlobalPowerLimitOptimizerHooks(CallbackHooks):
+class GlobalPowerLimitOptimizerHooks(OneFramework, CallbackHooks):
     """Find the best GPU power limit during training and keep it (Zeus's `GlobalPowerLimitOptimizer`).
 
     A thin adapter of a `PowerLimitSession` (the adapter contract, in
@@ -218,6 +222,9 @@ class GlobalPowerLimitOptimizerHooks(CallbackHooks):
         trainer.fit(model)
         chosen_w = plo.optimizer.optimal_power_limit_w
     """
+
+    _what = "a Lightning callback"
+    _does = "power_limit"
 
     @takes_power_limit_options()
     def __init__(

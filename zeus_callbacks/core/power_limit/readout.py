@@ -19,14 +19,18 @@ from zeus_callbacks.core.power_limit.options import PowerLimitOptions, option_na
 from zeus_callbacks.core.power_limit.phases import Done, Inactive, Phase, Profiling, Warmup
 from zeus_callbacks.core.power_limit.schema import state_dict
 from zeus_callbacks.core.power_limit.search import Search, min_measured_steps
+from zeus_callbacks.core.wrong_framework import OneFramework
 
 __all__ = ["PowerLimitReadout"]
 
 logger = logging.getLogger("zeus_callbacks.core.power_limit.optimizer")
 
 
-class PowerLimitReadout(Callback):
+class PowerLimitReadout(OneFramework, Callback):
     """The read-only side of `GlobalPowerLimitOptimizer` (see there); the attributes are set by it."""
+
+    _what = "the framework-free power-limit optimizer"
+    _does = "power_limit"
 
     monitor: ZeusMonitor
     power_limit_w: int | None  # the limit in force (None: the GPUs' own)
@@ -44,7 +48,7 @@ class PowerLimitReadout(Callback):
         options = self.__dict__.get("options")
         if options is not None and name in option_names():
             return options.path if name == "profile_path" else getattr(options, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return super().__getattr__(name)  # another framework's first hook says so (`OneFramework`)
 
     @property
     def min_steps(self) -> int:
