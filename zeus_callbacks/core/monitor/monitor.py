@@ -232,7 +232,8 @@ class ZeusMonitor:
         """The monitored GPUs' power averaged over the last second (W, summed), as they report it
         (`NVML_FI_DEV_POWER_AVERAGE`, Ampere and newer except the A100 class); None where one does not."""
         readings = [one_second_power_mw(self.gpus[i]) for i in self._live_indices]
-        return None if any(r is None for r in readings) else sum(readings) / 1000
+        known = [r for r in readings if r is not None]
+        return sum(known) / 1000 if len(known) == len(readings) else None
 
     # begin_window/end_window are the hot path (called every step): plain tuples and inlined reads.
     def begin_window(self, key: str, sync_execution: bool = True, restart: bool = False) -> None:
@@ -385,8 +386,9 @@ class ZeusMonitor:
         """A window that may be shorter than a counter's refresh: approximate it (and bound the approximation),
         or warn once per GPU."""
         periods = [energy_refresh_period_s(self.gpus[i]) for i in energy]
-        if all(p is not None for p in periods):
-            self._short_s = max(periods, default=0.0)  # type: ignore[type-var]
+        known = [p for p in periods if p is not None]
+        if len(known) == len(periods):
+            self._short_s = max(known, default=0.0)
         for i in list(energy):
             gpu = self.gpus[i]
             period = energy_refresh_period_s(gpu)
