@@ -71,7 +71,7 @@ class SamplingProcess:
 
     def __init__(
         self,
-        targets: Sequence[tuple[int, str, Sequence[tuple[str, int, int]], str | None]],
+        targets: Sequence[tuple[int, str, Sequence[str], str | None]],
         period_s: float,
         max_samples: int | None,
     ) -> None:
