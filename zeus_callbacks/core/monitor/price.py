@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import urllib.parse
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
@@ -131,6 +132,7 @@ class RegionElectricityPrice(FixedElectricityPrice):
 
 def _find(data: Any, label: str) -> dict | None:
     """The rate entry whose `label` is `label`, anywhere in OpenEI's answer."""
+    children: Iterable[Any]
     if isinstance(data, dict):
         if data.get("label") == label:
             return data
@@ -314,7 +316,9 @@ class EnergyCostMonitor:
         provider = electricity_price_provider
         if isinstance(provider, (int, float)) and not isinstance(provider, bool):
             provider = FixedElectricityPrice(provider)
-        if not callable(getattr(provider, "get_current_electricity_prices", None)):
+        if isinstance(provider, bool) or not callable(
+            getattr(provider, "get_current_electricity_prices", None)
+        ):
             raise InvalidInputError(
                 f"`EnergyCostMonitor(electricity_price_provider={provider!r})`: expected an "
                 "ElectricityPriceProvider (FixedElectricityPrice(0.15), OpenEIClient(...)) or a price per kWh."
