@@ -7,10 +7,13 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zeus_callbacks.core.monitor import checks
 from zeus_callbacks.core.monitor.monitor import Measurement, ZeusMonitor
+
+if TYPE_CHECKING:
+    from zeus_callbacks.core.device.gpus import GPUs
 
 __all__ = ["ReplayZeusMonitor"]
 
@@ -111,12 +114,12 @@ class ReplayZeusMonitor(ZeusMonitor):
                 per_step = {i: e / steps_per_row for i, e in energy.items()}
                 self._per_limit[int(match[1])] = (elapsed / steps_per_row, per_step)
         self._ongoing: list[str] = []
-        self._gpus: Any = None
+        self._gpus: GPUs | None = None
         self.simulated = False
         logger.info("Replaying %d windows from %s for GPUs %s.", len(self._rows), log_file, self.gpu_indices)
 
-    @property  # type: ignore[override]
-    def gpus(self) -> Any:
+    @property
+    def gpus(self) -> GPUs:
         """The process's GPUs (for power limits set while replaying); discovered when first asked for."""
         if self._gpus is None:
             from zeus_callbacks.core.device.gpus import get_gpus
@@ -124,6 +127,11 @@ class ReplayZeusMonitor(ZeusMonitor):
             self._gpus = get_gpus()
             self.simulated = self._gpus.simulated
         return self._gpus
+
+    @gpus.setter
+    def gpus(self, gpus: GPUs) -> None:
+        # Writable as `ZeusMonitor.gpus` is (the attribute this property overrides).
+        self._gpus = gpus
 
     def one_second_power_w(self) -> float | None:
         """None: nothing is read from the GPUs while replaying."""
