@@ -234,7 +234,7 @@ class EnergyReporter:
             from zeus_callbacks.core.report import start_report
 
             self._recorder = start_report(
-                self.report_path,
+                os.fspath(self.report_path),
                 self.monitor,
                 carbon_intensity_gco2_per_kwh=self.rates.carbon_g_per_kwh,
                 price_per_kwh=self.rates.price_per_kwh,
@@ -286,8 +286,8 @@ class EnergyReporter:
         }
         if bound is not None:
             out[f"{p}interval_j_bound"] = bound
-        for i, e in m.gpu_energy.items():
-            out[f"{p}gpu{i}_interval_j"] = e
+        for i, gpu_j in m.gpu_energy.items():
+            out[f"{p}gpu{i}_interval_j"] = gpu_j
             if i in m.gpu_energy_bound:
                 out[f"{p}gpu{i}_interval_j_bound"] = m.gpu_energy_bound[i]
         return out
@@ -300,7 +300,8 @@ class EnergyReporter:
                 raise GPUError("the logging interval could not be opened at the last log event")
             return self.monitor.read_window(self._interval_window)
         except GPUError as e:
-            return self._gpu_failed(e)
+            self._gpu_failed(e)
+            return None
 
     def _too_short(self, m: Measurement | None) -> bool:
         """Whether this rank's interval `m` is merged into the next (see the class): on some GPU it spans under
@@ -393,14 +394,17 @@ class EnergyReporter:
         self._finish_report(optimizers)
         self.monitor.end_window(self._interval_window, sync_execution=False, cancel=True)
         self._running = False
+        m: Measurement | None
         try:
             m = self.monitor.end_window(self._total_window)
         except GPUError as e:
-            m = self._gpu_failed(e)
+            self._gpu_failed(e)
+            m = None
         self._account("end", m, optimizers)
         energy, failed, bound, _ = _job_sums(m)
         if failed:
             return {}
+        assert m is not None  # this rank's None is counted in `failed`
         self.total_energy_j, self.total_time_s = energy, m.time
         p = self.prefix
         out = {
