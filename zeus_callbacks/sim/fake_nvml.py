@@ -107,23 +107,28 @@ def nvmlSystemGetNVMLVersion() -> str:  # noqa: N802
     return f"{dump.cuda_version.split('.')[0]}.{dump.driver_version}"
 
 
-def nvmlDeviceGetCount() -> int:  # noqa: N802
+def _gpus() -> list[SimulatedGPU]:
+    """The node's GPUs in NVML's order; NVML's UNINITIALIZED before `nvmlInit` or with no node attached."""
     if not _initialized or _system is None:
         raise _err(_real.NVML_ERROR_UNINITIALIZED)
-    return len(_system.gpus)
+    return _system.gpus
+
+
+def nvmlDeviceGetCount() -> int:  # noqa: N802
+    return len(_gpus())
 
 
 def nvmlDeviceGetHandleByIndex(index: int) -> SimulatedGPU:  # noqa: N802
     count = nvmlDeviceGetCount()
     if not 0 <= index < count:
         raise _err(_real.NVML_ERROR_INVALID_ARGUMENT)
-    return _open(_system.gpus[index])  # type: ignore[union-attr]
+    return _open(_gpus()[index])
 
 
 def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> SimulatedGPU:  # noqa: N802
     nvmlDeviceGetCount()
     text = uuid.decode() if isinstance(uuid, bytes) else uuid
-    for g in _system.gpus:  # type: ignore[union-attr]
+    for g in _gpus():
         if g.uuid == text:
             return _open(g)
     raise _err(_real.NVML_ERROR_NOT_FOUND)
@@ -132,7 +137,7 @@ def nvmlDeviceGetHandleByUUID(uuid: str | bytes) -> SimulatedGPU:  # noqa: N802
 def nvmlDeviceGetHandleByPciBusId(pciBusId: str | bytes) -> SimulatedGPU:  # noqa: N802, N803
     nvmlDeviceGetCount()
     text = (pciBusId.decode() if isinstance(pciBusId, bytes) else pciBusId).upper()
-    for g in _system.gpus:  # type: ignore[union-attr]
+    for g in _gpus():
         if g.pci_bus_id.endswith(text) or text.endswith(g.pci_bus_id[4:]):
             return _open(g)
     raise _err(_real.NVML_ERROR_NOT_FOUND)

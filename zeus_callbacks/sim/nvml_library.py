@@ -128,11 +128,11 @@ class SimulatedNVMLLibrary:
 
     def gpu_at(self, address: int | None) -> SimulatedGPU | None:
         """The GPU whose handle has `address`, None for an address this library never handed out."""
-        return self._gpu_at.get(address)  # type: ignore[arg-type]
+        return None if address is None else self._gpu_at.get(address)
 
     def _gpu(self, address: int | None) -> Any:
         """The GPU for `fake_nvml`'s functions; an unknown address is passed on for them to reject."""
-        return self._gpu_at.get(address, address)  # type: ignore[arg-type]
+        return None if address is None else self._gpu_at.get(address, address)
 
     # -- calling convention -----------------------------------------------------------------------
     def _guarded(self, impl: Callable[..., int | None]) -> Callable[..., int]:
@@ -478,7 +478,8 @@ def ensure(system: SimulatedSystem) -> SimulatedNVMLLibrary:
     """The installed library for `system`, attaching `system` first when another (or none) is installed."""
     if _installed is None or _installed.system is not system or pynvml.nvmlLib is not _installed:
         attach(system)
-    return _installed  # type: ignore[return-value]
+    assert _installed is not None  # attach(system) installed it
+    return _installed
 
 
 def installed() -> SimulatedNVMLLibrary | None:

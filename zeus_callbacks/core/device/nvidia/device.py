@@ -92,10 +92,10 @@ class NVIDIADevice(Device):
             self.nvml_architecture = _architecture(nvml, self.handle, self.name)
         except nvml.NVMLError as e:
             raise nvml_error(nvml, e, "Opening the GPU", f"CUDA device {cuda_index} ({uuid})") from None
-        self.architecture = ARCHITECTURES.get(self.nvml_architecture)  # type: ignore[arg-type]
+        arch = self.nvml_architecture
+        self.architecture = None if arch is None else ARCHITECTURES.get(arch)
         self.label = f"GPU {cuda_index} ({self.name}{', simulated' if simulated else ''})"
         # Volta and newer have the counter; where the architecture is unknown, the probe below decides.
-        arch = self.nvml_architecture
         self.supports_energy_counter = arch is None or arch >= _VOLTA
         if self.supports_energy_counter:
             try:
