@@ -215,13 +215,6 @@ def _check_out(*pointers: Any) -> None:
         raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
 
-def _string_in(pointer: bytes | None) -> bytes:
-    """A `const char *` input as bytes; a null pointer (or an empty string) is NVML's invalid argument."""
-    if not pointer:
-        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    return pointer
-
-
 _UINT = POINTER(c_uint)
 _HANDLE_OUT = POINTER(pynvml.c_nvmlDevice_t)
 _HANDLE = c_void_p  # nvmlDevice_t: a pointer to an opaque struct, the same as void * in the ABI
@@ -289,14 +282,16 @@ def _handle_by_index(lib: SimulatedNVMLLibrary, index: int, device: Any) -> None
 
 @_c("nvmlDeviceGetHandleByUUID", c_char_p, _HANDLE_OUT)
 def _handle_by_uuid(lib: SimulatedNVMLLibrary, uuid: bytes | None, device: Any) -> None:
-    _check_out(device)
-    device[0] = lib.handle_for(fake_nvml.nvmlDeviceGetHandleByUUID(_string_in(uuid)))
+    _check_out(uuid, device)
+    assert uuid is not None  # a null `const char *` was refused just above
+    device[0] = lib.handle_for(fake_nvml.nvmlDeviceGetHandleByUUID(uuid))
 
 
 @_c("nvmlDeviceGetHandleByPciBusId_v2", c_char_p, _HANDLE_OUT)
 def _handle_by_pci(lib: SimulatedNVMLLibrary, bus_id: bytes | None, device: Any) -> None:
-    _check_out(device)
-    device[0] = lib.handle_for(fake_nvml.nvmlDeviceGetHandleByPciBusId(_string_in(bus_id)))
+    _check_out(bus_id, device)
+    assert bus_id is not None  # a null `const char *` was refused just above
+    device[0] = lib.handle_for(fake_nvml.nvmlDeviceGetHandleByPciBusId(bus_id))
 
 
 # -- identity -------------------------------------------------------------------------------------
