@@ -9,11 +9,10 @@ the GPU busy for about 2 s whatever the host's speed and load; the model itself 
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
-
-import zeus_callbacks.sim as sim
 
 # --- Zeus (imports changed from zeus.monitor.power / .temperature / .carbon / .price) ---
 from zeus_callbacks import (
@@ -45,6 +44,10 @@ def train(steps: int = 40, gpu_work_s: float = 0.05) -> None:
 def gpu_step(work_s: float) -> None:
     """On a simulated GPU, the step's GPU work: `work_s` at the maximum power limit, queued on GPU 0 and waited
     for, as `loss.item()` waits for a real GPU; nothing otherwise (the model trains on the CPU)."""
+    if not os.environ.get("ZEUS_CALLBACKS_SIMULATE"):
+        return  # a real GPU: the simulator is not imported
+    from zeus_callbacks import sim
+
     system = sim.active()
     if system is not None:
         gpu = system.cuda_gpus()[0]
