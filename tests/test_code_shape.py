@@ -11,8 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zeus_callbacks"
 MAX_LINES = 500
-# Module (relative to the package) -> why it may be longer. Empty: every module fits.
-LONGER_ALLOWED: dict[str, str] = {}
+# Module (relative to the package) -> why it may be longer.
+LONGER_ALLOWED: dict[str, str] = {
+    "core/power_limit/optimizer.py": "one class, the optimizer with what it shows (issue 39: the readout base "
+    "class its one subclass filled in was a cut); the readout's logic is readout.py's functions, the "
+    "profile's reuse profile_file.py's",
+}
 
 
 def test_no_module_over_500_lines() -> None:

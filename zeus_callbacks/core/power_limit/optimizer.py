@@ -1,8 +1,8 @@
 """GlobalPowerLimitOptimizer: profile GPU power limits during real training, pick the best, keep it.
 
-The optimizer is the phase machine (`phases`), the hooks and the I/O (GPUs, profile file, checkpoints);
-what it shows is `readout`'s, what to profile and for how long the `Search`'s, how a step is measured
-the `StepMeter`'s, what it learns of its job at set-up `job`'s.
+The optimizer is the phase machine (`phases`), the hooks, what it shows (`readout`'s functions of its parts)
+and the I/O (GPUs, profile file, checkpoints); what to profile and for how long is the `Search`'s, how a
+step is measured the `StepMeter`'s, what it learns of its job at set-up `job`'s.
 """
 
 from __future__ import annotations
@@ -10,41 +10,43 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import Any
+from typing import Any, ClassVar
 
 from typing_extensions import Unpack
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.arguments import require_monitor
+from zeus_callbacks.core.callback import Callback
 from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.files import warn_write_failed
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.core.power_limit import power_budget
+from zeus_callbacks.core.power_limit import power_budget, readout, states
+from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
 from zeus_callbacks.core.power_limit.grid import milliwatts
 from zeus_callbacks.core.power_limit.job import find_job, profile_context
 from zeus_callbacks.core.power_limit.keywords import OptimizerArguments
 from zeus_callbacks.core.power_limit.meter import StepMeter
-from zeus_callbacks.core.power_limit.options import PowerLimitOptions, takes_power_limit_options
+from zeus_callbacks.core.power_limit.options import PowerLimitOptions, option_names, takes_power_limit_options
 from zeus_callbacks.core.power_limit.phases import Done, Inactive, Profiling, Waiting, Warmup
 from zeus_callbacks.core.power_limit.profile_file import (
     ProfileContext,
-    SavedProfile,
     load_profile,
+    reuse_profile,
     save_profile,
 )
 from zeus_callbacks.core.power_limit.ranks import JobMembership
-from zeus_callbacks.core.power_limit.readout import PowerLimitReadout
-from zeus_callbacks.core.power_limit.schema import CorruptedStateError, SavedState, parse_state
-from zeus_callbacks.core.power_limit.search import Search
+from zeus_callbacks.core.power_limit.schema import CorruptedStateError, SavedState, parse_state, state_dict
+from zeus_callbacks.core.power_limit.search import Search, min_measured_steps
 from zeus_callbacks.core.power_limit.selectors import OptimumSelector
+from zeus_callbacks.core.wrong_framework import OneFramework
 
 __all__ = ["GlobalPowerLimitOptimizer", "CorruptedStateError"]
 
 logger = logging.getLogger(__name__)
 
 
-class GlobalPowerLimitOptimizer(PowerLimitReadout):
+class GlobalPowerLimitOptimizer(OneFramework, Callback):
     """Find the best GPU power limit during training and keep it (Zeus's `GlobalPowerLimitOptimizer`).
 
     Each power limit is profiled over whole training steps (step begin to step end, so evaluation,
@@ -105,6 +107,10 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         plo.on_train_end()
     """
 
+    _what = "the framework-free power-limit optimizer"
+    _does = "power_limit"
+    PHASE_INDEX: ClassVar[dict[str, int]] = readout.PHASE_INDEX
+
     @takes_power_limit_options(zeus_positional=True, exclude=("report_path",))
     def __init__(
         self,
@@ -134,15 +140,114 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         elif int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
             self._setup()
 
+    # -- what it shows (`readout`) ------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """Each option as the attribute of its name, as in Zeus (`plo.wait_steps`, `plo.profile_path`)."""
+        options = self.__dict__.get("options")
+        if options is not None and name in option_names():
+            return options.path if name == "profile_path" else getattr(options, name)
+        return super().__getattr__(name)  # another framework's first hook says so (`OneFramework`)
+
+    @property
+    def min_steps(self) -> int:
+        """Samples every limit is measured before it may stop (adaptive search), else `profile_steps`."""
+        steps = self.options.profile_steps
+        return min_measured_steps(steps) if self.options.search == "adaptive" else steps
+
+    @property
+    def grid(self) -> list[int]:
+        """The power limits profiled (W, highest first; empty until the GPUs' range is known)."""
+        return self._search.grid if self._search is not None else []
+
+    @property
+    def stats(self) -> dict[int, PowerLimitStats]:
+        """The measurements so far, by power limit (W)."""
+        return self._search.stats if self._search is not None else {}
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs of the job (every rank's)."""
+        return self._job.num_gpus if self._job is not None else len(self._meter.gpus)
+
+    @property
+    def max_power_w(self) -> float:
+        """The highest limit profiled times the job's GPUs (0 until known)."""
+        return self._job.max_power_w if self._job is not None else 0.0
+
+    @property
+    def may_set(self) -> bool:
+        """Whether every rank may change its GPUs' power limits."""
+        return self._job.may_set if self._job is not None else True
+
+    @property
+    def profiling_steps(self) -> int:
+        """Steps run at a limit being profiled (warm-ups included): the profiling cost."""
+        return self._meter.steps
+
+    @property
+    def profiling_energy_j(self) -> float:
+        """Energy of those steps (J, this rank's GPUs)."""
+        return self._meter.energy_j
+
+    @property
+    def energy_refresh_s(self) -> float | None:
+        """The slowest rank's energy-counter refresh (0: always current; None until a step is measured)."""
+        return self._meter.refresh_s
+
+    @property
+    def phase(self) -> str:
+        """`waiting`, `warmup`, `profiling`, `done` or `inactive` (see the `phases` module)."""
+        return self._phase.name
+
+    @property
+    def state(self) -> states.PowerLimitState:
+        """The phase as Zeus's state classes, limits in mW (`readout.zeus_state`); a snapshot."""
+        return readout.zeus_state(self._phase, self._search, self.options.profile_steps)
+
+    @property
+    def optimal_power_limit_w(self) -> int | None:
+        """The chosen power limit once profiling is over (also when this process may not apply it)."""
+        return readout.chosen_w(self._phase)
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers for the trainer's loggers (`readout.tracker_metrics`)."""
+        return readout.tracker_metrics(self._phase, self.power_limit_w, self._meter, self.monitor.simulated)
+
+    def report(self) -> dict[str, Any]:
+        """The profile as plain data, the choice and its saving (`readout.report`); after a run that ended
+        before profiling finished, `phase` is `incomplete` (`phase` itself is `waiting`: for the next run)."""
+        unfinished = "" if self._started else self._unfinished
+        return readout.report(
+            self.options,
+            self._phase,
+            self._search,
+            self._meter,
+            self.num_gpus,
+            self.monitor.simulated,
+            unfinished,
+        )
+
+    def steps_needed(self) -> int:
+        """Training steps a run needs for profiling to finish from the start (`wait_steps` included): a
+        sweep's `warmup_steps + profile_steps` per limit; the adaptive search's budget, which grows where
+        steps are shorter than the energy counter's refresh, though it usually stops well before it."""
+        search, per_sample = self._search, self._meter.steps_per_sample()
+        return self.options.wait_steps + (search.steps_needed(per_sample) if search is not None else 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers and strings (`schema`): the profile so far and, if any, the choice."""
+        return state_dict(
+            self.stats, self.optimal_power_limit_w, self.profiling_steps, self.profiling_energy_j
+        )
+
     # -- hooks ----------------------------------------------------------------------------------
     def on_step_begin(self) -> None:
         """Mark the beginning of a training step."""
         if not self._started:
             if dist.is_distributed():  # the first step: the job's membership settles at its end
                 self._membership.register()
-                if (
-                    self._job is not None
-                ):  # set up before this process knew it was a rank (Lightning's launcher)
+                # Set up before this process knew it was a rank (Lightning's launcher): again, as a rank.
+                if self._job is not None:
                     self._job, self._search = None, None
                     self._phase = Waiting(self.options.wait_steps)
                 return
@@ -215,7 +320,7 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
         dist.remove_termination_handler(self._on_signal)
         self.power_limit_w = None
         if self._started and isinstance(self._phase, (Waiting, Warmup, Profiling)):
-            self._unfinished = self._say_unfinished()
+            self._unfinished = readout.say_unfinished(self.options, self._search, self._meter)
         self._started = False
         if self._search is not None:
             self._search.new_run()
@@ -252,42 +357,16 @@ class GlobalPowerLimitOptimizer(PowerLimitReadout):
             return
         selector = power_budget.for_job(o.selector, job.num_gpus)
         self._search = Search(job.grid, selector, job.max_power_w, o.search, o.warmup_steps, o.profile_steps)
-        if self.options.path is not None and self.options.path.exists():
-            self._use_profile(load_profile(self.options.path, self._context(), self.options.profile_steps))
+        if o.path is not None and o.path.exists():
+            context = self._context()
+            saved = load_profile(o.path, context, o.profile_steps)
+            save = reuse_profile(saved, self._search, repr(o.selector), o.search, o.path, context)
+            if save is not None:  # it answers: the choice is applied now
+                self._finish(save=save)
 
     def _context(self) -> ProfileContext:
         assert self._job is not None
         return profile_context(self._job, self._meter, self.options.pl_step)
-
-    def _use_profile(self, saved: SavedProfile) -> None:
-        """Take a saved profile: apply its answer when it holds one for this selector, else keep its
-        measurements and profile what this selector still needs first."""
-        search = self._search
-        assert search is not None
-        if saved.written_by_zeus:
-            logger.warning(
-                "%s is a profile written by Zeus: it does not say which GPU it was measured on, so that could "
-                "not be checked against this job's %s. Using it.",
-                self.options.path,
-                self._context().describe(),
-            )
-            search.stats = saved.stats
-            self._finish(save=False)
-            return
-        same = saved.selector == repr(self.options.selector) and saved.search == self.options.search
-        search.reuse(saved.stats, same)
-        if same and saved.complete or search.next_power_limit() is None and search.stats:
-            logger.info("Loaded the power-limit profile %s.", self.options.path)
-            self._finish(save=not same)
-            return
-        logger.info(
-            "Loaded %s power-limit profile from %s%s; profiling what is missing.",
-            "the" if saved.complete else "a partial",
-            self.options.path,
-            ""
-            if same
-            else f" (searched for {saved.selector or 'another selector'}, not {self.options.selector!r})",
-        )
 
     def _start(self) -> None:
         self._started = True

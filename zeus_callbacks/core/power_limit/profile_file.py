@@ -10,6 +10,7 @@ window of Zeus's `profile_steps` steps at one limit); they do not say what they 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +26,11 @@ from zeus_callbacks.core.power_limit.schema import (
     saved_stats,
     stats_from_saved,
 )
+from zeus_callbacks.core.power_limit.search import Search
 
-__all__ = ["ProfileContext", "SavedProfile", "save_profile", "load_profile"]
+__all__ = ["ProfileContext", "SavedProfile", "save_profile", "load_profile", "reuse_profile"]
+
+logger = logging.getLogger("zeus_callbacks.core.power_limit.optimizer")
 
 _FORMAT = "zeus_callbacks.power_limit_profile"
 
@@ -189,3 +193,37 @@ def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -
     return SavedProfile(
         stats, bool(data.get("complete")), data.get("selector"), str(data.get("search", "adaptive"))
     )
+
+
+def reuse_profile(
+    saved: SavedProfile, search: Search, selector: str, mode: str, path: Path, context: ProfileContext
+) -> bool | None:
+    """Take the profile `saved` at `path` into `search`: its answer when it holds one for `selector` (a repr)
+    and the search `mode` (a Zeus profile, which measured every limit fully, answers any), else its
+    measurements, profiling going on with what this selector still needs first. Says which in one line.
+
+    Returns:
+        None when profiling goes on; else whether the answer is to be saved again (searched for another
+        selector).
+    """
+    if saved.written_by_zeus:
+        logger.warning(
+            "%s is a profile written by Zeus: it does not say which GPU it was measured on, so that could not "
+            "be checked against this job's %s. Using it.",
+            path,
+            context.describe(),
+        )
+        search.stats = saved.stats
+        return False
+    same = saved.selector == selector and saved.search == mode
+    search.reuse(saved.stats, same)
+    if same and saved.complete or search.next_power_limit() is None and search.stats:
+        logger.info("Loaded the power-limit profile %s.", path)
+        return not same
+    logger.info(
+        "Loaded %s power-limit profile from %s%s; profiling what is missing.",
+        "the" if saved.complete else "a partial",
+        path,
+        "" if same else f" (searched for {saved.selector or 'another selector'}, not {selector})",
+    )
+    return None

@@ -56,6 +56,7 @@ from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.monitor.reporting import EnergyReporter, power_limit_metrics, run_summary
 from zeus_callbacks.core.monitor.steps import OptimizerSteps
+from zeus_callbacks.core.power_limit import readout
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions
 
@@ -167,5 +168,5 @@ class PowerLimitSession:
                 continue
             then = f"profiling resumes from {older_source}, the last complete state"
             break
-        self.optimizer.refused_state_warning(source, self.owner, refused, then)
+        readout.refused_state_warning(source, self.owner, refused, self.optimizer.options.path, then)
         return False
