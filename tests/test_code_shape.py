@@ -16,6 +16,8 @@ LONGER_ALLOWED: dict[str, str] = {
     "core/power_limit/optimizer.py": "one class, the optimizer with what it shows (issue 39: the readout base "
     "class its one subclass filled in was a cut); the readout's logic is readout.py's functions, the "
     "profile's reuse profile_file.py's",
+    "core/pipeline_frequency/optimizer.py": "one class, the optimizer with what it shows (issue 39: the readout "
+    "base class was a cut); the readout's logic is readout.py's functions and RecentIterations",
 }
 
 

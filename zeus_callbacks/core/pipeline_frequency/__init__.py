@@ -1,7 +1,7 @@
 """The pipeline-frequency optimizer (Perseus): per-instruction SM clocks for pipeline-parallel training.
 
 - `optimizer`: `PipelineFrequencyOptimizer`, the hooks and the phase machine; `phases` its phases,
-  `readout` its read-only side (metrics, report), `options` its argument checks, `clock_setup` what the
+  `readout` what it shows (functions of its parts), `options` its argument checks, `clock_setup` what the
   ranks agree on at the first step, `profiling` the profile shared across ranks and solved.
 - `recorder`: time and energy of each instruction of a step and of the gaps between instructions.
 - `clock_sweep`: which clocks each stage profiles, when it stops, replicas merged, blocking power.

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from zeus_callbacks.core import distributed as dist
+from zeus_callbacks.core.callback import Callback
 from zeus_callbacks.core.device.errors import GPUError, InvalidInputError
 from zeus_callbacks.core.device.state_guard import guard
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -48,7 +48,7 @@ from zeus_callbacks.core.pipeline_frequency.profiling import (
     share_clock,
     solve_plan,
 )
-from zeus_callbacks.core.pipeline_frequency.readout import PipelineFrequencyReadout
+from zeus_callbacks.core.pipeline_frequency.readout import RecentIterations, pipeline_metrics, pipeline_report
 from zeus_callbacks.core.pipeline_frequency.recorder import InstructionRecorder, instruction_kind
 
 __all__ = ["PipelineFrequencyOptimizer"]
@@ -56,7 +56,7 @@ __all__ = ["PipelineFrequencyOptimizer"]
 logger = logging.getLogger(__name__)
 
 
-class PipelineFrequencyOptimizer(PipelineFrequencyReadout):
+class PipelineFrequencyOptimizer(Callback):
     """Slow down the pipeline instructions that are off the critical path (Perseus, SOSP'24; Zeus's
     `PipelineFrequencyOptimizer`, without its server: ranks coordinate over torch.distributed).
 
@@ -193,10 +193,7 @@ class PipelineFrequencyOptimizer(PipelineFrequencyReadout):
         self.stage: int | None = pp_rank
         self.may_set = True
         self._why_not_set = ""  # why `may_set` is False, in words: no permission is only one of the reasons
-        # metrics
-        self.iteration_time_s: float | None = None
-        self.iteration_energy_j: float | None = None
-        self._recent_steps: deque[tuple[float, float]] = deque()
+        self._iterations = RecentIterations()  # this rank's last iteration, for `metrics`
         self.profiling_steps = 0
 
         self._group = dist.Group(process_group)
@@ -244,6 +241,53 @@ class PipelineFrequencyOptimizer(PipelineFrequencyReadout):
         if isinstance(self._phase, Applying) and self._sweep is not None and self.stage is not None:
             self._phase.max_clock_mhz = self._sweep.max_clock(self.stage) if hold else None
 
+    # -- what it shows (`readout`) ----------------------------------------------------------------------
+    @property
+    def phase(self) -> str:
+        """`waiting`, `profiling`, `applying`, `fallback` or `inactive` (see the class docstring)."""
+        return self._phase.name
+
+    @property
+    def frequency_mhz(self) -> int | None:
+        """The SM clock this optimizer last locked (None: not locked)."""
+        return None if self._controller is None else self._controller.frequency_mhz
+
+    @property
+    def plan_frequencies_mhz(self) -> list[int] | None:
+        """This stage's planned clock of each instruction, in execution order (None before planning)."""
+        return list(self._phase.frequencies_mhz) if isinstance(self._phase, Applying) else None
+
+    @property
+    def iteration_time_s(self) -> float | None:
+        """This rank's last iteration's time (s; None before the first)."""
+        return self._iterations.time_s
+
+    @property
+    def iteration_energy_j(self) -> float | None:
+        """The mean energy of this rank's recent iterations, over about 2 s (J; None before the first)."""
+        return self._iterations.energy_j
+
+    def metrics(self) -> dict[str, float | str]:
+        """Numbers for the trainer's loggers (`readout.pipeline_metrics`)."""
+        return pipeline_metrics(
+            self._phase, self.profiling_steps, self._iterations, self.frequency_mhz, self._plan
+        )
+
+    def profile_rows(self) -> list[ProfileRow]:
+        """The profile measured so far (every stage, replicas merged), as written to `profile_path`."""
+        return [] if self._sweep is None else self._sweep.profile_rows()
+
+    def blocking_power_w(self) -> dict[int, float]:
+        """Measured power (W) of each stage while blocked between instructions (replicas summed; capped at
+        the stage's lowest computing power when the gaps are too short for the counter)."""
+        return {} if self._sweep is None else self._sweep.blocking_power_w()
+
+    def report(self) -> dict[str, Any]:
+        """Plain data: phase, profile, blocking power, the plan and its prediction (`readout.pipeline_report`)."""
+        facts = {"simulated": self.monitor.simulated, "stage": self.stage, "may_lock_clocks": self.may_set}
+        facts |= {"profiling_steps": self.profiling_steps, "job_metadata": self.job_metadata}
+        return pipeline_report(self._phase, self._sweep, self._plan, facts)
+
     # -- hooks ----------------------------------------------------------------------------------
     def on_step_begin(self) -> None:
         """Mark the beginning of a training step (one iteration of the pipeline schedule)."""
@@ -282,7 +326,7 @@ class PipelineFrequencyOptimizer(PipelineFrequencyReadout):
             return
         m = self._recorder.end_step()
         if m is not None:
-            self._record_iteration(m.time, m.total_energy)
+            self._iterations.add(m.time, m.total_energy)
         if self._controller is not None and self._controller.error is not None and self._failed is None:
             self._failed = str(self._controller.error)
         phase = self._phase
