@@ -284,8 +284,9 @@ class PipelineFrequencyOptimizer(Callback):
 
     def report(self) -> dict[str, Any]:
         """Plain data: phase, profile, blocking power, the plan and its prediction (`readout.pipeline_report`)."""
-        facts = {"simulated": self.monitor.simulated, "stage": self.stage, "may_lock_clocks": self.may_set}
-        facts |= {"profiling_steps": self.profiling_steps, "job_metadata": self.job_metadata}
+        facts: dict[str, Any] = {"simulated": self.monitor.simulated, "stage": self.stage}
+        facts |= {"may_lock_clocks": self.may_set, "profiling_steps": self.profiling_steps}
+        facts["job_metadata"] = self.job_metadata
         return pipeline_report(self._phase, self._sweep, self._plan, facts)
 
     # -- hooks ----------------------------------------------------------------------------------
