@@ -23,6 +23,7 @@ adapter).
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -221,4 +222,7 @@ def test_the_right_objects_are_still_accepted() -> None:
     PowerLimitOptimizerHelper(None)
     ZeusMonitorHelper(None, monitor=monitor())
     assert not hasattr(GlobalPowerLimitOptimizer(monitor()), "on_init_end")  # hasattr still answers
+    for callback in (HFGlobalPowerLimitOptimizer(monitor()), HFZeusMonitor(monitor())):
+        shallow = copy.copy(callback)  # a copy is built with a marker, not as a class given with no arguments
+        assert shallow is not callback and shallow._session is callback._session
     assert GlobalPowerLimitOptimizer(monitor(), profile_steps=8).profile_steps == 8  # Zeus's attributes

@@ -48,6 +48,9 @@ __all__ = ["HFZeusMonitor", "HFGlobalPowerLimitOptimizer", "HFEpochLog"]
 logger = logging.getLogger("zeus_callbacks.huggingface")
 
 
+_COPYING = "_zeus_callbacks_copying"  # `BuiltByTheUser.__getnewargs_ex__`
+
+
 class BuiltByTheUser:
     """A callback that needs arguments (the monitor): built with none, it says what went wrong.
 
@@ -55,6 +58,10 @@ class BuiltByTheUser:
     (`CallbackHandler.add_callback`), so a class passed there instead of an instance would fail with
     Python's bare "missing ... 'monitor'".
     """
+
+    def __getnewargs_ex__(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """`copy` (and `pickle`) build a copy with this marker, not as a class built with no arguments."""
+        return (), {_COPYING: True}
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if not args and not kwargs:
@@ -196,8 +203,8 @@ class RebuiltAsItself:
     _itself: ClassVar[Any] = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls._itself is not None:
-            return cls._itself
+        if cls._itself is not None:  # a copy (`copy.copy`) is a new instance; a rebuild is the instance
+            return super().__new__(cls, *args, **kwargs) if _COPYING in kwargs else cls._itself
         own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
         own.__doc__ = cls.__doc__
         instance = super().__new__(own, *args, **kwargs)  # `BuiltByTheUser`: not without arguments
