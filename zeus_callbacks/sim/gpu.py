@@ -19,6 +19,7 @@ from zeus_callbacks.sim.gpu_state import (
     RING_SLOTS,
     RING_TICK_S,
     GPUState,
+    others_power_w,
     read_energy,
 )
 from zeus_callbacks.sim.host import (
@@ -303,11 +304,10 @@ class SimulatedGPU:
     def power_mw(self) -> float:
         """Instantaneous power draw (mW).
 
-        The highest of this process's work queued on the GPU (busy power in proportion to the host CPU
-        time since the last synchronisation; full busy power while a synchronisation catches up), another
-        process's recent work on it (the average power of its last interval), and the work in progress of
-        the process that synchronised it last (the same proportion, from that process's CPU time in
-        /proc), as a sampler in another process sees it; else idle power.
+        The higher of this process's work queued on the GPU (busy power while its kernels run; without
+        kernels, busy power in proportion to the host CPU time since the last synchronisation; full busy
+        power while a synchronisation catches up) and another process's work on it (`others_power_w`), as a
+        sampler in another process sees it; else idle power.
         """
         st = self._state
         now = self.now()
@@ -319,8 +319,6 @@ class SimulatedGPU:
                 window = self.power_window_s
                 return (self._energy_history(update) - self._energy_history(update - window)) / window
             return (st.get("last_power_w") if now - last_at < 0.5 else idle) * 1000
-        # Another process's recent work (this process's own syncs are covered by the local estimate).
-        shared = st.get("last_power_w") if now - last_at < 0.5 and last_at > self._last_sync else idle
         _, busy_power = self.operating_point()
         if now < self._busy_until:  # catching up
             return busy_power * 1000
@@ -334,13 +332,7 @@ class SimulatedGPU:
                 if self._issued_work
                 else idle
             )
-        worker = int(st.get("worker_pid"))
-        if worker and worker != os.getpid():
-            cpu = process_cpu_s(worker)
-            if cpu is not None:
-                since = now - st.get("worker_sync_at")
-                shared = max(shared, busy_power_w(idle, busy_power, cpu - st.get("worker_cpu_s"), since))
-        return max(local, shared) * 1000
+        return max(local, others_power_w(st, now, self._last_sync, idle, busy_power)) * 1000
 
     def _add(self, start: float, end: float, energy_j: float) -> None:
         st = self._state
@@ -428,6 +420,8 @@ class SimulatedGPU:
             rel0, power = self.operating_point()
             rel, power = self._noisy(rel0), self._noisy(power)
             queued, self._queued_s = self._queued_s, 0.0
+            st = self._state
+            st.set("kernels_pid", os.getpid() if self._kernels else 0.0)  # CPU-paced from now: as others see it
             if self._kernels:
                 # Queued kernels ran from their launch, beside the host's own work, which is not GPU work: the
                 # host's speed and load move neither their time nor their energy (unless the host is slower).
@@ -448,7 +442,6 @@ class SimulatedGPU:
             self._add(start, end, busy_span * power + idle_span * self.spec.idle_power_w)
             self._last_sync = end
             self._last_cpu = time.process_time()
-            st = self._state
             st.set("worker_pid", os.getpid())
             st.set("worker_cpu_s", process_cpu_s(os.getpid()) or 0.0)  # as another process reads it
             st.set("worker_sync_at", end)
@@ -466,6 +459,8 @@ class SimulatedGPU:
             if not self.virtual:  # it runs once the GPU is done with the kernels before it
                 rel, _ = self.operating_point()
                 self._kernels_end = max(self._kernels_end, HOST_CLOCK.now()) + work_s * rel
+                self._state.set("kernels_end", self._kernels_end)  # another process sees the GPU busy until then
+                self._state.set("kernels_pid", os.getpid())
 
     def busy_time(self, work_s: float) -> tuple[float, float]:
         """(time, power) of `work_s` seconds of work-at-maximum-limit at the current state, with noise

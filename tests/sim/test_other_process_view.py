@@ -1,0 +1,90 @@
+"""What another process (PowerMonitor's sampling process) reads of a wall-clock simulated GPU while a process
+queues kernels on it: the kernels' power while they run, idle power while the host computes, so that the
+sampled power integrates to the GPU's true energy, as the energy counter does.
+
+The host is a deterministic stand-in (as in test_host_lateness.py): its wall and CPU time move only when it
+works or sleeps. "Another process" is the same node's state read through a second `SimulatedSystem` with
+`os.getpid` answering another pid.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from zeus_callbacks.sim import gpu as sim_gpu
+from zeus_callbacks.sim import gpu_state as sim_gpu_state
+from zeus_callbacks.sim import host as sim_host
+from zeus_callbacks.sim.host import HOST_CLOCK
+from zeus_callbacks.sim.system import SimulatedSystem
+
+KERNEL_S = 0.05  # the example's step: 50 ms of GPU work (examples/zeus/monitors.py)
+HOST_S = 0.08  # the host's own work each step (the CPU model's step, bookkeeping): 50 ms beside the kernel
+SLICE_S = 0.001
+
+
+class _Host:
+    """Wall and CPU time that move only when the host works (both) or sleeps (wall)."""
+
+    def __init__(self) -> None:
+        self.wall_s, self.cpu_s = 1_000.0, 0.0
+
+    def work(self, seconds: float) -> None:
+        self.wall_s += seconds
+        self.cpu_s += seconds
+
+
+@pytest.fixture
+def host(monkeypatch: pytest.MonkeyPatch) -> _Host:
+    h = _Host()
+    fake = SimpleNamespace(
+        time=lambda: h.wall_s,
+        sleep=lambda s: setattr(h, "wall_s", h.wall_s + s),
+        process_time=lambda: h.cpu_s,
+    )
+    monkeypatch.setattr(sim_host, "time", fake)
+    monkeypatch.setattr(sim_gpu, "time", fake)
+    monkeypatch.setattr(HOST_CLOCK, "lag_s", 0.0)
+    monkeypatch.setattr(HOST_CLOCK, "_latest", float("-inf"))
+    # Another process reads the worker's CPU time in /proc: here, the stand-in host's.
+    monkeypatch.setattr(sim_gpu, "process_cpu_s", lambda pid: h.cpu_s)
+    monkeypatch.setattr(sim_gpu_state, "process_cpu_s", lambda pid: h.cpu_s, raising=False)
+    return h
+
+
+def test_another_process_sees_kernels_run_and_the_hosts_cpu_time_as_idle(host, tmp_path, monkeypatch):
+    """A process queues a 50 ms kernel and computes 80 ms on its host beside it, then synchronises; another
+    process reads the power every millisecond. It reads busy power exactly while the kernel runs and idle
+    power while only the host computes, so its readings integrate to the true energy. Fails if the other
+    process counts the worker's host CPU time as GPU work (busy throughout), or holds the last interval's
+    average power after it (the host's load then moves the sampled energy: examples/zeus/monitors.py read
+    30% above the energy counter)."""
+    ideal = "energy_counter,sensor_gain,power_average"
+    worker = SimulatedSystem("a40", state_dir=str(tmp_path), ideal=ideal).gpus[0]
+    reader = SimulatedSystem("a40", state_dir=str(tmp_path), ideal=ideal).gpus[0]  # the sampler's view
+    other_pid = os.getpid() + 1
+
+    def read_w() -> float:
+        with monkeypatch.context() as m:
+            m.setattr(os, "getpid", lambda: other_pid)
+            return reader.power_mw() / 1000
+
+    busy_w, idle_w = worker.operating_point()[1], worker.spec.idle_power_w
+    e0, sampled_j, readings = worker.true_energy_mj(), 0.0, []
+    for _ in range(4):
+        worker.enqueue(KERNEL_S)
+        for _ in range(round(HOST_S / SLICE_S)):
+            host.work(SLICE_S / 2)
+            w = read_w()  # at the middle of each millisecond
+            host.work(SLICE_S / 2)
+            readings.append(w)
+            sampled_j += w * SLICE_S
+        worker.synchronize()  # the kernel ended 30 ms ago: no wait
+    true_j = (worker.true_energy_mj() - e0) / 1000
+
+    per_step = [busy_w] * round(KERNEL_S / SLICE_S) + [idle_w] * round((HOST_S - KERNEL_S) / SLICE_S)
+    assert readings == pytest.approx(per_step * 4, rel=1e-9)
+    assert sampled_j == pytest.approx(true_j, rel=1e-9)
+    assert true_j == pytest.approx(4 * (KERNEL_S * busy_w + (HOST_S - KERNEL_S) * idle_w), rel=1e-9)
