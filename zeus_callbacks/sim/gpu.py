@@ -421,7 +421,7 @@ class SimulatedGPU:
             rel, power = self._noisy(rel0), self._noisy(power)
             queued, self._queued_s = self._queued_s, 0.0
             st = self._state
-            st.set("kernels_pid", os.getpid() if self._kernels else 0.0)  # CPU-paced from now: as others see it
+            st.set("kernels_pid", os.getpid() if self._kernels else 0.0)  # as other processes see it
             if self._kernels:
                 # Queued kernels ran from their launch, beside the host's own work, which is not GPU work: the
                 # host's speed and load move neither their time nor their energy (unless the host is slower).
@@ -459,7 +459,7 @@ class SimulatedGPU:
             if not self.virtual:  # it runs once the GPU is done with the kernels before it
                 rel, _ = self.operating_point()
                 self._kernels_end = max(self._kernels_end, HOST_CLOCK.now()) + work_s * rel
-                self._state.set("kernels_end", self._kernels_end)  # another process sees the GPU busy until then
+                self._state.set("kernels_end", self._kernels_end)  # others see the GPU busy until then
                 self._state.set("kernels_pid", os.getpid())
 
     def busy_time(self, work_s: float) -> tuple[float, float]:
