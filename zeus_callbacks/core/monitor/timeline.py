@@ -116,7 +116,7 @@ def trapezoid_error(
         if hi <= lo:
             continue
         covered += hi - lo
-        if t1 - t0 > gap:
+        if t1 - t0 > gap and v1 != v0:  # equal ends: a run of equal readings (`Series`), not missing ones
             total += max(held_error(v0), held_error(v1)) * (hi - lo)
         else:
             total += abs(v1 - v0) * (hi - lo) / 2
