@@ -16,14 +16,15 @@ import pytest
 from zeus_callbacks import cli, sim
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
-from zeus_callbacks.sim.dump_node import _dump_dir, shipped_dumps
+from zeus_callbacks.sim.dump_files import dump_dir
+from zeus_callbacks.sim.dump_node import shipped_dumps
 
 DUMPS = shipped_dumps()
 NOT_SUPPORTED = "NotSupported"
 
 
 def _text(name: str) -> str:
-    return (_dump_dir() / f"{name}.nvidia-smi-a.txt").read_text()
+    return (dump_dir() / f"{name}.nvidia-smi-a.txt").read_text()
 
 
 def _blocks(text: str) -> list[tuple[str, str]]:
@@ -113,7 +114,7 @@ def node(sim_gpus):
 
 def test_every_shipped_dump_is_one_of_the_eighteen_node_types():
     assert len(DUMPS) == 18 and {"V100_x8", "GTX680", "GH200", "H100NVLx2", "RTX5090", "A10"} <= set(DUMPS)
-    assert (_dump_dir() / "LICENSE.Apache-2.0").is_file()
+    assert (dump_dir() / "LICENSE.Apache-2.0").is_file()
 
 
 @pytest.mark.parametrize("name", DUMPS)

@@ -14,13 +14,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 
 import pynvml
 
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.sim.dump import DumpBoard, NvidiaSmiDump, PowerReadings, read_nvidia_smi
+from zeus_callbacks.sim.dump_files import DumpFiles
 from zeus_callbacks.sim.node_spec import SPEC_INPUT
 from zeus_callbacks.sim.specs import UPDATE_TIMING, GPUSpec, spec_for
 from zeus_callbacks.sim.traces import Trace, scaled_trace, shipped_trace
@@ -37,7 +36,6 @@ __all__ = [
 
 DUMP_PREFIX = "nvidia-smi:"
 ORIGIN = "an nvidia-smi dump"
-_SUFFIX = ".nvidia-smi-a.txt"
 _MiB = 1024**2
 # nvidia-smi's `Product Architecture` (drivers 5xx and later) -> NVML's `nvmlDeviceArchitecture_t`.
 _ARCHITECTURES = {
@@ -120,54 +118,23 @@ class DumpNode:
     workload: str | None
 
 
+NVIDIA_DUMPS = DumpFiles(DUMP_PREFIX, ".nvidia-smi-a.txt", "dump", "nvidia-smi -q", "A10")
+
+
 def is_dump_spec(spec: str) -> bool:
     """Whether a simulation spec names a dump (`nvidia-smi:FILE[:WORKLOAD]`)."""
-    return spec.strip().startswith(DUMP_PREFIX)
-
-
-def _dump_dir() -> Path:
-    return Path(str(resources.files("zeus_callbacks"))) / "sim" / "data" / "gpu_dumps"
+    return NVIDIA_DUMPS.is_spec(spec)
 
 
 def shipped_dumps() -> list[str]:
     """The names of the dumps shipped with the package (`nvidia-smi:NAME`), e.g. `A10`, `V100_x8`."""
-    return sorted(p.name.removesuffix(_SUFFIX) for p in _dump_dir().glob(f"*{_SUFFIX}"))
-
-
-def _resolve(target: str) -> Path | None:
-    """The file a spec's target names: a path, else a shipped dump's name (case-insensitive)."""
-    path = Path(target).expanduser()
-    if path.is_file():
-        return path
-    by_name = {name.lower(): name for name in shipped_dumps()}
-    name = by_name.get(target.lower().removesuffix(_SUFFIX.lower()))
-    return None if name is None else _dump_dir() / f"{name}{_SUFFIX}"
-
-
-def _target(spec: str) -> tuple[Path, str | None]:
-    """(dump file, workload key) of `nvidia-smi:FILE[:WORKLOAD]`."""
-    rest = spec.strip()[len(DUMP_PREFIX) :].strip()
-    path = _resolve(rest) if rest else None
-    if path is not None:
-        return path, None
-    head, colon, workload = rest.rpartition(":")
-    path = _resolve(head) if colon and head else None
-    if path is not None:
-        return path, workload.strip() or None
-    raise InvalidInputError(
-        f"{SPEC_INPUT} {spec!r}: {rest!r} is neither a file nor a "
-        f"shipped dump. Give the path of a saved `nvidia-smi -q` output, or one of: {', '.join(shipped_dumps())} "
-        f"(e.g. ZEUS_CALLBACKS_SIMULATE=nvidia-smi:A10)."
-    )
+    return NVIDIA_DUMPS.shipped()
 
 
 def canonical_spec(spec: str) -> str:
     """`nvidia-smi:FILE[:WORKLOAD]` with FILE an absolute path, or a shipped dump's own name, so that a process
     started in another directory simulates the same node."""
-    path, workload = _target(spec)
-    name = path.name.removesuffix(_SUFFIX)
-    shipped = path.parent == _dump_dir() and not Path(spec.strip()[len(DUMP_PREFIX) :]).expanduser().is_file()
-    return DUMP_PREFIX + (name if shipped else str(path.resolve())) + (f":{workload}" if workload else "")
+    return NVIDIA_DUMPS.canonical(spec)
 
 
 def dump_node(spec: str) -> DumpNode:
@@ -176,7 +143,7 @@ def dump_node(spec: str) -> DumpNode:
     Raises:
         InvalidInputError: the file is missing, is not an nvidia-smi -q dump, or holds inconsistent limits.
     """
-    path, workload = _target(spec)
+    path, workload = NVIDIA_DUMPS.target(spec)
     dump = read_nvidia_smi(path)
     by_model: dict[str, list[DumpBoard]] = {}
     for board in dump.boards:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from importlib import resources
-from pathlib import Path
 
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.sim.dump import NvidiaSmiDump
+from zeus_callbacks.sim.dump_files import DumpFiles
 from zeus_callbacks.sim.dump_node import DumpBoardModel, DumpNode, LimitScope
 from zeus_callbacks.sim.node_spec import SPEC_INPUT
 from zeus_callbacks.sim.specs import spec_for
@@ -36,7 +35,6 @@ __all__ = [
 
 ROCM_PREFIX = "rocm-smi:"
 ORIGIN = "a rocm-smi dump"
-_SUFFIX = ".rocm-smi-a.txt"
 ROCM_HELP = (
     "A rocm-smi: node needs the full listing of a node saved as text: `rocm-smi -a > node.txt` (or "
     "`rocm-smi --showallinfo`), then ZEUS_CALLBACKS_SIMULATE=rocm-smi:node.txt."
@@ -45,51 +43,22 @@ _LINE = re.compile(r"^GPU\[(\d+)\]\s*:\s*(.*?)\s*$")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+ROCM_DUMPS = DumpFiles(ROCM_PREFIX, ".rocm-smi-a.txt", "rocm-smi dump", "rocm-smi -a", "MI300X_x4")
+
+
 def is_rocm_spec(spec: str) -> bool:
     """Whether a simulation spec names a rocm-smi dump (`rocm-smi:FILE[:WORKLOAD]`)."""
-    return spec.strip().startswith(ROCM_PREFIX)
-
-
-def _dump_dir() -> Path:
-    return Path(str(resources.files("zeus_callbacks"))) / "sim" / "data" / "gpu_dumps"
+    return ROCM_DUMPS.is_spec(spec)
 
 
 def shipped_rocm_dumps() -> list[str]:
     """The rocm-smi dumps shipped with the package (`rocm-smi:NAME`), e.g. `MI300X_x4`."""
-    return sorted(p.name.removesuffix(_SUFFIX) for p in _dump_dir().glob(f"*{_SUFFIX}"))
-
-
-def _resolve(target: str) -> Path | None:
-    path = Path(target).expanduser()
-    if path.is_file():
-        return path
-    by_name = {name.lower(): name for name in shipped_rocm_dumps()}
-    name = by_name.get(target.lower().removesuffix(_SUFFIX.lower()))
-    return None if name is None else _dump_dir() / f"{name}{_SUFFIX}"
-
-
-def _target(spec: str) -> tuple[Path, str | None]:
-    rest = spec.strip()[len(ROCM_PREFIX) :].strip()
-    path = _resolve(rest) if rest else None
-    if path is not None:
-        return path, None
-    head, colon, workload = rest.rpartition(":")
-    path = _resolve(head) if colon and head else None
-    if path is not None:
-        return path, workload.strip() or None
-    raise InvalidInputError(
-        f"{SPEC_INPUT} {spec!r}: {rest!r} is neither a file nor a shipped rocm-smi dump. Give the path of a saved "
-        f"`rocm-smi -a` output, or one of: {', '.join(shipped_rocm_dumps())} (e.g. "
-        "ZEUS_CALLBACKS_SIMULATE=rocm-smi:MI300X_x4)."
-    )
+    return ROCM_DUMPS.shipped()
 
 
 def canonical_rocm_spec(spec: str) -> str:
     """`rocm-smi:FILE[:WORKLOAD]` with FILE absolute, or a shipped dump's own name."""
-    path, workload = _target(spec)
-    shipped = path.parent == _dump_dir() and not Path(spec.strip()[len(ROCM_PREFIX) :]).expanduser().is_file()
-    name = path.name.removesuffix(_SUFFIX) if shipped else str(path.resolve())
-    return ROCM_PREFIX + name + (f":{workload}" if workload else "")
+    return ROCM_DUMPS.canonical(spec)
 
 
 def parse_rocm_smi(text: str, source: str) -> tuple[str, dict[int, dict[str, str]]]:
@@ -142,7 +111,7 @@ def rocm_node(spec: str) -> DumpNode:
         InvalidInputError: the file is missing or not a `rocm-smi -a` dump, or a board is not an MI300X or lacks
             its unique id or PCI bus id.
     """
-    path, workload = _target(spec)
+    path, workload = ROCM_DUMPS.target(spec)
     try:
         text = path.read_bytes().decode()
     except (OSError, UnicodeDecodeError) as e:
