@@ -57,7 +57,7 @@ def test_each_modelled_function_has_the_prototype_the_wrapper_declares(amdsmi):
     for name in amdsmi_library.offered_functions():
         bound = getattr(wrapper, name)  # the wrapper's module-level name of the library's attribute
         assert bound is getattr(library, name), name
-        prototype = amdsmi_library._FUNCTIONS[name][0]
+        prototype = amdsmi_library._FUNCTIONS.table[name][0]
         assert [_abi(t) for t in bound.argtypes] == [_abi(t) for t in prototype._argtypes_], name
         assert _abi(bound.restype) == _abi(prototype._restype_) == "int4", name
         checked += 1

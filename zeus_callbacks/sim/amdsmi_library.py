@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import threading
-from collections.abc import Callable
 from ctypes import CFUNCTYPE, c_float, c_int64, c_uint32, c_uint64, c_void_p
 from importlib import metadata
 from types import ModuleType
 from typing import Any
 
 from zeus_callbacks.sim.amd_specs import amd_facts
+from zeus_callbacks.sim.c_library import CallbackLibrary, CFunctions
 from zeus_callbacks.sim.gpu import SimulatedGPU
 
 __all__ = ["SimulatedAMDSMILibrary", "AMDSMIStatus", "offered_functions", "amd_uuid", "LIBRARY_NAME"]
@@ -52,7 +51,6 @@ _NONE_32 = 0xFFFF  # what amd_smi.cc leaves in a power field it cannot read; the
 _HANDLE_BASE = 0xA3D0_0000_0000
 _library_numbers = itertools.count(1)
 _P = c_void_p  # every pointer (handles, out-parameters, structures): the same as `T *` in the ABI
-_FUNCTIONS: dict[str, tuple[Any, Callable[..., int | None]]] = {}
 
 
 class AMDSMIStatus(Exception):
@@ -63,22 +61,16 @@ class AMDSMIStatus(Exception):
         self.code = code
 
 
-def _c(name: str, *argtypes: Any) -> Callable[[Callable[..., int | None]], Callable[..., int | None]]:
-    """Register the implementation of `amdsmi_status_t name(argtypes...)`."""
-
-    def register(impl: Callable[..., int | None]) -> Callable[..., int | None]:
-        _FUNCTIONS[name] = (CFUNCTYPE(c_uint32, *argtypes), impl)
-        return impl
-
-    return register
+_FUNCTIONS = CFunctions(c_uint32, SUCCESS, UNKNOWN_ERROR, AMDSMIStatus, lambda e: e.code)
+_c = _FUNCTIONS.register
 
 
 def offered_functions() -> frozenset[str]:
     """The C functions the simulated library models (any other `amdsmi_*` answers NOT_SUPPORTED)."""
-    return frozenset(_FUNCTIONS)
+    return frozenset(_FUNCTIONS.table)
 
 
-class SimulatedAMDSMILibrary:
+class SimulatedAMDSMILibrary(CallbackLibrary):
     """The simulated node as `libamd_smi.so`: one C function pointer per amdsmi function.
 
     Args:
@@ -88,17 +80,11 @@ class SimulatedAMDSMILibrary:
     def __init__(self, withheld: frozenset[str] = frozenset()) -> None:
         self.system: Any = None  # the attached SimulatedSystem (None: answers as a host without amdgpu)
         self.wrapper: ModuleType | None = None  # amdsmi_wrapper, for its structures (set once imported)
-        self.withheld = frozenset(withheld)
         self._initialized = 0
         base = _HANDLE_BASE + next(_library_numbers) * 0x1_0000_0000
         self._base = base
-        self._raised: dict[int, BaseException] = {}
         self._texts: dict[int, Any] = {}
-        for name, (prototype, impl) in _FUNCTIONS.items():
-            if name not in self.withheld:
-                function = prototype(self._guarded(impl))
-                function.errcheck = self._reraise
-                setattr(self, name, function)
+        super().__init__(_FUNCTIONS, withheld)
 
     def __repr__(self) -> str:
         spec = None if self.system is None else self.system.spec
@@ -139,29 +125,6 @@ class SimulatedAMDSMILibrary:
         if not address:
             raise AMDSMIStatus(INVAL)
         return getattr(self.wrapper, name).from_address(address)
-
-    # -- calling convention -----------------------------------------------------------------------
-    def _guarded(self, impl: Callable[..., int | None]) -> Callable[..., int]:
-        raised = self._raised
-
-        def call(*args: Any) -> int:
-            try:
-                ret = impl(self, *args)
-            except AMDSMIStatus as e:
-                return e.code
-            except BaseException as e:  # noqa: BLE001 - re-raised after the C call by `_reraise`
-                raised[threading.get_ident()] = e
-                return UNKNOWN_ERROR
-            return SUCCESS if ret is None else ret
-
-        return call
-
-    def _reraise(self, result: int, function: Any, args: tuple) -> int:
-        if self._raised:
-            error = self._raised.pop(threading.get_ident(), None)
-            if error is not None:
-                raise error
-        return result
 
     def text(self, value: str) -> int:
         """The address of a static C string holding `value` (kept for the library's lifetime)."""

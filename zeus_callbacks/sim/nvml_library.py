@@ -34,13 +34,13 @@ import ctypes
 import itertools
 import logging
 import threading
-from collections.abc import Callable
 from ctypes import CFUNCTYPE, POINTER, c_char, c_char_p, c_int, c_int32, c_uint, c_uint64, c_void_p
 from typing import Any
 
 import pynvml
 
 from zeus_callbacks.sim import fake_nvml
+from zeus_callbacks.sim.c_library import CallbackLibrary, CFunctions
 from zeus_callbacks.sim.system import SimulatedGPU, SimulatedSystem
 
 __all__ = ["SimulatedNVMLLibrary", "attach", "ensure", "installed", "simulated_gpu", "offered_functions"]
@@ -52,26 +52,17 @@ _HANDLE_BASE = 0x5EED_0000_0000  # fake addresses: non-null, aligned, never dere
 _HANDLE_STRIDE = 0x40
 _library_numbers = itertools.count(1)
 
-# name -> (C prototype, implementation(library, *C arguments) -> None or an nvmlReturn_t)
-_FUNCTIONS: dict[str, tuple[Any, Callable[..., int | None]]] = {}
-
-
-def _c(name: str, *argtypes: Any) -> Callable[[Callable[..., int | None]], Callable[..., int | None]]:
-    """Register the implementation of NVML's `nvmlReturn_t name(argtypes...)`."""
-
-    def register(impl: Callable[..., int | None]) -> Callable[..., int | None]:
-        _FUNCTIONS[name] = (CFUNCTYPE(c_int, *argtypes), impl)
-        return impl
-
-    return register
+# NVML functions offered: name -> (C prototype, implementation(library, *C arguments) -> None or nvmlReturn_t)
+_FUNCTIONS = CFunctions(c_int, _SUCCESS, pynvml.NVML_ERROR_UNKNOWN, pynvml.NVMLError, lambda e: e.value)
+_c = _FUNCTIONS.register
 
 
 def offered_functions() -> frozenset[str]:
     """The NVML function names the simulated library offers (any other is FUNCTION_NOT_FOUND)."""
-    return frozenset(_FUNCTIONS) | {"nvmlErrorString"}
+    return frozenset(_FUNCTIONS.table) | {"nvmlErrorString"}
 
 
-class SimulatedNVMLLibrary:
+class SimulatedNVMLLibrary(CallbackLibrary):
     """The simulated node as the NVML shared library: one C function pointer per offered NVML function.
 
     Args:
@@ -91,18 +82,11 @@ class SimulatedNVMLLibrary:
 
     def __init__(self, system: SimulatedSystem, withheld: frozenset[str] = frozenset()) -> None:
         self.system = system
-        self.withheld = frozenset(withheld)
         self._base = _HANDLE_BASE + next(_library_numbers) * 0x1_0000_0000
         self._gpu_at: dict[int, SimulatedGPU] = {}  # handle address -> GPU
         self._handle_of: dict[int, Any] = {}  # id(GPU) -> its `c_nvmlDevice_t`
         self._handles_lock = threading.Lock()
-        # Non-NVML exceptions raised inside a callback, by thread, to re-raise once the C call returned.
-        self._raised: dict[int, BaseException] = {}
-        for name, (prototype, impl) in _FUNCTIONS.items():
-            if name not in self.withheld:
-                function = prototype(self._guarded(impl))
-                function.errcheck = self._reraise
-                setattr(self, name, function)
+        super().__init__(_FUNCTIONS, withheld)
         if "nvmlDeviceGetTotalEnergyConsumption" not in self.withheld:
             self.nvmlDeviceGetTotalEnergyConsumption = self._energy_function()
         if "nvmlErrorString" not in self.withheld:
@@ -135,21 +119,6 @@ class SimulatedNVMLLibrary:
         return None if address is None else self._gpu_at.get(address, address)
 
     # -- calling convention -----------------------------------------------------------------------
-    def _guarded(self, impl: Callable[..., int | None]) -> Callable[..., int]:
-        raised = self._raised
-
-        def call(*args: Any) -> int:
-            try:
-                ret = impl(self, *args)
-            except pynvml.NVMLError as e:
-                return e.value
-            except BaseException as e:  # noqa: BLE001 - re-raised after the C call by `_reraise`
-                raised[threading.get_ident()] = e
-                return pynvml.NVML_ERROR_UNKNOWN
-            return _SUCCESS if ret is None else ret
-
-        return call
-
     def _energy_function(self) -> Any:
         """`nvmlDeviceGetTotalEnergyConsumption`, the monitor's hot path, in one Python frame of its own."""
         gpu_at, raised = self._gpu_at, self._raised
@@ -167,16 +136,7 @@ class SimulatedNVMLLibrary:
                 raised[threading.get_ident()] = e
                 return pynvml.NVML_ERROR_UNKNOWN
 
-        function = _FUNCTIONS["nvmlDeviceGetTotalEnergyConsumption"][0](call)
-        function.errcheck = self._reraise
-        return function
-
-    def _reraise(self, result: int, function: Any, args: tuple) -> int:
-        if self._raised:
-            error = self._raised.pop(threading.get_ident(), None)
-            if error is not None:
-                raise error
-        return result
+        return self.c_function(_FUNCTIONS.table["nvmlDeviceGetTotalEnergyConsumption"][0], call)
 
     def _error_string(self, code: int) -> int:
         """NVML's text for `code` (pynvml's own table of the driver's texts), as a static C string."""
