@@ -88,3 +88,30 @@ def test_another_process_sees_kernels_run_and_the_hosts_cpu_time_as_idle(host, t
     assert readings == pytest.approx(per_step * 4, rel=1e-9)
     assert sampled_j == pytest.approx(true_j, rel=1e-9)
     assert true_j == pytest.approx(4 * (KERNEL_S * busy_w + (HOST_S - KERNEL_S) * idle_w), rel=1e-9)
+
+
+@pytest.mark.system
+def test_the_sampling_process_and_the_energy_counter_agree_within_their_bounds(sim_gpus, burn_cpu):
+    """PowerMonitor's sampling process and a ZeusMonitor window over the same steps (50 ms kernels, then 150 ms
+    of host work with the GPU idle): the two energies differ by no more than their bounds together, on any
+    host. Fails if the sampling process counts the host's CPU time as GPU work (it read the idle half busy)."""
+    from zeus_callbacks import PowerMonitor, ZeusMonitor
+
+    gpu = sim_gpus("a40").cuda_gpus()[0]
+    gpu.enqueue(0.0)  # this process's GPU work is kernels from its first synchronisation on
+    gpu.synchronize()
+    power = PowerMonitor(gpu_indices=[0], update_period=0.01)
+    assert power.sampling == "process"
+    window = ZeusMonitor(gpu_indices=[0])
+    window.begin_window("steps")
+    start = gpu.now()
+    for _ in range(15):
+        gpu.enqueue(KERNEL_S)
+        gpu.synchronize()
+        burn_cpu(3 * KERNEL_S)
+    gpu.synchronize()
+    end = gpu.now()
+    m = window.end_window("steps")
+    sampled, sampled_bound = power.get_energy(start, end)[0], power.get_energy_bound(start, end)[0]
+    power.stop()
+    assert abs(sampled - m.gpu_energy[0]) <= sampled_bound + m.gpu_energy_bound[0]
