@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -87,7 +88,8 @@ def _valid_host_port(text: str) -> bool:
 
 
 @functools.cache
-def _unix_connection_class() -> type[http.client.HTTPConnection]:
+def _unix_connection_class() -> Callable[[str, float], http.client.HTTPConnection]:
+    """The class of HTTP connections over a Unix socket, built as `(socket_path, timeout_s)`."""
     import http.client
 
     class UnixHTTPConnection(http.client.HTTPConnection):
