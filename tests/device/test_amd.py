@@ -86,6 +86,25 @@ def test_clocks_lock_and_reset_in_megahertz():
     assert system.gpus[0].locked_sm_clocks_mhz is None and d0.clocks_mhz() == (2100, 900)
 
 
+def test_one_frequency_is_locked_through_performance_determinism():
+    """The pipeline optimizer locks one clock (min == max). The real amdsmi refuses that range (rocm_smi.cc
+    `rsmi_dev_clk_range_set`: min >= max is INVAL), so the lock goes through performance determinism: the clock
+    is held at it, the soft min back at the lowest level, as amdgpu sets it; AUTO gives it back."""
+    system, (d0, _) = devices()
+    a = d0.amdsmi
+    with pytest.raises(a.AmdSmiLibraryException) as e:  # the simulated library refuses as the real one does
+        a.amdsmi_set_gpu_clk_range(d0.handle, 1200, 1200, a.AmdSmiClkType.GFX)
+    assert e.value.get_error_code() == a.amdsmi_wrapper.AMDSMI_STATUS_INVAL
+    d0.lock_sm_clocks(1200, 1200)
+    assert system.gpus[0].locked_sm_clocks_mhz == (500, 1200)
+    system.run_step(0.5)
+    assert d0.clocks_mhz()[0] == 1200
+    d0.reset_sm_clocks()
+    assert system.gpus[0].locked_sm_clocks_mhz is None and d0.clocks_mhz()[0] == 2100
+    with pytest.raises(GPUNotSupportedError):  # amdgpu: "Invalid max frequency ... for determinism"
+        d0.lock_sm_clocks(2500, 2500)
+
+
 def test_persistence_is_not_an_amd_concept():
     _, (d0, _) = devices()
     with pytest.raises(GPUNotSupportedError, match="AMD GPUs have no persistence mode"):

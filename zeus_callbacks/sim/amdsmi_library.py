@@ -437,7 +437,20 @@ def _set_clk_limit(lib: SimulatedAMDSMILibrary, h: int | None, kind: int, limit:
     lo, hi = (int(mhz), _sclk_range(g)[1]) if limit == 0 else (_sclk_range(g)[0], int(mhz))
     if not g.spec.min_sm_clock_mhz <= lo <= hi <= g.spec.max_sm_clock_mhz:
         raise AMDSMIStatus(INVAL)
+    if lo == hi:  # amdgpu's commit refuses min >= max (smu_v13_0_6_set_soft_freq_limited_range, -EINVAL),
+        raise AMDSMIStatus(NOT_SUPPORTED)  # a failed pp_od_clk_voltage write: rocm_smi_device.cc 880-890
     g.lock_sm_clocks(lo, hi)
+
+
+@_c("amdsmi_set_gpu_perf_determinism_mode", _P, c_uint64)
+def _set_determinism(lib: SimulatedAMDSMILibrary, h: int | None, mhz: int) -> None:
+    """Performance determinism at `mhz`: the graphics clock held at that soft max (amdsmi.h), the soft min back
+    at the lowest level (smu_v13_0_6_set_soft_freq_limited_range); a clock outside the levels is refused by
+    amdgpu ("Invalid max frequency"), which amdsmi answers NOT_SUPPORTED (rocm_smi_device.cc 880-890)."""
+    g = lib.gpu(h, feature="clocks", setter=True)
+    if not g.spec.min_sm_clock_mhz <= mhz <= g.spec.max_sm_clock_mhz:
+        raise AMDSMIStatus(NOT_SUPPORTED)
+    g.lock_sm_clocks(g.spec.min_sm_clock_mhz, int(mhz))
 
 
 @_c("amdsmi_get_gpu_perf_level", _P, _P)

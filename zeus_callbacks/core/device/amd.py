@@ -314,8 +314,21 @@ class AMDDevice(Device):
         return list(range(high, low - 1, -SM_CLOCK_STEP_MHZ))
 
     def lock_sm_clocks(self, min_mhz: int, max_mhz: int) -> None:
-        """amdsmi_set_gpu_clk_range on the graphics clock (MHz); amdgpu's performance level becomes manual."""
+        """Lock the graphics clock (MHz): a range through amdsmi_set_gpu_clk_range (performance level manual); one
+        frequency (min == max, as the pipeline optimizer locks) through amdsmi_set_gpu_perf_determinism_mode.
+
+        One frequency cannot go through the range setters: amdsmi refuses min >= max (ROCm/amdsmi
+        rocm_smi/src/rocm_smi.cc:1612-1614, `rsmi_dev_clk_range_set`; INVAL), and amdgpu refuses a manual
+        range whose min is not below its max when `amdsmi_set_gpu_clk_limit` writes the ends one at a time
+        (Linux smu_v13_0_6_ppt.c `smu_v13_0_6_set_soft_freq_limited_range`, MI300; aldebaran_ppt.c, MI200).
+        Performance determinism is AMD's fixed-clock mode: amdgpu holds the graphics clock at that soft max
+        without the PLL stretching (amdsmi.h `amdsmi_set_gpu_perf_determinism_mode`; rocm_smi.cc:1101-1135
+        writes "s 1 <MHz>" in level DETERMINISM); `reset_sm_clocks` leaves it (AUTO disables determinism).
+        """
         a = self.amdsmi
+        if int(min_mhz) == int(max_mhz):
+            self._call("Locking the graphics clock", a.amdsmi_set_gpu_perf_determinism_mode, int(max_mhz))
+            return
         self._call(
             "Locking the graphics clock",
             a.amdsmi_set_gpu_clk_range,
