@@ -22,14 +22,13 @@ import logging
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from zeus_callbacks.core.device.amd import AMDBackend, AMDDevice
 from zeus_callbacks.core.device.device import Device
 from zeus_callbacks.sim.amdsmi_library import LIBRARY_NAME, SimulatedAMDSMILibrary
-from zeus_callbacks.sim.host import HOST_CLOCK
+from zeus_callbacks.sim.node_backend import SimulatedNodeBackend, node_clock
 from zeus_callbacks.sim.system import SimulatedGPU, SimulatedSystem
 
 __all__ = ["SimulatedAMDBackend", "attach", "ensure", "installed"]
@@ -113,38 +112,13 @@ def installed() -> SimulatedAMDSMILibrary | None:
     return _library if _library is not None and _library.system is not None else None
 
 
-class SimulatedAMDBackend(AMDBackend):
-    """Simulated AMD GPUs of one `SimulatedSystem`, reached through the real `amdsmi` package.
-
-    Differs from the real driver where amdsmi cannot say, as the NVIDIA simulator does (`sim/backend.py`):
-    synchronising runs the simulator's model of the queued work, permission comes from the injected faults,
-    the clock is the node's (virtual, or the wall clock less the host's lag: `sim.host.HostClock`), journals
-    live beside the node's state, and every step boundary synchronises.
-    """
-
-    simulated = True
-    sync_at_step_boundary = True
+class SimulatedAMDBackend(SimulatedNodeBackend, AMDBackend):
+    """Simulated AMD GPUs of one `SimulatedSystem`, reached through the real `amdsmi` package; what amdsmi cannot
+    say comes from the simulator, as for the NVIDIA one (`SimulatedNodeBackend`)."""
 
     def __init__(self, system: SimulatedSystem) -> None:
-        clock = system.clock
-        super().__init__(
-            ensure(system),
-            clock=HOST_CLOCK.now if clock is None else clock.now,
-            virtual_clock=clock is not None,
-        )
+        super().__init__(ensure(system), **node_clock(system))
         self.system = system
-
-    def __repr__(self) -> str:
-        return f"SimulatedAMDBackend(spec={self.system.spec!r})"
-
-    @property
-    def reachable_from_other_processes(self) -> bool:
-        """As the NVIDIA simulator's: a wall-clock node whose state lives in files and whose settings are exported."""
-        from zeus_callbacks import sim
-
-        return (
-            self.system.clock is None and self.system.state_path() is not None and sim.exported(self.system)
-        )
 
     def gpu(self, device: Device | Any) -> SimulatedGPU:
         """The simulated GPU behind an AMD device (or an amdsmi processor handle)."""
@@ -153,32 +127,6 @@ class SimulatedAMDBackend(AMDBackend):
         ensure(self.system)
         assert _library is not None
         return _library.gpu(address)
-
-    def synchronize(self, index: int, device: Device) -> None:
-        """Wait for the simulated work queued on the GPU (no-op on a virtual clock)."""
-        self.gpu(device).synchronize()
-
-    def settle(self, device: Device) -> None:
-        """Account the work so far at the settings in force, before zeusd changes them."""
-        self.gpu(device).settle()
-
-    def may_change_settings(self, device: Device) -> bool:
-        """False only where the `no_permission` or `no_cap_sys_admin` fault is injected."""
-        faults = self.gpu(device).faults
-        return not (faults.no_permission or faults.no_cap_sys_admin)
-
-    def known_energy_refresh_s(self, device: Device) -> float | None:
-        """The model's period on a virtual clock (polling cannot see the counter move there), else measured."""
-        return self.gpu(device).energy_refresh_s if self.virtual_clock else None
-
-    def provenance(self, uuid: str) -> str | None:
-        """A modelled board's label, e.g. "modelled MI300X, scaled from the A40 traces"."""
-        return next((g.provenance for g in self.system.gpus if g.uuid == uuid), None)
-
-    def journal_dir(self) -> Path | None:
-        """Beside the node's state, so that the journal outlives the process exactly as long as the state."""
-        path = self.system.state_path()
-        return None if path is None else path / "journal"
 
 
 def simulated_amd_backend() -> SimulatedAMDBackend | None:
