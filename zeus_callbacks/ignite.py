@@ -21,7 +21,7 @@ from zeus_callbacks.core.wrong_framework import OneFramework
 
 __all__ = ["IgnitePowerLimitOptimizer", "IgniteZeusMonitor"]
 
-Handler = Callable[[Any], None]
+Handler = Callable[..., object]  # Ignite calls it as (engine, *event_args) and ignores what it returns
 
 
 class IgniteAdapter(OneFramework):
@@ -109,6 +109,7 @@ class IgnitePowerLimitOptimizer(IgniteAdapter):
 
     _what = "a PyTorch Ignite handler (`attach` it to an Engine)"
     _does = "power_limit"
+    _session: PowerLimitSession
 
     @takes_power_limit_options(own={"log_every_n_steps": 50})
     def __init__(
@@ -131,17 +132,14 @@ class IgnitePowerLimitOptimizer(IgniteAdapter):
 
     def _handlers(self, events: Any) -> list[tuple[Any, Handler]]:
         session = self._session
-        assert isinstance(session, PowerLimitSession)
         return [(events.EPOCH_COMPLETED, lambda e: session.epoch_end())]
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state, for Ignite's `Checkpoint`."""
-        assert isinstance(self._session, PowerLimitSession)
         return self._session.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint's state (`PowerLimitSession.load_state`: a corrupted one is refused, said once)."""
-        assert isinstance(self._session, PowerLimitSession)
         self._session.load_state(state_dict, "the Ignite checkpoint being resumed")
 
 
@@ -173,6 +171,7 @@ class IgniteZeusMonitor(IgniteAdapter):
 
     _what = "a PyTorch Ignite handler (`attach` it to an Engine)"
     _does = "energy"
+    _session: EnergySession
 
     def __init__(
         self,
