@@ -206,7 +206,7 @@ def _timelines(records: list[RankRecord], sim: bool) -> list[str]:
         if not r.samples:
             out.append('<p class="missing">No power samples were recorded.</p>')
     out.append(
-        f'<p class="note">Power is read through NVML every {records[0].sample_interval_s:g} s '
+        f'<p class="note">Power is read from the GPU driver every {records[0].sample_interval_s:g} s '
         "(instantaneous draw where the GPU offers it); the dashed line is the power limit in force.</p>"
     )
     return out
