@@ -56,6 +56,10 @@ def gpu_step(work_s: float) -> None:
 
 
 def main() -> None:
+    # On a simulated GPU, say before the first window's synchronisation that this process's GPU work is queued
+    # kernels: until its first kernel, another process (PowerMonitor's sampler) counts its host CPU time (the
+    # first step's, torch warming up) as GPU work, as it does for a process that never queues kernels.
+    gpu_step(0.0)
     # --- Zeus ---
     power_monitor = PowerMonitor(gpu_indices=[0], update_period=0.1)
     temperature_monitor = TemperatureMonitor(gpu_indices=[0], update_period=0.5)

@@ -450,7 +450,8 @@ class SimulatedGPU:
         """Queue `work_s` seconds of work (at the maximum limit and clock) that uses no host CPU: a stand-in
         for a CUDA kernel. It runs from its launch (once the kernels queued before it are done), at the
         operating point in force then, beside the host's own work; the next synchronisation waits for it.
-        From then on, the host's CPU time is not GPU work on this GPU."""
+        From then on, the host's CPU time is not GPU work on this GPU, nor since the last synchronisation; other
+        processes learn it here, so a process queues one (`enqueue(0.0)`) before it synchronises first."""
         if work_s < 0:
             raise ValueError(f"Simulated work must be >= 0 s, got {work_s!r}.")
         with self._mutex:
