@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from helpers import TOY_STEPS_COUNTER
-from zeusd_daemon import GENERATIONS, ROOT, Daemon, start_zeusd  # noqa: F401 - the fixture
+from zeusd_daemon import GENERATIONS, ROOT, Daemon, no_zeusd_from_the_shell, start_zeusd  # noqa: F401 - the fixtures
 from zeusd_double import issue_token
 
 from zeus_callbacks.core.device import setters, zeusd
@@ -40,14 +40,6 @@ from zeus_callbacks.core.device.state_guard import guard, journal_dir, leftover_
 HERE = Path(__file__).parent
 SCRIPT = HERE / "fault_training.py"
 KEY = "test-signing-key-0123456789abcdef"
-ZEUSD_ENV = (zeusd.SOCK_ENV, zeusd.HOST_PORT_ENV, zeusd.TOKEN_ENV, zeusd.TIMEOUT_ENV, setters.SETTERS_ENV)
-
-
-@pytest.fixture(autouse=True)
-def _no_zeusd_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ZEUSD_ENV:
-        monkeypatch.delenv(name, raising=False)
-    setters.forget()
 
 
 def _client(monkeypatch: pytest.MonkeyPatch, daemon: Daemon | None = None, **env: str) -> None:

@@ -14,9 +14,9 @@ import re
 from typing import Any
 
 import pytest
-from zeusd_daemon import Daemon, start_zeusd  # noqa: F401 - the fixture
+from zeusd_daemon import Daemon, no_zeusd_from_the_shell, start_zeusd  # noqa: F401 - the fixtures
 
-from zeus_callbacks.core.device import setters, zeusd
+from zeus_callbacks.core.device import zeusd
 from zeus_callbacks.core.device.errors import GPUNoPermissionError, GPUNotSupportedError
 from zeus_callbacks.core.device.gpus import get_gpus
 from zeus_callbacks.core.device.journal import read_journal
@@ -26,14 +26,6 @@ from zeus_callbacks.core.device.zeusd_api import classify
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("amdsmi") is None, reason="the amd extra is not installed"
 )
-ZEUSD_ENV = (zeusd.SOCK_ENV, zeusd.HOST_PORT_ENV, zeusd.TOKEN_ENV, zeusd.TIMEOUT_ENV, setters.SETTERS_ENV)
-
-
-@pytest.fixture(autouse=True)
-def _no_zeusd_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ZEUSD_ENV:
-        monkeypatch.delenv(name, raising=False)
-    setters.forget()
 
 
 def _point_at(monkeypatch: pytest.MonkeyPatch, daemon: Daemon) -> None:

@@ -1,5 +1,5 @@
 """The zeusd test double (`zeusd_double.py`) run as a daemon of its own, for tests: the `start_zeusd` fixture
-and the `Daemon` it returns."""
+and the `Daemon` it returns; `no_zeusd_from_the_shell`, an autouse fixture where imported."""
 
 from __future__ import annotations
 
@@ -11,12 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from zeus_callbacks.core.device import zeusd
+from zeus_callbacks.core.device import setters, zeusd
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 DOUBLE = HERE / "zeusd_double.py"
 GENERATIONS = ("0.4", "0.5", "master")
+ZEUSD_ENV = (zeusd.SOCK_ENV, zeusd.HOST_PORT_ENV, zeusd.TOKEN_ENV, zeusd.TIMEOUT_ENV, setters.SETTERS_ENV)
+
+
+@pytest.fixture(autouse=True)
+def no_zeusd_from_the_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No zeusd settings from the shell that runs the tests, and no route chosen by an earlier test."""
+    for name in ZEUSD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    setters.forget()
 
 
 class Daemon:
