@@ -59,6 +59,16 @@ class PlanSearch:
         self.slowest_time_s = dag.iteration_time([t[-1] for t in self.times])
         self.max_frequency_plan = max_frequency_plan(dag, options, self.p_blk)
         self.max_frequency_time_s = self.max_frequency_plan.iteration_time_s
+        # The search's state, set by `optimize` for each target: each node's level and duration, earliest and
+        # latest starts, the plan's effective energy, the price of a second, the deadline and its tolerance.
+        self.levels: list[int] = []
+        self.d: list[float] = []
+        self.es: list[float] = []
+        self.ls: list[float] = []
+        self.total_cost = 0.0
+        self.price = 0.0
+        self.deadline = 0.0
+        self.tol = 0.0
 
     def plan(self, levels: Sequence[int]) -> Plan:
         return make_plan(self.dag, self.p_blk, [opts[k] for opts, k in zip(self.opts, levels, strict=True)])

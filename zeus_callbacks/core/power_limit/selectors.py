@@ -90,14 +90,18 @@ class OptimumSelector:
 class Time(OptimumSelector):
     """The fastest operating point."""
 
-    def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
+    def score(  # noqa: D102
+        self, time_s: np.ndarray, energy_j: np.ndarray, max_power_w: float, reference_time_s: float
+    ) -> np.ndarray:
         return np.asarray(time_s, dtype=float)
 
 
 class Energy(OptimumSelector):
     """The operating point that uses the least energy."""
 
-    def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
+    def score(  # noqa: D102
+        self, time_s: np.ndarray, energy_j: np.ndarray, max_power_w: float, reference_time_s: float
+    ) -> np.ndarray:
         return np.asarray(energy_j, dtype=float)
 
 
@@ -146,7 +150,9 @@ class ZeusCost(OptimumSelector):
         self.eta_knob = float(eta_knob)
         self.world_size = int(world_size)
 
-    def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
+    def score(  # noqa: D102
+        self, time_s: np.ndarray, energy_j: np.ndarray, max_power_w: float, reference_time_s: float
+    ) -> np.ndarray:
         return self.eta_knob * np.asarray(energy_j, dtype=float) + (
             1.0 - self.eta_knob
         ) * max_power_w * np.asarray(time_s, dtype=float)
@@ -208,7 +214,9 @@ class MaxSlowdownConstraint(OptimumSelector):
     def has_score(self) -> bool:  # noqa: D102
         return self.prefer == "least_energy"
 
-    def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
+    def score(  # noqa: D102
+        self, time_s: np.ndarray, energy_j: np.ndarray, max_power_w: float, reference_time_s: float
+    ) -> np.ndarray:
         if self.prefer != "least_energy":
             raise NotImplementedError(
                 "`MaxSlowdownConstraint(prefer='lowest_power_limit')` ranks power limits, not costs; it has "
@@ -267,7 +275,9 @@ class MaxPowerConstraint(OptimumSelector):
         bound._job_watts = self.per_gpu_w(num_gpus) * num_gpus
         return bound
 
-    def score(self, time_s, energy_j, max_power_w, reference_time_s):  # noqa: D102
+    def score(  # noqa: D102
+        self, time_s: np.ndarray, energy_j: np.ndarray, max_power_w: float, reference_time_s: float
+    ) -> np.ndarray:
         time_s, energy_j = np.asarray(time_s, dtype=float), np.asarray(energy_j, dtype=float)
         budget = self._job_watts if self._job_watts is not None else max_power_w
         with np.errstate(divide="ignore", invalid="ignore"):
