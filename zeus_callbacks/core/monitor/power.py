@@ -326,13 +326,10 @@ class PowerMonitor:
         Raises:
             InvalidInputError: neither device domain is monitored, or the times are not numbers in order.
         """
-        domain = self._energy_domain(start_time, end_time)
-        self._collect()
-        with self._lock:
-            series = self._series[domain]
-            if all(series[i].latest() is None for i in self.gpu_indices):
-                return None
-            return {i: integrate(series[i].points(), start_time, end_time) / 1000 for i in self.gpu_indices}
+        found = self._energy_points(start_time, end_time)
+        if found is None:
+            return None
+        return {i: integrate(points, start_time, end_time) / 1000 for i, points in found[1].items()}
 
     def get_energy_bound(self, start_time: float, end_time: float) -> dict[int, float] | None:
         """How far each GPU's true energy between two times may lie from `get_energy`'s figure (J, either way),
@@ -345,15 +342,13 @@ class PowerMonitor:
         Raises:
             InvalidInputError: as `get_energy`.
         """
-        domain = self._energy_domain(start_time, end_time)
-        self._collect()
-        with self._lock:
-            series = self._series[domain]
-            if all(series[i].latest() is None for i in self.gpu_indices):
-                return None
-            timelines = {i: [(t, mw / 1000) for t, mw in series[i].points()] for i in self.gpu_indices}
+        found = self._energy_points(start_time, end_time)
+        if found is None:
+            return None
+        domain, timelines_mw = found
         out = {}
-        for i, points in timelines.items():
+        for i, points_mw in timelines_mw.items():
+            points = [(t, mw / 1000) for t, mw in points_mw]
             bound = self._bound(i, domain)
             energy_j = integrate(points, start_time, end_time)
             missed_j = trapezoid_error(
@@ -375,6 +370,19 @@ class PowerMonitor:
                 bound = EnergyBound(averaged, bound.refresh_s, bound.top_w)
             self._bounds[key] = bound
         return self._bounds[key]
+
+    def _energy_points(
+        self, start_time: float, end_time: float
+    ) -> tuple[PowerDomain, dict[int, list[tuple[float, float]]]] | None:
+        """The domain `get_energy` integrates and each GPU's whole timeline in it (mW), once the times are
+        checked; None before the first reading."""
+        domain = self._energy_domain(start_time, end_time)
+        self._collect()
+        with self._lock:
+            series = self._series[domain]
+            if all(series[i].latest() is None for i in self.gpu_indices):
+                return None
+            return domain, {i: series[i].points() for i in self.gpu_indices}
 
     def _energy_domain(self, start_time: float, end_time: float) -> PowerDomain:
         """The domain `get_energy` integrates, once the times are checked."""
