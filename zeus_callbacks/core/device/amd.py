@@ -5,7 +5,8 @@ AMD GPUs: `import zeus_callbacks` never imports it. Units, from `amdsmi/amdsmi_i
 library they wrap: the energy accumulator counts ticks of `counter_resolution` µJ (`amdsmi_get_energy_count`);
 power is in W (`amdsmi_get_power_info`: `current_socket_power` on MI300 and newer, `average_socket_power` on
 older boards, the other "N/A"); power caps are in µW (`amdsmi_get_power_cap_info`, `amdsmi_set_power_cap`);
-clocks in MHz (`amdsmi_get_clock_info`, `amdsmi_set_gpu_clk_range`) and the DPM levels in Hz
+clocks in MHz (`amdsmi_get_clock_info`, `amdsmi_set_gpu_clk_range`,
+`amdsmi_set_gpu_perf_determinism_mode`) and the DPM levels in Hz
 (`amdsmi_get_clk_freq`); temperatures in °C (amd_smi.cc divides ROCm SMI's millidegrees by 1000). Zeus's
 `zeus/device/gpu/amd.py` makes the same calls with the same conversions (there, `get_gpu_temperature` divides by
 1000 once more). The simulator answers beneath the real package (`zeus_callbacks.sim.amdsmi_library`).
@@ -338,7 +339,8 @@ class AMDDevice(Device):
         )
 
     def reset_sm_clocks(self) -> None:
-        """amdsmi_set_gpu_perf_level(AUTO): amdgpu manages every clock again (AMD has no per-domain reset)."""
+        """amdsmi_set_gpu_perf_level(AUTO): amdgpu manages every clock again (AMD has no per-domain reset), and
+        leaves performance determinism (Linux smu_v13_0_6_set_performance_level sends DisableDeterminism)."""
         a = self.amdsmi
         self._call("Unlocking the clocks", a.amdsmi_set_gpu_perf_level, a.AmdSmiDevPerfLevel.AUTO)
 
