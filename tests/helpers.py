@@ -26,6 +26,18 @@ def burn_cpu(seconds: float) -> float:
     return time.perf_counter() - start_wall
 
 
+def profile_to_the_end(opt: Any, system: Any, step_s: float = 0.2, most_steps: int = 200) -> None:
+    """Train `opt` (a `GlobalPowerLimitOptimizer`) on the simulated `system`, a step of `step_s` at a time, until
+    it is done (at most `most_steps` steps), then end training (`on_train_end`)."""
+    for _ in range(most_steps):
+        if opt.phase == "done":
+            break
+        opt.on_step_begin()
+        system.run_step(step_s)
+        opt.on_step_end()
+    opt.on_train_end()
+
+
 def real_driver_present() -> bool:
     """Whether a real NVIDIA driver answers NVML on this machine."""
     try:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import assert_clear, assert_one_clear_line, run_cli
+from helpers import assert_clear, assert_one_clear_line, profile_to_the_end, run_cli
 
 from zeus_callbacks import sim
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -111,13 +111,7 @@ def _finished_profile(path: Path) -> None:
     opt = GlobalPowerLimitOptimizer(
         ZeusMonitor([0]), warmup_steps=1, profile_steps=2, pl_step=100, profile_path=path
     )
-    for _ in range(200):
-        if opt.phase == "done":
-            break
-        opt.on_step_begin()
-        system.run_step(0.2)
-        opt.on_step_end()
-    opt.on_train_end()
+    profile_to_the_end(opt, system)
     assert opt.phase == "done"
 
 

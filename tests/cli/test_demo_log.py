@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import logging
 
+from helpers import profile_to_the_end
+
 from zeus_callbacks import sim
 from zeus_callbacks.cli.demo_env import package_log
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
@@ -18,13 +20,7 @@ def test_the_choice_is_logged_at_info(caplog):
     system = sim.simulate("a40", virtual_clock=True)
     opt = GlobalPowerLimitOptimizer(ZeusMonitor([0]), Time(), warmup_steps=1, profile_steps=2, pl_step=100)
     with caplog.at_level(logging.INFO, logger="zeus_callbacks"):
-        for _ in range(200):
-            if opt.phase == "done":
-                break
-            opt.on_step_begin()
-            system.run_step(0.2)
-            opt.on_step_end()
-        opt.on_train_end()
+        profile_to_the_end(opt, system)
     chose = [r for r in caplog.records if "chose the power limit" in r.getMessage()]
     assert len(chose) == 1 and chose[0].levelno == logging.INFO, [
         (r.levelname, r.getMessage()) for r in chose
