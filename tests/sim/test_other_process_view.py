@@ -26,14 +26,25 @@ SLICE_S = 0.001
 
 
 class _Host:
-    """Wall and CPU time that move only when the host works (both) or sleeps (wall)."""
+    """Wall and CPU time that move only when the host works (both) or sleeps (wall, `late_s` past the asked,
+    calling `during_sleep(dt)` at the middle of each slice of about a millisecond of it: another process
+    reading meanwhile)."""
 
     def __init__(self) -> None:
-        self.wall_s, self.cpu_s = 1_000.0, 0.0
+        self.wall_s, self.cpu_s, self.late_s = 1_000.0, 0.0, 0.0
+        self.during_sleep = lambda dt: None
 
     def work(self, seconds: float) -> None:
         self.wall_s += seconds
         self.cpu_s += seconds
+
+    def sleep(self, seconds: float) -> None:
+        n = max(1, round((seconds + self.late_s) / SLICE_S))
+        dt = (seconds + self.late_s) / n  # about a millisecond
+        for _ in range(n):
+            self.wall_s += dt / 2
+            self.during_sleep(dt)
+            self.wall_s += dt / 2
 
 
 @pytest.fixture
@@ -41,7 +52,7 @@ def host(monkeypatch: pytest.MonkeyPatch) -> _Host:
     h = _Host()
     fake = SimpleNamespace(
         time=lambda: h.wall_s,
-        sleep=lambda s: setattr(h, "wall_s", h.wall_s + s),
+        sleep=h.sleep,
         process_time=lambda: h.cpu_s,
     )
     monkeypatch.setattr(sim_host, "time", fake)
@@ -88,6 +99,52 @@ def test_another_process_sees_kernels_run_and_the_hosts_cpu_time_as_idle(host, t
     assert readings == pytest.approx(per_step * 4, rel=1e-9)
     assert sampled_j == pytest.approx(true_j, rel=1e-9)
     assert true_j == pytest.approx(4 * (KERNEL_S * busy_w + (HOST_S - KERNEL_S) * idle_w), rel=1e-9)
+
+
+def test_a_late_wake_does_not_shorten_the_kernels_another_process_sees(host, tmp_path, monkeypatch):
+    """The worker wakes 3 ms late from each synchronisation, so its node time lags the wall clock by 3 ms
+    (`HostClock`); another process, whose own time does not lag, reads each 50 ms kernel busy for 50 ms of its
+    time, and its readings integrate to the true energy (plus the last wake's lag of idle power: the two
+    clocks' offset at the end). Fails if the kernels' end is shared on the worker's node time: the other
+    process then sees each kernel end 3 ms early (a loaded host's lateness moved the sampled energy)."""
+    ideal = "energy_counter,sensor_gain,power_average"
+    worker = SimulatedSystem("a40", state_dir=str(tmp_path), ideal=ideal).gpus[0]
+    reader = SimulatedSystem("a40", state_dir=str(tmp_path), ideal=ideal).gpus[0]
+    other_pid = os.getpid() + 1
+    readings: list[float] = []
+
+    def read(dt: float) -> None:
+        with monkeypatch.context() as m:  # another process: its own pid, and a node time that does not lag
+            m.setattr(os, "getpid", lambda: other_pid)
+            m.setattr(HOST_CLOCK, "lag_s", 0.0)
+            m.setattr(HOST_CLOCK, "_latest", float("-inf"))
+            readings.append(reader.power_mw() / 1000 * dt / SLICE_S)
+
+    def work(seconds: float) -> None:
+        for _ in range(round(seconds / SLICE_S)):
+            host.work(SLICE_S / 2)
+            read(SLICE_S)
+            host.work(SLICE_S / 2)
+
+    host.late_s, host.during_sleep = 0.003, read
+    busy_w, idle_w = worker.operating_point()[1], worker.spec.idle_power_w
+    e0 = worker.true_energy_mj()
+    for _ in range(4):
+        worker.enqueue(KERNEL_S)
+        work(0.02)  # beside the kernel
+        worker.synchronize()  # sleeps to the kernel's end, 3 ms late
+        work(0.03)  # the GPU idles
+    true_j = (worker.true_energy_mj() - e0) / 1000
+    per_step = [busy_w] * round(KERNEL_S / SLICE_S)
+    first_idle = readings[len(per_step) : len(per_step) + 3]  # the first step's wake was 3 ms late
+    assert readings[: len(per_step)] == pytest.approx(per_step, rel=1e-9)
+    assert first_idle == pytest.approx([idle_w] * 3, rel=1e-9)
+    for k in range(1, 4):  # each later step: 50 ms busy, then 30 ms idle, on the reader's time
+        step = readings[3 + 80 * k : 3 + 80 * (k + 1)]
+        assert step == pytest.approx(per_step + [idle_w] * 30, rel=1e-9)
+    # The reader's time ran 3 ms longer than the node's (the last wake's lag), the GPU idle then.
+    assert HOST_CLOCK.lag_s == pytest.approx(host.late_s)
+    assert sum(readings) * SLICE_S == pytest.approx(true_j + idle_w * HOST_CLOCK.lag_s, rel=1e-9)
 
 
 @pytest.mark.system

@@ -460,7 +460,8 @@ class SimulatedGPU:
             if not self.virtual:  # it runs once the GPU is done with the kernels before it
                 rel, _ = self.operating_point()
                 self._kernels_end = max(self._kernels_end, HOST_CLOCK.now()) + work_s * rel
-                self._state.set("kernels_end", self._kernels_end)  # others see the GPU busy until then
+                # Others see the GPU busy until then, on the wall clock: their node time lags it by their own lag.
+                self._state.set("kernels_end", self._kernels_end + HOST_CLOCK.lag_s)
                 self._state.set("kernels_pid", os.getpid())
 
     def busy_time(self, work_s: float) -> tuple[float, float]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.device.journal import open_trusted_file
-from zeus_callbacks.sim.host import busy_power_w, process_cpu_s
+from zeus_callbacks.sim.host import HOST_CLOCK, busy_power_w, process_cpu_s
 
 # Persistent per-GPU state: a small file of float64 fields, mapped into memory so that reads cost
 # about a microsecond and every process on the "node" sees the same GPU, as with a real one.
@@ -40,7 +40,7 @@ _FIELDS = (
     "worker_cpu_s",
     "worker_sync_at",
     "kernels_pid",  # the process that queues kernels here (0: none, the work is paced by the host's CPU)
-    "kernels_end",  # when the kernels it queued so far end (the node's time)
+    "kernels_end",  # when the kernels it queued so far end (the wall clock's time, `others_power_w`)
     *(f"ring{i}_{part}" for i in range(RING_SLOTS) for part in ("tick", "mj")),
 )
 _IDX = {name: i for i, name in enumerate(_FIELDS)}
@@ -103,14 +103,15 @@ class GPUState:
 
 def others_power_w(state: GPUState, now: float, last_sync: float, idle_w: float, busy_w: float) -> float:
     """What other processes' work on the GPU draws at `now` (W), as this process (last synchronised at
-    `last_sync`) sees it through the shared state: busy power until the kernels another process queued end,
+    `last_sync`) sees it through the shared state: busy power until the kernels another process queued end
+    (`kernels_end`, on the wall clock, for the node's time of each process lags it by that process's lag),
     and idle power once they have, for its host CPU time is not GPU work (`SimulatedGPU.enqueue`); otherwise
     the average power of another process's interval accounted within 0.5 s, or busy power in proportion to
     the CPU time (/proc) of the process that synchronised last, since then."""
     pid = os.getpid()
     kernels_pid = int(state.get("kernels_pid"))
     if kernels_pid and kernels_pid != pid:
-        return busy_w if now < state.get("kernels_end") else idle_w
+        return busy_w if now + HOST_CLOCK.lag_s < state.get("kernels_end") else idle_w  # on the wall clock
     last_at = state.get("last_power_at")
     shared = state.get("last_power_w") if now - last_at < 0.5 and last_at > last_sync else idle_w
     worker = int(state.get("worker_pid"))
