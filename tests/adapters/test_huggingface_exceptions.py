@@ -96,6 +96,17 @@ def assert_restored_now(system: sim.SimulatedSystem) -> None:
     assert not guard().entries  # nothing journaled is left for exit or a repair
 
 
+def failing_plain_trainer(system: sim.SimulatedSystem, tmp_path: Path) -> tuple[Trainer, FailBelow]:
+    """A plain `Trainer` (no `ZeusTrainerMixin`) whose callbacks are the power-limit optimizer and a `FailBelow`,
+    returned too."""
+    fail = FailBelow(system)
+    callbacks = [HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW), fail]
+    trainer = Trainer(
+        model=Model(system), args=trainer_args(tmp_path), train_dataset=DATA, callbacks=callbacks
+    )
+    return trainer, fail
+
+
 def test_callbacks_given_at_construction(node, tmp_path):
     fail = FailBelow(node)
     plo = HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW)
@@ -168,13 +179,7 @@ def test_keyboard_interrupt_in_a_notebook_cell(node, tmp_path):
 
 
 def test_with_guard_on_a_plain_trainer(node, tmp_path):
-    fail = FailBelow(node)
-    trainer = Trainer(
-        model=Model(node),
-        args=trainer_args(tmp_path),
-        train_dataset=DATA,
-        callbacks=[HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW), fail],
-    )
+    trainer, fail = failing_plain_trainer(node, tmp_path)
     with pytest.raises(RuntimeError, match="callback failed"), restoring_gpus(trainer):
         trainer.train()
     assert_restored_now(node)
@@ -183,13 +188,7 @@ def test_with_guard_on_a_plain_trainer(node, tmp_path):
 def test_a_plain_trainer_without_the_opt_in_is_left_as_transformers_makes_it(node, tmp_path):
     """No process-wide patch: the GPU stays as the failed run left it until exit (or the opt-in)."""
     train = Trainer.train
-    fail = FailBelow(node)
-    trainer = Trainer(
-        model=Model(node),
-        args=trainer_args(tmp_path),
-        train_dataset=DATA,
-        callbacks=[HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW), fail],
-    )
+    trainer, fail = failing_plain_trainer(node, tmp_path)
     with pytest.raises(RuntimeError, match="callback failed"):
         trainer.train()
     assert Trainer.train is train
@@ -240,13 +239,7 @@ def test_a_plain_trainer_in_a_notebook_is_put_back_when_the_failed_cell_ends(
     warning that says why and names the opt-in. On the parent commit the GPU stayed at the failed run's
     limit until the kernel exited."""
     train = Trainer.train
-    fail = FailBelow(node)
-    trainer = Trainer(
-        model=Model(node),
-        args=trainer_args(tmp_path),
-        train_dataset=DATA,
-        callbacks=[HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW), fail],
-    )
+    trainer, fail = failing_plain_trainer(node, tmp_path)
     with pytest.raises(RuntimeError, match="callback failed"):  # the cell raises
         trainer.train()
     assert node.gpus[0].power_limit_mw == fail.failed_at_w * 1000 < MAX_W * 1000  # until the cell ends
@@ -276,11 +269,7 @@ def test_a_plain_trainer_that_completes_in_a_notebook_leaves_no_watcher(node, tm
 def test_a_caught_failure_on_a_plain_trainer_is_put_back_at_the_next_run(node, tmp_path, caplog):
     """Outside IPython (a script that catches the exception and trains again): the next run of the same
     callbacks puts the GPU back first, with one warning."""
-    fail = FailBelow(node)
-    plo = HFGlobalPowerLimitOptimizer(monitor(), **PLO_KW)
-    trainer = Trainer(
-        model=Model(node), args=trainer_args(tmp_path), train_dataset=DATA, callbacks=[plo, fail]
-    )
+    trainer, fail = failing_plain_trainer(node, tmp_path)
     with pytest.raises(RuntimeError, match="callback failed"):
         trainer.train()
     assert node.gpus[0].power_limit_mw < MAX_W * 1000
