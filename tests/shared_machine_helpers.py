@@ -111,6 +111,17 @@ def _plan_plot(path: Path) -> None:
     assert main(argv) == 0
 
 
+def _demo_plot(path: Path) -> None:
+    from zeus_callbacks.cli.demo_plot import plot
+
+    rows = [
+        {"power_limit_w": pl, "time_per_step_s": 30 / pl, "energy_per_step_j": pl / 10, "pruned": pl == 100}
+        for pl in (100, 200, 300)
+    ]
+    report = {"power_limits": rows, "optimal_power_limit_w": 200, "gpu": "A40", "selector": "energy"}
+    plot({**report, "simulated": True}, path)
+
+
 def _monitor_log(path: Path) -> None:
     from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 
@@ -141,6 +152,7 @@ WRITE_ROUTES: dict[str, tuple[str, Callable[[Path], None]]] = {
     "zeus2_run": ("run.json", _zeus2_run),
     "zeus2_profile": ("a10.json", _zeus2_profile),
     "plan_plot": ("plan.png", _plan_plot),
+    "demo_plot": ("demo.png", _demo_plot),
     "monitor_log": ("monitor.csv", _monitor_log),
     "epoch_log": ("run.time.csv", _epoch_log),
 }

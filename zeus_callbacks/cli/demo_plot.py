@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
+
+from zeus_callbacks.core.files import write_atomic
 
 __all__ = ["plot"]
 
@@ -36,5 +39,7 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
         title = f"SIMULATED {title}"
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()  # rendered here, written as every file of the package is (`files.write_atomic`)
+    fig.savefig(image, dpi=100, format=Path(path).suffix.lstrip(".").lower() or "png")
     plt.close(fig)
+    write_atomic(path, image.getvalue(), mode=0o644)
