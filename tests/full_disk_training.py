@@ -3,7 +3,8 @@ them, for tests/test_full_disk.py (run as a script).
 
 Usage: `python full_disk_training.py DIR WHAT FAILURE`.
 - WHAT `outputs`: the power-limit profile (`DIR/plo.json`), the run record and report (`DIR/report.html`,
-  `DIR/report.run/`) and, unless read-only, the monitor's log (`DIR/monitor.csv`) go to DIR; the journal
+  `DIR/report.run/`), the energy ledger's lines (`DIR/ledger.jsonl`: a checkpoint line half-way, the end
+  line at the end) and, unless read-only, the monitor's log (`DIR/monitor.csv`) go to DIR; the journal
   stays in memory. WHAT `journal`: the
   GPU-state journal goes to `DIR/journal` (`ZEUS_CALLBACKS_JOURNAL_DIR`).
 - FAILURE `enospc` or `erofs`: DIR is a full or read-only file system (made by the caller); `efbig`: this
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from zeus_callbacks import sim
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+from zeus_callbacks.core.monitor.reporting import EnergyReporter
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
 from zeus_callbacks.core.report import start_report
 
@@ -53,6 +55,9 @@ def main(directory: Path, what: str, failure: str) -> None:
         profile_path=directory / "plo.json" if outputs else None,
     )
     recorder = start_report(directory / "report.html", monitor) if outputs else None
+    ledger = EnergyReporter(monitor, ledger_path=directory / "ledger.jsonl") if outputs else None
+    if ledger is not None:
+        ledger.start()
     before, seen, steps = gpu.power_limit_mw, set(), 0
     for _ in range(STEPS):
         plo.on_step_begin()
@@ -64,6 +69,10 @@ def main(directory: Path, what: str, failure: str) -> None:
             recorder.on_step_end()
         seen.add(gpu.power_limit_mw)
         steps += 1
+        if ledger is not None and steps == STEPS // 2:
+            ledger.checkpoint(step=steps)
+    if ledger is not None:
+        ledger.stop()
     plo.on_train_end()
     if recorder is not None:
         recorder.finish([plo])

@@ -71,7 +71,8 @@ def _result(done: subprocess.CompletedProcess) -> dict:
 @pytest.mark.parametrize("failure", ["enospc", "efbig", "erofs"])
 def test_profile_and_report_that_cannot_be_written_never_stop_training(failure: str, tmp_path: Path) -> None:
     """Rule: a failed save of the power-limit profile, the run record, the report or a write of the monitor's
-    log is one warning each, and the run trains on and restores the GPU. Fails on a0ffbee: `save_profile` raised OSError out of
+    log is one warning each, a lost ledger line one warning with the line (a checkpoint's and the end's), and
+    the run trains on and restores the GPU. Fails on a0ffbee: `save_profile` raised OSError out of
     `on_step_end` (ENOSPC, EFBIG: exit 1 with a traceback), and the run record warned at every write."""
     out = tmp_path / "out"
     out.mkdir()
@@ -86,8 +87,11 @@ def test_profile_and_report_that_cannot_be_written_never_stop_training(failure: 
     assert done.stderr.count("Cannot write the report") == 1, done.stderr[-3000:]
     if failure != "erofs":
         assert done.stderr.count("Cannot write the ZeusMonitor log") == 1, done.stderr[-3000:]
+    lost = [line for line in done.stderr.splitlines() if "Energy ledger" in line]
+    assert len(lost) == 2 and all("this line is lost" in line.lower() for line in lost), lost
     if failure != "enospc":  # the tmpfs went with its namespace; elsewhere nothing half-written is left
         assert [p.name for p in out.rglob("*") if p.name.endswith(".tmp")] == []
+        assert not (out / "ledger.jsonl").exists() or (out / "ledger.jsonl").stat().st_size == 0
 
 
 @pytest.mark.system

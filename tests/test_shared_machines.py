@@ -140,6 +140,43 @@ def test_the_energy_ledger_behind_another_users_link_is_refused(tmp_path: Path, 
     assert f"symbolic link owned by {user.pw_name}" in caplog.text and list(private.iterdir()) == []
 
 
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_link_or_fifo_another_user_planted_at_the_ledger_is_not_written_and_training_goes_on(
+    planted: str, tmp_path: Path, user, caplog
+) -> None:
+    """Rule: the ledger (appended in place, not replaced) is opened O_NOFOLLOW|O_NONBLOCK: what another
+    user put at its name in a shared directory is never written through nor waited on; each line is lost
+    with a warning naming who put it there, and the reporter's checkpoint and end raise nothing into
+    training. Fails on the parent: with the FIFO, the first checkpoint raised InvalidInputError out of the
+    training loop (as it did with the link wherever open(2) answers ELOOP); the link's warning did not say
+    whose it was (here the kernel answers O_CREAT on another user's link in a sticky directory with EACCES)."""
+    from zeus_callbacks.core.monitor.monitor import ZeusMonitor
+    from zeus_callbacks.core.monitor.reporting import EnergyReporter
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text(VICTIM_TEXT)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o1777)  # a site's ledger directory all users append in, as /tmp
+    ledger = shared / "energy.jsonl"
+    if planted == "symlink":
+        ledger.symlink_to(victim)
+    else:
+        os.mkfifo(ledger)
+    give_to(ledger, user)
+    system = sim.simulate("a40", virtual_clock=True)
+    reporter = EnergyReporter(ZeusMonitor(), ledger_path=ledger)
+    with caplog.at_level("WARNING", logger="zeus_callbacks"):
+        reporter.start()
+        system.run_step(0.1)
+        reporter.checkpoint(step=1)
+        system.run_step(0.1)
+        reporter.stop()
+    said = [r.getMessage() for r in caplog.records if "Energy ledger" in r.getMessage()]
+    assert len(said) == 2 and all(f"put there by {user.pw_name}" in x for x in said), said
+    assert victim.read_text() == VICTIM_TEXT and (ledger.is_symlink() or ledger.is_fifo())
+
+
 def test_journal_and_simulated_state_dirs_behind_another_users_link_are_refused(tmp_path: Path, user) -> None:
     """Rule: the journal directory and the simulated GPUs' state directory are not reached through a link
     another user owns at any component. Fails on a0ffbee: the journal's checks resolved the parents
@@ -280,7 +317,8 @@ def test_report_of_a_run_dir_whose_record_is_a_fifo_says_so(tmp_path: Path, caps
     assert code == [2] and "a FIFO" in capsys.readouterr().err
 
 
-def test_a_profile_claiming_more_steps_than_any_job_measures_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("steps", [10**20, 1e20], ids=["int", "float"])
+def test_a_profile_claiming_more_steps_than_any_job_measures_is_refused(steps: float, tmp_path: Path) -> None:
     """Rule: a limit's count of steps is at most `MAX_STEPS` (a billion). Fails on a0ffbee: `steps` 10**20
     was taken, and its per-step figures, looking exact, changed the choice."""
     from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
@@ -290,7 +328,7 @@ def test_a_profile_claiming_more_steps_than_any_job_measures_is_refused(tmp_path
     path = tmp_path / "plo.json"
     save_profile(path, context, {300: PowerLimitStats(300, 4, 0.4, 120.0, 0.04, 3600.0)}, complete=False)
     data = json.loads(path.read_text())
-    data["measurements"][0]["steps"] = 10**20
+    data["measurements"][0]["steps"] = steps
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="is not a count of measured steps"):
         load_profile(path, context)

@@ -15,7 +15,7 @@ finished run is never counted twice, and a killed one is counted up to its last 
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import fcntl
 import json
 import logging
@@ -120,11 +120,12 @@ class LedgerEntry:
 def append(path: str | os.PathLike[str], entry: LedgerEntry) -> bool:
     """Append `entry` to the ledger at `path` (created private to its owner if new); True once it is there.
 
-    A failure (a full disk, a file system that refuses locks, no permission) is logged at WARNING with what
-    to do and returns False: the line is not in the ledger, and nothing half of it is.
+    A failure (a full disk, a file system that refuses locks, no permission, a symlink or FIFO another user
+    put at `path`) is logged at WARNING with what to do and returns False: the line is not in the ledger,
+    and nothing half of it is.
 
     Raises:
-        InvalidInputError: `path` is not a regular file (a folder, a FIFO, a symlink): it cannot be a ledger.
+        InvalidInputError: `path` is this user's (or root's) folder, FIFO or symlink: it cannot be a ledger.
     """
     line = entry.to_line()
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -135,13 +136,15 @@ def append(path: str | os.PathLike[str], entry: LedgerEntry) -> bool:
         finally:
             os.close(dir_fd)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise _not_a_ledger(path, "is a symlink, a folder or a device") from None
+        found = None if isinstance(e, files.UnsafePathError) else _lstat(path)
+        if found is not None and not stat.S_ISREG(found.st_mode):  # a link, folder or FIFO at the name
+            return _refuse(path, found, line)
         logger.warning("Energy ledger %s: cannot open it (%s); this line is lost: %s", path, e, line.decode())
         return False
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _not_a_ledger(path, "is not a regular file")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return _refuse(path, st, line)
         return _locked_append(fd, path, line)
     finally:
         os.close(fd)
@@ -161,7 +164,8 @@ def _locked_append(fd: int, path: str | os.PathLike[str], line: bytes) -> bool:
                 written += os.write(fd, line[written:])
             return True
         except OSError as e:
-            os.ftruncate(fd, end)  # no half line left behind
+            with contextlib.suppress(OSError):  # a failed cut is said below with the line; never raised
+                os.ftruncate(fd, end)  # no half line left behind
             logger.warning(
                 "Energy ledger %s: the append failed (%s); free space or point %s elsewhere. This line is "
                 "lost: %s",
@@ -173,6 +177,31 @@ def _locked_append(fd: int, path: str | os.PathLike[str], line: bytes) -> bool:
             return False
     finally:
         fcntl.lockf(fd, fcntl.LOCK_UN)
+
+
+def _lstat(path: str | os.PathLike[str]) -> os.stat_result | None:
+    with contextlib.suppress(OSError):
+        return os.stat(path, follow_symlinks=False)
+    return None
+
+
+def _refuse(path: str | os.PathLike[str], found: os.stat_result, line: bytes) -> bool:
+    """Not a regular file at the ledger's name (`found`): this user's (or root's) is a mistake in the path,
+    raised; one another user put there (a directory others may write) is said with the lost line, and
+    training goes on (False): it is never written through nor waited on."""
+    what = "a symbolic link" if stat.S_ISLNK(found.st_mode) else "a folder, a FIFO or a device"
+    if found.st_uid in (os.geteuid(), 0):
+        raise _not_a_ledger(path, f"is {what}")
+    logger.warning(
+        "Energy ledger %s is %s put there by %s: it is never written through. Point %s at a file of your "
+        "own. This line is lost: %s",
+        path,
+        what,
+        files.user_name(found.st_uid),
+        LEDGER_ENV,
+        line.decode(),
+    )
+    return False
 
 
 def _not_a_ledger(path: str | os.PathLike[str], why: str) -> InvalidInputError:
