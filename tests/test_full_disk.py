@@ -196,3 +196,28 @@ def test_eight_processes_save_and_load_one_profile(tmp_path: Path) -> None:
         outcomes = pool.map(_save_and_load, [(path, w, 1000) for w in range(8)])
     assert outcomes == [(0, 0)] * 8
     assert [p.name for p in tmp_path.iterdir()] == ["plo.json"]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG, errno.EROFS], ids=["enospc", "efbig", "erofs"])
+def test_a_pipeline_profile_that_cannot_be_written_is_a_warning_and_keeps_the_last(
+    code: int, tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """Rule: the Perseus profile, written while training (when the plan is made), fails as the others do:
+    a warning naming the file and why, nothing raised into training, the last complete file kept and no
+    temporary left."""
+    from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow
+    from zeus_callbacks.core.pipeline_frequency.profiling import save_profile
+
+    path = tmp_path / "perseus.csv"
+    rows = [ProfileRow(0, "forward", 1410, 0.1, 20.0), ProfileRow(0, "backward", 1410, 0.2, 40.0)]
+    save_profile(path, rows, {})
+    before = path.read_bytes()
+
+    def fail(fd: int, data: bytes) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(files, "_write_all", fail)
+    with caplog.at_level("WARNING", logger="zeus_callbacks"):
+        save_profile(path, rows[:1], {"edge_delays": [(0, "forward", 0, "backward", 0.001)]})
+    assert os.strerror(code) in caplog.text and str(path) in caplog.text
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
