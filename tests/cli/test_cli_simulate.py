@@ -12,12 +12,6 @@ from zeus_callbacks import sim
 from zeus_callbacks.cli import main
 
 
-@pytest.fixture(autouse=True)
-def _sim_off():
-    yield
-    sim.disable()
-
-
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     rc = main(["simulate", *argv])
     out, err = capsys.readouterr()

@@ -14,12 +14,6 @@ from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.monitor.reporting import MERGE_REFRESHES, EnergyReporter, Rates
 
 
-@pytest.fixture(autouse=True)
-def _sim_off():
-    yield
-    sim.disable()
-
-
 def _true_j(system: sim.SimulatedSystem) -> list[float]:
     """Each GPU's true energy so far (J), in the simulator's order (NVML's: single-GPU nodes here)."""
     return [g.true_energy_mj() / 1000 for g in system.gpus]

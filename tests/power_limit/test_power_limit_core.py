@@ -35,12 +35,6 @@ from zeus_callbacks.core.power_limit.selectors import Energy, MaxSlowdownConstra
 WORK_S = 0.1
 
 
-@pytest.fixture(autouse=True)
-def _sim_off():
-    yield
-    sim.disable()
-
-
 def _search(grid, stats, selector, max_power_w, mode="adaptive", warmup_steps=10) -> Search:
     """A `Search` over `grid` holding `stats` (40 profile steps, the optimizer's default)."""
     search = Search(grid, selector, max_power_w, mode, warmup_steps=warmup_steps, profile_steps=40)

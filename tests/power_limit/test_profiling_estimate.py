@@ -8,8 +8,6 @@ from __future__ import annotations
 import logging
 import re
 
-import pytest
-
 from zeus_callbacks import sim
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit.optimizer import GlobalPowerLimitOptimizer
@@ -32,12 +30,6 @@ def _run(steps: int) -> tuple[int, GlobalPowerLimitOptimizer]:
         if opt.phase == "done":
             return i + 1, opt
     return steps, opt
-
-
-@pytest.fixture(autouse=True)
-def _sim_off():
-    yield
-    sim.disable()
 
 
 def test_a_run_cut_short_before_any_sample_is_told_what_a_whole_run_takes(caplog):

@@ -28,12 +28,6 @@ V1_STATS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _sim_off():
-    yield
-    sim.disable()
-
-
 def _optimizer(**kw) -> GlobalPowerLimitOptimizer:
     sim.simulate("a40", virtual_clock=True, noise=0.02, seed=5)
     return GlobalPowerLimitOptimizer(ZeusMonitor(), ZeusCost(0.5), warmup_steps=1, profile_steps=8, **kw)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from zeus_callbacks import sim
 from zeus_callbacks.core.power_limit.selectors import (
     Energy,
     MaxSlowdownConstraint,
@@ -16,12 +15,6 @@ from zeus_callbacks.core.power_limit.selectors import (
 )
 
 zeus_pl = pytest.importorskip("zeus.optimizer.power_limit")
-
-
-@pytest.fixture(autouse=True)
-def _sim_off():
-    yield
-    sim.disable()
 
 
 M = PowerLimitMeasurement

@@ -44,12 +44,6 @@ WORK_S = 0.1
 DATA = Path(sim.__file__).parent / "data" / "zeus_profiles"
 
 
-@pytest.fixture(autouse=True)
-def _sim_off():
-    yield
-    sim.disable()
-
-
 def vsim(spec: str = "a40", **kw) -> sim.SimulatedSystem:
     kw.setdefault("noise", 0.02)
     kw.setdefault("seed", 1)

@@ -41,12 +41,6 @@ PATTERNS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _sim_off():
-    yield
-    sim.disable()
-
-
 def _rows(name: str) -> list[tuple[int, float, float]]:
     """(power limit W, time s, energy J summed over GPUs) of each row of a log Zeus recorded."""
     with open(DATA / name, newline="") as f:
