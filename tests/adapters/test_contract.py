@@ -17,6 +17,7 @@ Only the calls' order and counts are asserted (no time, no energy): the outcome 
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import typing
@@ -376,3 +377,52 @@ def test_type_checkers_see_every_option(adapter: Adapter) -> None:
         init = owner.__init__
         options = eval(init.__annotations__["options"], vars(importlib.import_module(init.__module__)))
         assert options == Unpack[arguments], owner
+
+
+# Modules where a power-limit option's name means another tool's option (the pipeline-frequency optimizer,
+# the heterogeneous profiler and planner and their CLIs) or the demo's own shorter run: their defaults are theirs.
+OTHER_TOOLS = (
+    "core/pipeline_frequency/",
+    "core/heterogeneous/",
+    "cli/profile.py",
+    "cli/plan.py",
+    "cli/demo.py",
+)
+
+
+def test_the_options_defaults_are_written_once() -> None:
+    """Issue 39: the options' defaults were written in 5 places. Outside `options.py` no parameter named after
+    an option has a literal default, and no command-line flag named after one a literal `default=`: they
+    take the record's (`PowerLimitOptions.<name>`) or none."""
+    package = Path(importlib.import_module("zeus_callbacks").__file__).parent
+    names = {f.name for f in fields(PowerLimitOptions)}
+    written = []
+    for path in sorted(package.rglob("*.py")):
+        module = str(path.relative_to(package))
+        if module == "core/power_limit/options.py" or module.startswith(OTHER_TOOLS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.arguments):
+                params = [*node.posonlyargs, *node.args]
+                pairs = list(zip(params[len(params) - len(node.defaults) :], node.defaults, strict=True))
+                pairs += [(p, d) for p, d in zip(node.kwonlyargs, node.kw_defaults, strict=True) if d]
+                written += [
+                    f"{module}:{node_line(d)} {p.arg}={ast.unparse(d)}"
+                    for p, d in pairs
+                    if p.arg in names and isinstance(d, ast.Constant) and d.value is not None
+                ]
+            elif (
+                isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args
+            ):
+                flag = node.args[0]
+                name = flag.value.lstrip("-").replace("-", "_") if isinstance(flag, ast.Constant) else ""
+                written += [
+                    f"{module}:{node_line(k.value)} --{name} default={ast.unparse(k.value)}"
+                    for k in node.keywords
+                    if name in names and k.arg == "default" and isinstance(k.value, ast.Constant)
+                ]
+    assert not written, f"an option's default written again (take PowerLimitOptions.<name>): {written}"
+
+
+def node_line(node: ast.AST) -> int:
+    return getattr(node, "lineno", 0)

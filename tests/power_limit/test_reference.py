@@ -31,12 +31,6 @@ WORK_S = 0.1
 GRID = [300, 250, 200, 150, 100]
 
 
-@pytest.fixture(autouse=True)
-def _sim_off():
-    yield
-    sim.disable()
-
-
 def _set_aside(pl: int, t: float, steps: int, visits: int = 1) -> PowerLimitStats:
     """A limit visited `visits` times whose every sample was set aside as burst-ridden."""
     s = _stats(pl, t, 20.0, steps)
@@ -47,7 +41,7 @@ def _set_aside(pl: int, t: float, steps: int, visits: int = 1) -> PowerLimitStat
 
 
 def _search(stats: dict[int, PowerLimitStats], selector: OptimumSelector) -> Search:
-    search = Search(GRID, selector, 300.0, profile_steps=40)
+    search = Search(GRID, selector, 300.0, "adaptive", warmup_steps=10, profile_steps=40)
     search.stats = stats
     return search
 
@@ -194,7 +188,7 @@ def test_the_demo_prints_no_negative_slowdown():
     time lost (main printed 'energy saved 15.5%, time lost -0.6%' on an idle host)."""
     from zeus_callbacks.cli.demo import table
 
-    search = Search([300, 250, 225], ZeusCost(0.5), 300.0)
+    search = Search([300, 250, 225], ZeusCost(0.5), 300.0, "adaptive", warmup_steps=10, profile_steps=40)
     search.stats = {300: _stats(300, 0.1, 30.0, 24), 225: _stats(225, 0.0994, 25.0, 24)}
     report = {
         "simulated": True,

@@ -16,7 +16,9 @@ from zeus_callbacks.core.power_limit.selectors import Energy, MaxSlowdownConstra
 
 def _verdict(current: PowerLimitStats, stats: dict, selector) -> str:
     """`Search.measurement_verdict` on a 250 W..100 W grid (40 profile steps: 5 samples at least)."""
-    search = Search([250, 225, 200, 175, 150, 125, 100], selector, 250.0, profile_steps=40)
+    search = Search(
+        [250, 225, 200, 175, 150, 125, 100], selector, 250.0, "adaptive", warmup_steps=10, profile_steps=40
+    )
     search.stats = stats
     return search.measurement_verdict(current)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from zeus_callbacks.cli.options import GPU_KINDS, add_objective_arguments, objective_from_args
+from zeus_callbacks.core.power_limit.options import PowerLimitOptions
 
 _WORK_S = 0.1  # one step's work at the maximum limit; only ratios matter on a virtual clock
 _MAX_STEPS = 100_000
@@ -50,11 +51,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--noise", type=float, default=0.02, help="relative per-step noise (default 0.02)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--search", choices=("adaptive", "sweep"), default="adaptive")
-    parser.add_argument("--wait-steps", type=int, default=1)
-    parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--profile-steps", type=int, default=40)
-    parser.add_argument("--pl-step", type=int, default=25, help="stride between profiled limits (W)")
+    defaults = PowerLimitOptions  # the optimizer's own defaults
+    parser.add_argument("--search", choices=("adaptive", "sweep"), default=defaults.search)
+    parser.add_argument("--wait-steps", type=int, default=defaults.wait_steps)
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    parser.add_argument("--profile-steps", type=int, default=defaults.profile_steps)
+    parser.add_argument(
+        "--pl-step", type=int, default=defaults.pl_step, help="stride between profiled limits (W)"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 

@@ -15,9 +15,11 @@ from zeus_callbacks.core.device.errors import GPUError
 from zeus_callbacks.core.device.state_guard import job_gpu_overlap
 from zeus_callbacks.core.power_limit.grid import ALLOW_RAISING_ENV, milliwatts, power_limit_grid
 from zeus_callbacks.core.power_limit.meter import StepMeter
+from zeus_callbacks.core.power_limit.options import PowerLimitOptions
 from zeus_callbacks.core.power_limit.power_budget import POWER_BUDGET_ENV
 from zeus_callbacks.core.power_limit.profile_file import ProfileContext
 from zeus_callbacks.core.power_limit.ranks import JobMembership
+from zeus_callbacks.version import __version__
 
 if TYPE_CHECKING:
     from zeus_callbacks.core.device.gpus import GPU
@@ -166,7 +168,7 @@ def find_job(
         raise ValueError(
             f"`GlobalPowerLimitOptimizer(pl_step={pl_step})`: the stride (W) is wider than the GPUs' whole "
             f"power-limit range, {lo / 1000:g}-{hi / 1000:g} W, so only its two ends would be profiled. Pass a "
-            f"stride that fits several limits in it, e.g. pl_step=25 (the default)."
+            f"stride that fits several limits in it, e.g. pl_step={PowerLimitOptions.pl_step} (the default)."
         )
     if (job_range.union_lo_mw, job_range.union_hi_mw) != (lo, hi):
         _say_ranges_differ(gpus[0].name, boards, lo, hi)
@@ -256,8 +258,6 @@ def _say_capped(top: int, hi: int) -> None:
 
 def profile_context(job: Job, meter: StepMeter, pl_step: int) -> ProfileContext:
     """What this job's profile is measured on (a profile is only reused on the same)."""
-    from zeus_callbacks.version import __version__
-
     lo, hi = job.grid[-1], job.grid[0]
     return ProfileContext(
         meter.gpus[0].name, (lo, hi), pl_step, job.num_gpus, meter.monitor.simulated, __version__

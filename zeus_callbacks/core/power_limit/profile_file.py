@@ -19,6 +19,7 @@ from typing import Any
 from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.files import ForeignFileError, read_regular, write_atomic
 from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
+from zeus_callbacks.core.power_limit.options import PowerLimitOptions
 from zeus_callbacks.core.power_limit.schema import (
     SCHEMA_VERSION,
     measurement_problem,
@@ -77,7 +78,7 @@ def save_profile(
     stats: dict[float, PowerLimitStats],
     complete: bool,
     selector: str = "",
-    search: str = "adaptive",
+    search: str = PowerLimitOptions.search,
 ) -> None:
     """Write the profile atomically and privately (`files.write_atomic`; a partial one too, so a preempted
     job resumes).
@@ -134,7 +135,9 @@ def _check_measurement(
         )
 
 
-def load_profile(path: Path, context: ProfileContext, profile_steps: int = 40) -> SavedProfile:
+def load_profile(
+    path: Path, context: ProfileContext, profile_steps: int = PowerLimitOptions.profile_steps
+) -> SavedProfile:
     """Read a saved profile (ours, or Zeus's: then `profile_steps` is the number of steps each of its
     windows becomes).
 

@@ -136,9 +136,9 @@ class Search:
         grid: list[int],
         selector: OptimumSelector,
         max_power_w: float,
-        mode: str = "adaptive",
-        warmup_steps: int = 10,
-        profile_steps: int = 40,
+        mode: str,
+        warmup_steps: int,
+        profile_steps: int,
     ) -> None:
         self.grid = grid
         self.selector = selector
