@@ -182,15 +182,26 @@ def test_the_inferred_period_sleeps_and_is_never_zero(sim_gpus) -> None:
     fast.stop()
 
 
-def test_zeus_0160_infers_a_zero_period() -> None:
+def test_zeus_0160_infers_a_zero_period(sim_gpus, monkeypatch) -> None:
     """The behaviour this package does not copy: PyPI zeus 0.16.0's `infer_counter_update_period` begins at 0.0
-    and keeps the minimum (zeus/monitor/power.py), so `PowerMonitor(update_period=None)` polls without sleeping."""
-    zeus_power = pytest.importorskip("zeus.monitor.power")
-    import inspect
+    and keeps the minimum (zeus/monitor/power.py), so `PowerMonitor(update_period=None)` polls without sleeping.
+    Given the same counter (an A40's, refreshed every 100 ms), Zeus's answers 0 s and this package's 50 ms."""
+    zeus = pytest.importorskip("zeus")
+    if zeus.__version__ != "0.16.0":
+        pytest.skip(f"Zeus {zeus.__version__}: the zero period is 0.16.0's")
+    import zeus.monitor.power as zeus_power
 
-    source = inspect.getsource(zeus_power.infer_counter_update_period)
-    if "update_period = 0.0" not in source or "min(update_period" not in source:
-        pytest.skip("this Zeus infers the period differently (fixed upstream)")
+    class OneA40:
+        def get_name(self, index: int) -> str:
+            return "NVIDIA A40"
+
+    monkeypatch.setattr(zeus_power, "get_gpus", OneA40)
+    # What Zeus's sampling loop measures on an A40 (its counter refreshes every 100 ms).
+    monkeypatch.setattr(zeus_power, "_infer_counter_update_period_single", lambda index: 0.1)
+    assert zeus_power.infer_counter_update_period([0]) == 0.0
+    monkeypatch.setattr(power_readings, "_refresh_s", {})
+    sim_gpus("a40", virtual_clock=True)
+    assert power_readings.infer_counter_update_period([0]) == pytest.approx(0.05)
 
 
 @pytest.mark.system
