@@ -30,19 +30,25 @@ MAX_W = 300  # the simulated A40's maximum power limit
 PLO_KW = {"wait_steps": 1, "warmup_steps": 1, "profile_steps": 4, "pl_step": 100}
 
 
-@pytest.fixture
-def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[sim.SimulatedSystem]:
-    """One simulated A40 whose state lives in this test's directory; the simulator is off afterwards."""
+def torch_node(spec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[sim.SimulatedSystem]:
+    """The simulated node `spec`, its state in this test's directory, for a fixture to yield from; the simulator
+    is off afterwards."""
     state_dir = tmp_path / "sim-state"
     monkeypatch.setenv("ZEUS_CALLBACKS_SIM_STATE_DIR", str(state_dir))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the simulator counts CPU time as GPU work
     # Toy steps of a few ms: a counter refreshed every 10 ms (a fast board's) lets the small profiles
     # below finish in a few dozen steps; the A40's 100 ms needs as many steps as 100 ms takes.
-    system = sim.simulate("a40", state_dir=str(state_dir), energy_refresh_ms=10)
+    system = sim.simulate(spec, state_dir=str(state_dir), energy_refresh_ms=10)
     yield system
     torch.set_num_threads(threads)
     sim.disable()
+
+
+@pytest.fixture
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[sim.SimulatedSystem]:
+    """One simulated A40 whose state lives in this test's directory; the simulator is off afterwards."""
+    yield from torch_node("a40", tmp_path, monkeypatch)
 
 
 class Recorder(TrainerCallback):

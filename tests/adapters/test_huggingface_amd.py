@@ -12,10 +12,8 @@ pytest.importorskip("transformers")
 if importlib.util.find_spec("amdsmi") is None:
     pytest.skip("the amd extra (amdsmi) is not installed", allow_module_level=True)
 
-import torch  # noqa: E402
-from hf_trainers import Recorder, ZeusTrainer, make_trainer  # noqa: E402
+from hf_trainers import Recorder, ZeusTrainer, make_trainer, torch_node  # noqa: E402
 
-from zeus_callbacks import sim  # noqa: E402
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor  # noqa: E402
 from zeus_callbacks.core.monitor.reporting import POWER_LIMIT_PREFIX  # noqa: E402
 from zeus_callbacks.huggingface import HFGlobalPowerLimitOptimizer, HFZeusMonitor  # noqa: E402
@@ -27,16 +25,9 @@ MI300X_W = 750
 @pytest.fixture
 def mi300x_node(tmp_path, monkeypatch):
     """Two simulated MI300Xs (250-750 W, MODELLED) with a 10 ms counter, as the A40 node of hf_trainers.py."""
-    state_dir = tmp_path / "sim-state"
-    monkeypatch.setenv("ZEUS_CALLBACKS_SIM_STATE_DIR", str(state_dir))
     for name in ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the simulator counts CPU time as GPU work
-    system = sim.simulate("2*mi300x", state_dir=str(state_dir), energy_refresh_ms=10)
-    yield system
-    torch.set_num_threads(threads)
-    sim.disable()
+    yield from torch_node("2*mi300x", tmp_path, monkeypatch)
 
 
 @pytest.mark.system
