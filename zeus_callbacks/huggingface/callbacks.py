@@ -167,6 +167,7 @@ class HFZeusMonitor(SessionCallback):
 
     _what = "a transformers TrainerCallback"
     _does = "energy"
+    _session: EnergySession
 
     def __init__(
         self,
@@ -200,16 +201,23 @@ class RebuiltAsItself:
     built.
     """
 
-    _itself: ClassVar[Any] = None
+    _itself: ClassVar[RebuiltAsItself | None] = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls._itself is not None:  # a copy (`copy.copy`) is a new instance; a rebuild is the instance
             return super().__new__(cls, *args, **kwargs) if _COPYING in kwargs else cls._itself
         own = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
         own.__doc__ = cls.__doc__
+        assert issubclass(own, RebuiltAsItself)  # the checker sees `type(...)` build a `type`
         instance = super().__new__(own, *args, **kwargs)  # `BuiltByTheUser`: not without arguments
         own._itself = instance
         return instance
+
+
+def _output_dir(args: TrainingArguments) -> str:
+    """`args.output_dir`: typed optional, but `TrainingArguments.__post_init__` sets `"trainer_output"` for None."""
+    assert args.output_dir is not None
+    return args.output_dir
 
 
 def _saved_state(state: TrainerState, name: str) -> Any:
@@ -263,6 +271,7 @@ class HFGlobalPowerLimitOptimizer(RebuiltAsItself, SessionCallback, ResumesFromC
 
     _what = "a transformers TrainerCallback"
     _does = "power_limit"
+    _session: PowerLimitSession
 
     @takes_power_limit_options(zeus_positional=True)
     def __init__(
@@ -316,9 +325,10 @@ class HFGlobalPowerLimitOptimizer(RebuiltAsItself, SessionCallback, ResumesFromC
 
     def _say_cut_short_checkpoint(self, args: TrainingArguments) -> None:
         """Once per output folder: its newest checkpoint is cut short (how to resume from the last complete)."""
-        if self._said_cut_short != args.output_dir:
-            self._said_cut_short = args.output_dir
-            warn_if_newest_checkpoint_is_cut_short(args.output_dir)
+        output_dir = _output_dir(args)
+        if self._said_cut_short != output_dir:
+            self._said_cut_short = output_dir
+            warn_if_newest_checkpoint_is_cut_short(output_dir)
 
     # -- trainer hooks -----------------------------------------------------------------------------
     @override
@@ -340,7 +350,7 @@ class HFGlobalPowerLimitOptimizer(RebuiltAsItself, SessionCallback, ResumesFromC
         if not self._in_zeus_trainer and not state.global_step:
             self._say_cut_short_checkpoint(args)
         if self._checkpoint is None and state.global_step:
-            self._checkpoint = resumed_checkpoint(args.output_dir, state.global_step)
+            self._checkpoint = resumed_checkpoint(_output_dir(args), state.global_step)
         saved = _saved_state(state, type(self).__name__)
         if saved is not None:
             self._resume(saved)

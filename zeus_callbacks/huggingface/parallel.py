@@ -224,4 +224,5 @@ class HeterogeneousTrainer(ZeusTrainerMixin, Trainer):
         if return_outputs:
             loss, outputs = result
             return loss * self.rank_plan.loss_scale, outputs
+        assert not isinstance(result, tuple)  # without `return_outputs`, the loss alone
         return result * self.rank_plan.loss_scale
