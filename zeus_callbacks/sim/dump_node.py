@@ -26,12 +26,12 @@ from zeus_callbacks.sim.traces import Trace, scaled_trace, shipped_trace
 
 __all__ = [
     "DUMP_PREFIX",
+    "NVIDIA_DUMPS",
     "LimitScope",
     "DumpBoardModel",
     "DumpNode",
     "dump_node",
     "shipped_dumps",
-    "is_dump_spec",
 ]
 
 DUMP_PREFIX = "nvidia-smi:"
@@ -121,20 +121,9 @@ class DumpNode:
 NVIDIA_DUMPS = DumpFiles(DUMP_PREFIX, ".nvidia-smi-a.txt", "dump", "nvidia-smi -q", "A10")
 
 
-def is_dump_spec(spec: str) -> bool:
-    """Whether a simulation spec names a dump (`nvidia-smi:FILE[:WORKLOAD]`)."""
-    return NVIDIA_DUMPS.is_spec(spec)
-
-
 def shipped_dumps() -> list[str]:
     """The names of the dumps shipped with the package (`nvidia-smi:NAME`), e.g. `A10`, `V100_x8`."""
     return NVIDIA_DUMPS.shipped()
-
-
-def canonical_spec(spec: str) -> str:
-    """`nvidia-smi:FILE[:WORKLOAD]` with FILE an absolute path, or a shipped dump's own name, so that a process
-    started in another directory simulates the same node."""
-    return NVIDIA_DUMPS.canonical(spec)
 
 
 def dump_node(spec: str) -> DumpNode:

@@ -27,8 +27,7 @@ from zeus_callbacks.sim.traces import scaled_trace, shipped_trace
 __all__ = [
     "ROCM_PREFIX",
     "ROCM_HELP",
-    "is_rocm_spec",
-    "canonical_rocm_spec",
+    "ROCM_DUMPS",
     "rocm_node",
     "shipped_rocm_dumps",
 ]
@@ -46,19 +45,9 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 ROCM_DUMPS = DumpFiles(ROCM_PREFIX, ".rocm-smi-a.txt", "rocm-smi dump", "rocm-smi -a", "MI300X_x4")
 
 
-def is_rocm_spec(spec: str) -> bool:
-    """Whether a simulation spec names a rocm-smi dump (`rocm-smi:FILE[:WORKLOAD]`)."""
-    return ROCM_DUMPS.is_spec(spec)
-
-
 def shipped_rocm_dumps() -> list[str]:
     """The rocm-smi dumps shipped with the package (`rocm-smi:NAME`), e.g. `MI300X_x4`."""
     return ROCM_DUMPS.shipped()
-
-
-def canonical_rocm_spec(spec: str) -> str:
-    """`rocm-smi:FILE[:WORKLOAD]` with FILE absolute, or a shipped dump's own name."""
-    return ROCM_DUMPS.canonical(spec)
 
 
 def parse_rocm_smi(text: str, source: str) -> tuple[str, dict[int, dict[str, str]]]:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 from zeus_callbacks.core.device.amd import hip_visible_positions
 from zeus_callbacks.core.device.backend import cuda_visible_uuids
 from zeus_callbacks.core.device.errors import InvalidInputError
-from zeus_callbacks.sim.dump_node import DumpBoardModel, DumpNode, canonical_spec, dump_node, is_dump_spec
+from zeus_callbacks.sim.dump_node import NVIDIA_DUMPS, DumpBoardModel, DumpNode, dump_node
 from zeus_callbacks.sim.gpu import SimulatedGPU
 from zeus_callbacks.sim.host import VirtualClock
 from zeus_callbacks.sim.node_spec import (
@@ -22,7 +22,7 @@ from zeus_callbacks.sim.node_spec import (
     parse_ideal,
     parse_spec,
 )
-from zeus_callbacks.sim.rocm_dump import canonical_rocm_spec, is_rocm_spec, rocm_node
+from zeus_callbacks.sim.rocm_dump import ROCM_DUMPS, rocm_node
 from zeus_callbacks.sim.specs import GPUSpec, sensor_gain, spec_for
 from zeus_callbacks.sim.traces import Trace
 
@@ -91,11 +91,11 @@ class SimulatedSystem:
         self.clock = VirtualClock() if self.virtual_clock else None
         # A node from an nvidia-smi dump (`nvidia-smi:FILE`) answers with the dump's driver version.
         self.dump: DumpNode | None = None
-        if is_dump_spec(self.spec):
-            self.spec = canonical_spec(self.spec)
+        if NVIDIA_DUMPS.is_spec(self.spec):
+            self.spec = NVIDIA_DUMPS.canonical(self.spec)
             self.dump = dump_node(self.spec)
-        elif is_rocm_spec(self.spec):  # an AMD node from a `rocm-smi -a` dump (`sim/rocm_dump.py`)
-            self.spec = canonical_rocm_spec(self.spec)
+        elif ROCM_DUMPS.is_spec(self.spec):  # an AMD node from a `rocm-smi -a` dump (`sim/rocm_dump.py`)
+            self.spec = ROCM_DUMPS.canonical(self.spec)
             self.dump = rocm_node(self.spec)
         self.driver_version = "simulated" if self.dump is None else self.dump.dump.driver_version
         directory = self.state_path()
