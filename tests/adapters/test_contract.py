@@ -426,3 +426,22 @@ def test_the_options_defaults_are_written_once() -> None:
 
 def node_line(node: ast.AST) -> int:
     return getattr(node, "lineno", 0)
+
+
+def test_the_core_optimizer_and_the_accelerate_function_take_the_record(sim_gpus) -> None:
+    """The two power-limit entry points that are no adapter class: `GlobalPowerLimitOptimizer`'s signature is
+    the record's names and defaults (less `report_path`, the adapters' own), and `prepare_power_limit_optimizer`
+    takes `**options: Unpack[PowerLimitArguments]`, building the record from them (a wrong name refused)."""
+    pytest.importorskip("accelerate")
+    from zeus_callbacks.accelerate import prepare_power_limit_optimizer
+
+    record = [(f.name, f.default) for f in fields(PowerLimitOptions) if f.default is not MISSING]
+    params = list(inspect.signature(GlobalPowerLimitOptimizer).parameters.values())[1:]
+    assert [(p.name, p.default) for p in params] == [(n, d) for n, d in record if n != "report_path"]
+    module = vars(importlib.import_module(prepare_power_limit_optimizer.__module__))
+    assert (
+        eval(prepare_power_limit_optimizer.__annotations__["options"], module) == Unpack[PowerLimitArguments]
+    )
+    sim_gpus("a40")
+    with pytest.raises(TypeError, match="warmup"):
+        prepare_power_limit_optimizer(None, warmup=3)
