@@ -3,7 +3,8 @@
 Each class here is a mixin of hook bodies; `zeus_callbacks.lightning` (on `lightning.pytorch.Callback`) and
 `zeus_callbacks.lightning.pl` (on `pytorch_lightning.Callback`) define the callbacks as
 `class LightningX(XHooks, Callback)`. This module imports no Lightning package at runtime, and the state a
-callback saves in checkpoints is the same under both packages.
+callback saves in checkpoints is the same under both packages. The hooks take the `protocols.Trainer` part of
+either package's trainer, so that the type checker accepts them as overrides of both packages' hooks.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from zeus_callbacks.core.power_limit.session import PowerLimitSession
 from zeus_callbacks.core.wrong_framework import OneFramework
 
 if TYPE_CHECKING:  # pragma: no cover
-    import lightning.pytorch as pl
-    from lightning.pytorch import Callback as CallbackHooks
+    import torch
+
+    from zeus_callbacks.lightning.protocols import CallbackHooks, Trainer
 else:
     CallbackHooks = object  # the mixins come before the package's `Callback` in each callback's bases
 
@@ -47,7 +49,7 @@ __all__ = [
 ]
 
 
-def _log_metrics(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
+def _log_metrics(trainer: Trainer, metrics: dict[str, Any]) -> None:
     """Send `metrics` to every logger of `trainer`, at the step its own metrics use (as `LearningRateMonitor`)."""
     if not metrics:
         return
@@ -56,7 +58,7 @@ def _log_metrics(trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
         logger.log_metrics(metrics, step=step)
 
 
-def _is_logging_step(trainer: pl.Trainer) -> bool:
+def _is_logging_step(trainer: Trainer) -> bool:
     """Whether this batch is one the trainer logs at (`log_every_n_steps`)."""
     return trainer._logger_connector.should_update_logs
 
@@ -132,44 +134,42 @@ class ZeusMonitorHooks(OneFramework, CallbackHooks):
         return self._session.total_time_s
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Drives `start`: the run and its first interval begin."""
         self._session.start()
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_start(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
         """Drives `step_begin` with the optimizer steps so far (steps under gradient accumulation)."""
         self._session.step_begin(trainer.global_step)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
         """Drives `step_end`; logs `interval_metrics` after an optimizer step that is a logging step."""
         stepped = self._session.step_end(trainer.global_step)
         if stepped and self.logging_interval == "step" and _is_logging_step(trainer):
             _log_metrics(trainer, self._session.interval_metrics())
 
     @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Logs `interval_metrics` once per epoch with `logging_interval="epoch"`."""
         if self.logging_interval == "epoch":
             _log_metrics(trainer, self._session.interval_metrics())
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Logs `summary` (the run's totals), then drives `end`."""
         _log_metrics(trainer, self._session.summary())
         self._session.end()
 
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: torch.nn.Module, exception: BaseException) -> None:
         """Drives `fail`: the windows are closed without figures and without a collective (the other ranks
         may not have failed); nothing is logged."""
         self._session.fail()
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: torch.nn.Module, checkpoint: Any) -> None:
         """Drives `checkpoint`: this rank's energy ledger line so far."""
         self._session.checkpoint(trainer.global_step)
 
@@ -244,7 +244,7 @@ class GlobalPowerLimitOptimizerHooks(OneFramework, CallbackHooks):
         return self._session.optimizer
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Drives `start`: the run's energy is measured from here."""
         self._session.start()
 
@@ -259,37 +259,35 @@ class GlobalPowerLimitOptimizerHooks(OneFramework, CallbackHooks):
         )
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_start(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
         """Drives `step_begin` with the optimizer steps so far."""
         self._session.step_begin(trainer.global_step)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
         """Drives `step_end`; logs `interval_metrics` on logging steps."""
         if self._session.step_end(trainer.global_step) and _is_logging_step(trainer):
             _log_metrics(trainer, self._session.interval_metrics())
 
     @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Drives `epoch_end`."""
         self._session.epoch_end()
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Logs `summary` (energy, time, average power, profiling cost, the choice and its saving), then
         drives `end`, which restores the GPUs' settings."""
         _log_metrics(trainer, self._session.summary())
         self._session.end()
 
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: torch.nn.Module, exception: BaseException) -> None:
         """Drives `fail`: the GPUs' settings are restored when training fails too."""
         self._session.fail()
 
     @override
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: torch.nn.Module, checkpoint: Any) -> None:
         """Drives `checkpoint`: this rank's energy ledger line so far."""
         self._session.checkpoint(trainer.global_step)
 
@@ -300,7 +298,7 @@ class GlobalPowerLimitOptimizerHooks(OneFramework, CallbackHooks):
 
     @override
     def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+        self, trainer: Trainer, pl_module: torch.nn.Module, checkpoint: dict[str, Any]
     ) -> None:
         """Notes the checkpoint being resumed (`trainer.ckpt_path`, before `load_state_dict`) for its message."""
         self._ckpt_path = trainer.ckpt_path
@@ -362,31 +360,29 @@ class PipelineFrequencyOptimizerHooks(CallbackHooks):
         )
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Drives `StageAttachment.attach` on the LightningModule."""
         self._stage.attach(pl_module)
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_start(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
         """Drives `PipelineFrequencyOptimizer.on_step_begin`."""
         self.optimizer.on_step_begin()
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
         """Drives `PipelineFrequencyOptimizer.on_step_end`; logs its metrics at logging steps."""
         self.optimizer.on_step_end()
         if _is_logging_step(trainer):
             _log_metrics(trainer, pipeline_frequency_metrics(self.optimizer.metrics(), numbers_only=True))
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Drives `StageAttachment.detach` (clocks reset)."""
         self._stage.detach()
 
     @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: torch.nn.Module, exception: BaseException) -> None:
         """Drives `StageAttachment.detach`: the clocks are reset when training raises too."""
         self._stage.detach()
 
@@ -415,13 +411,13 @@ class HeterogeneousHooks(CallbackHooks):
         self._weights: Any = None
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_start(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Drives `weight_gradients` and `apply_power_limit`."""
         self._weights = weight_gradients(pl_module, self.rank_plan)
         apply_power_limit(self.rank_plan, self.gpu_index)
 
     @override
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_end(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Removes the gradient weights; drives `restore_power_limits`."""
         if self._weights is not None:
             self._weights.remove()
@@ -449,28 +445,28 @@ class EpochLogHooks(CallbackHooks):
         self.log = EpochLog(monitor=monitor, log_prefix=log_prefix)
 
     @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Drives `EpochLog.begin("train")`."""
         self.log.begin("train")
 
     @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Drives `EpochLog.end("train")`."""
         self.log.end("train")
 
     @override
-    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Drives `EpochLog.begin("eval")`, except in the sanity check."""
         if not trainer.sanity_checking:
             self.log.begin("eval")
 
     @override
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Drives `EpochLog.end("eval")`, except in the sanity check."""
         if not trainer.sanity_checking:
             self.log.end("eval")
 
     @override
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_end(self, trainer: Trainer, pl_module: torch.nn.Module) -> None:
         """Drives `EpochLog.close()`."""
         self.log.close()
