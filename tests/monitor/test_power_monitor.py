@@ -79,26 +79,48 @@ def test_without_field_values_power_usage_stands_for_its_domain(
             monitor.get_power()
 
 
-def test_energy_from_the_timeline_equals_the_energy_counter(sim_gpus) -> None:
-    """Steady steps on a virtual clock: the integral of sampled power over whole steps is the energy the
-    simulator's counter moved by, to rounding. Ideal counter and power window: the counter is exact and the
-    instant reading is the last step's power (a real A40's reading lags by up to its 100 ms update)."""
+def _steady_steps(sim_gpus, steps: int = 40) -> tuple[PowerMonitor, float, float, float]:
+    """`steps` steady 100 ms steps on a virtual-clock A40 (ideal counter and power window: the counter is
+    exact and the instant reading is the last step's power), polled after each; the monitor, the steps' start
+    and end, and the energy (J) the counter moved by over them."""
     system = sim_gpus("a40", virtual_clock=True, ideal="energy_counter,power_window")
     gpu = get_gpus()[0]
     monitor = PowerMonitor(update_period=0.1, background=False)
     system.run_step(0.1)  # the first reading saw the idle GPU; integrate from the first busy one
     monitor.poll()
     start, counter_start = system.clock.now(), gpu.energy_mj()
-    for _ in range(40):
+    for _ in range(steps):
         system.run_step(0.1)
         monitor.poll()
     end, counter_end = system.clock.now(), gpu.energy_mj()
+    return monitor, start, end, (counter_end - counter_start) / 1000
+
+
+def test_energy_from_the_timeline_equals_the_energy_counter(sim_gpus) -> None:
+    """Steady steps on a virtual clock: the integral of sampled power over whole steps is the energy the
+    simulator's counter moved by, to rounding (a real A40's reading lags by up to its 100 ms update)."""
+    monitor, start, end, truth = _steady_steps(sim_gpus)
     energy = monitor.get_energy(start, end)
     assert energy is not None
-    assert energy[0] == pytest.approx((counter_end - counter_start) / 1000, rel=1e-3)
+    assert energy[0] == pytest.approx(truth, rel=1e-3)
     # The average domain tracks the same power once its one-second window is full of busy steps.
     late = monitor.get_power_timeline("device_average", start_time=start + 1.0)[0]
     assert late and all(w == pytest.approx(late[-1][1], rel=1e-3) for _, w in late)
+
+
+def test_a_run_of_equal_readings_is_not_taken_for_missing_ones(sim_gpus) -> None:
+    """Steady steps read the same power every poll, and the timeline keeps only a run's first and last
+    readings (`Series`). The bound counts the run as read (what the readings may miss is half their change:
+    none), not as four seconds of missing readings, each worth anything up to the board's top power. Fails
+    if the gap between a run's ends is taken for missing readings (the bound was then 516 J on a 2 s window
+    of examples/zeus/monitors.py's steps, against 88 J)."""
+    monitor, start, end, truth = _steady_steps(sim_gpus)
+    timeline = monitor.get_power_timeline("device_instant", start_time=start)[0]
+    assert len(timeline) == 2  # one run: its ends
+    energy, bound = monitor.get_energy(start, end)[0], monitor.get_energy_bound(start, end)[0]
+    assert abs(energy - truth) <= bound
+    held_w = monitor._bound(0, power_readings.PowerDomain.DEVICE_INSTANT).held_error_w(timeline[0][1])
+    assert bound < held_w * (end - start) / 2  # what four seconds of missing readings would add alone
 
 
 def test_energy_across_a_power_change_is_within_one_poll_of_the_counter(sim_gpus) -> None:
