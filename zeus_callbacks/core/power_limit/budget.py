@@ -34,7 +34,7 @@ def settle_steps(warmup_steps: int, per_sample: float = 1.0) -> int:
     return min(warmup_steps, max(1, math.ceil(per_sample - 1e-9)))
 
 
-def spent_steps(stats: dict[int, PowerLimitStats], warmup_steps: int) -> int:
+def spent_steps(stats: dict[float, PowerLimitStats], warmup_steps: int) -> int:
     """Steps the search has spent on `stats` so far: each visit's warm-up (`warmup_steps` a visit where
     the limit does not say) and every measured step."""
     return sum(

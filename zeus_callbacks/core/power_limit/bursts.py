@@ -207,12 +207,12 @@ def robust_chunks(chunks: Sequence[Chunk], bad_visits: Sequence[int] = ()) -> li
 
 
 def burst_lookback(
-    timeline: list[tuple[int, int]], stats: dict[int, PowerLimitStats], steps: float
-) -> list[tuple[int, int]]:
+    timeline: list[tuple[float, int]], stats: dict[float, PowerLimitStats], steps: float
+) -> list[tuple[float, int]]:
     """The latest visits of `timeline` (`(power_limit_w, visit)`, oldest first) that may have run inside a
     burst seen only when it ended, early in the visit after them: back over `steps` steps at most, and
     not past a visit in which the burst was seen to begin (its slower end is set aside already)."""
-    out: list[tuple[int, int]] = []
+    out: list[tuple[float, int]] = []
     for pl, visit in reversed(timeline):
         s = stats[pl]
         if steps <= 0 or visit_bursts(s.chunks, visit)[2]:
@@ -222,7 +222,7 @@ def burst_lookback(
     return out
 
 
-def slower_above(stats: dict[int, PowerLimitStats], current: PowerLimitStats) -> list[tuple[int, int]]:
+def slower_above(stats: dict[float, PowerLimitStats], current: PowerLimitStats) -> list[tuple[float, int]]:
     """`(power_limit_w, visit)` of the visits to higher limits whose median step time is more than
     `_MONOTONE_SLACK` above `current`'s (a lower limit): they ran inside a burst that began and ended
     with visits, where no visit could see it shift."""
@@ -240,7 +240,7 @@ def slower_above(stats: dict[int, PowerLimitStats], current: PowerLimitStats) ->
     return out
 
 
-def slower_than_below(stats: dict[int, PowerLimitStats], current: PowerLimitStats) -> int | None:
+def slower_than_below(stats: dict[float, PowerLimitStats], current: PowerLimitStats) -> float | None:
     """A lower limit whose median step time `current`'s latest visit (a revisit, as a rule: the reference
     measured again) is more than `_MONOTONE_SLACK` above, if any: that visit ran inside a burst
     (`slower_above` the other way round)."""
@@ -256,7 +256,7 @@ def slower_than_below(stats: dict[int, PowerLimitStats], current: PowerLimitStat
     return None
 
 
-def burst_suspects(stats: dict[int, PowerLimitStats], noise: tuple[float, float]) -> list[int]:
+def burst_suspects(stats: dict[float, PowerLimitStats], noise: tuple[float, float]) -> list[float]:
     """Limits measured in a single visit whose mean step time is above a lower limit's by more than
     `_SUSPECT_FLOOR` and `_Z_SUSPECT` standard errors of the difference (`noise`: `pooled_noise`), highest
     first.
@@ -311,7 +311,7 @@ class BurstWatch:
     def __init__(self) -> None:
         self.open = False  # the last visit ended inside a burst
         self.visit_began_inside = False  # the current visit began inside one
-        self.timeline: list[tuple[int, int]] = []  # (limit, visit) of this run's finished visits
+        self.timeline: list[tuple[float, int]] = []  # (limit, visit) of this run's finished visits
 
     def begin_visit(self) -> None:
         """A visit begins (inside the burst the last one ended in, if any)."""
@@ -329,7 +329,10 @@ class BurstWatch:
         return self.open
 
     def end_visit(
-        self, s: PowerLimitStats, stats: dict[int, PowerLimitStats], may_measure_again: Callable[[int], bool]
+        self,
+        s: PowerLimitStats,
+        stats: dict[float, PowerLimitStats],
+        may_measure_again: Callable[[float], bool],
     ) -> None:
         """At a visit's end: note a burst still going on, or set aside the earlier visits that ran inside
         one that this visit saw end (`burst_lookback`) or that were slower than this lower limit

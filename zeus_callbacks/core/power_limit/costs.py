@@ -100,13 +100,13 @@ def clearly_worse(
     return opt_a > pes_b
 
 
-def valid(stats: dict[int, PowerLimitStats]) -> list[PowerLimitStats]:
+def valid(stats: dict[float, PowerLimitStats]) -> list[PowerLimitStats]:
     return [s for s in stats.values() if s.steps > 0 and not s.pruned]
 
 
 def best_power_limit(
-    stats: dict[int, PowerLimitStats], selector: OptimumSelector, max_power_w: float, ref_time: float
-) -> int | None:
+    stats: dict[float, PowerLimitStats], selector: OptimumSelector, max_power_w: float, ref_time: float
+) -> float | None:
     """The limit with the lowest mean cost among the measured ones (ties go to the higher limit)."""
     scores = [
         (score(selector, s.mean_time_s, s.mean_energy_j, max_power_w, ref_time), -s.power_limit_w)
@@ -116,12 +116,12 @@ def best_power_limit(
 
 
 def contenders(
-    stats: dict[int, PowerLimitStats],
+    stats: dict[float, PowerLimitStats],
     selector: OptimumSelector,
     max_power_w: float,
     ref: PowerLimitStats,
     noise: tuple[float, float],
-) -> list[int]:
+) -> list[float]:
     """The limits the choice is still unsure between: the best by mean cost, and every limit whose cost
     might be more than `_TOLERANCE` below the best's (optimistic bound, `_Z_CHOICE` standard errors, more
     than the tolerance under the best's pessimistic one); the best alone while its cost is not known to

@@ -49,7 +49,7 @@ class PowerLimitStats:
     (for one-step chunks: the sum of squared steps).
     """
 
-    power_limit_w: int
+    power_limit_w: float  # W; a fractional grid (137.5) too
     steps: int = 0
     time_s: float = 0.0
     energy_j: float = 0.0
@@ -294,7 +294,7 @@ def _in_window(chunk: Chunk, kept: bool, median_step_s: float) -> bool:
     )
 
 
-def pooled_noise(stats: dict[int, PowerLimitStats]) -> tuple[float, float]:
+def pooled_noise(stats: dict[float, PowerLimitStats]) -> tuple[float, float]:
     """Relative per-step variance of time and of energy, pooled over every limit with 2 steps or more.
 
     The noise of a step is a property of the job rather than of the limit, so the pool, with many more
@@ -326,7 +326,7 @@ def rses(s: PowerLimitStats, noise: tuple[float, float]) -> tuple[float, float]:
     return math.sqrt(time_var / s.steps), math.sqrt(energy_var / s.steps + s.rounding_rel_var())
 
 
-def chunk_steps(stats: dict[int, PowerLimitStats]) -> float:
+def chunk_steps(stats: dict[float, PowerLimitStats]) -> float:
     """Steps a limit's sample is worth: 1 where steps last at least the energy counter's refresh
     period, else the period over the mean step time, so that a limit is measured for as long (in time)
     with short steps as with long ones."""

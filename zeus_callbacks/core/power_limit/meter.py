@@ -130,7 +130,7 @@ class StepMeter:
         if not step.unmeasured and step.step_s > 0:
             stats.add_settling(step.step_s, step.end_s)
 
-    def measure(self, phase: Profiling, m: Any, power_limit_w: int | None, search: Search) -> str:
+    def measure(self, phase: Profiling, m: Any, power_limit_w: float | None, search: Search) -> str:
         """Add the job's step (measured as `m`, None when this rank's GPU failed) to the chunk being
         measured; once the chunk spans `CHUNK_REFRESHES` refreshes of the energy counter on every rank (or
         closes a limit measured by steps), add it to the limit's samples. Returns `failed` (a rank's GPU
@@ -189,7 +189,7 @@ class StepMeter:
             return 0.0, True
         return (0.0, True) if power_w is None else (power_w, False)
 
-    def _limit_moved(self, power_limit_w: int | None) -> bool:
+    def _limit_moved(self, power_limit_w: float | None) -> bool:
         """Whether a GPU's power limit is no longer `power_limit_w`, the one being profiled (restored on a
         signal, or changed by another process)."""
         if power_limit_w is None or self.failed:

@@ -24,11 +24,11 @@ from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.power_limit import power_budget, readout, states
 from zeus_callbacks.core.power_limit.estimates import PowerLimitStats
 from zeus_callbacks.core.power_limit.grid import milliwatts
-from zeus_callbacks.core.power_limit.job import find_job, profile_context
+from zeus_callbacks.core.power_limit.job import Job, find_job, profile_context
 from zeus_callbacks.core.power_limit.keywords import OptimizerArguments
 from zeus_callbacks.core.power_limit.meter import StepMeter
 from zeus_callbacks.core.power_limit.options import PowerLimitOptions, option_names, takes_power_limit_options
-from zeus_callbacks.core.power_limit.phases import Done, Inactive, Profiling, Waiting, Warmup
+from zeus_callbacks.core.power_limit.phases import Done, Inactive, Phase, Profiling, Waiting, Warmup
 from zeus_callbacks.core.power_limit.profile_file import (
     ProfileContext,
     load_profile,
@@ -122,12 +122,12 @@ class GlobalPowerLimitOptimizer(OneFramework, Callback):
         self.options = PowerLimitOptions(optimum_selector=optimum_selector, **options)
         self.monitor = monitor
         self._meter = StepMeter(monitor, [monitor.gpus[i] for i in monitor.gpu_indices], self._gpu_failed)
-        self._phase = Waiting(self.options.wait_steps)
+        self._phase: Phase = Waiting(self.options.wait_steps)
         self._started = False
-        self._job = None
-        self._search = None
+        self._job: Job | None = None
+        self._search: Search | None = None
         self._pending_state: SavedState | None = None  # a checkpoint's, loaded at the next run's start
-        self.power_limit_w = None
+        self.power_limit_w: float | None = None  # the limit in force (W; a fractional grid's 137.5 too)
         self._unfinished = ""
         self._restored_on: str | None = None  # the signal on which the guard put the GPUs back, if any
         # Under torch.distributed the setup waits for the end of the first step, when every rank that runs
@@ -155,12 +155,12 @@ class GlobalPowerLimitOptimizer(OneFramework, Callback):
         return min_measured_steps(steps) if self.options.search == "adaptive" else steps
 
     @property
-    def grid(self) -> list[int]:
+    def grid(self) -> list[float]:
         """The power limits profiled (W, highest first; empty until the GPUs' range is known)."""
         return self._search.grid if self._search is not None else []
 
     @property
-    def stats(self) -> dict[int, PowerLimitStats]:
+    def stats(self) -> dict[float, PowerLimitStats]:
         """The measurements so far, by power limit (W)."""
         return self._search.stats if self._search is not None else {}
 
@@ -205,7 +205,7 @@ class GlobalPowerLimitOptimizer(OneFramework, Callback):
         return readout.zeus_state(self._phase, self._search, self.options.profile_steps)
 
     @property
-    def optimal_power_limit_w(self) -> int | None:
+    def optimal_power_limit_w(self) -> float | None:
         """The chosen power limit once profiling is over (also when this process may not apply it)."""
         return readout.chosen_w(self._phase)
 
@@ -421,7 +421,7 @@ class GlobalPowerLimitOptimizer(OneFramework, Callback):
             self._settle(state.optimal_power_limit_w)
             logger.info(
                 "Resumed with the optimal power limit %g W without profiling again.",
-                self._phase.power_limit_w,
+                state.optimal_power_limit_w,
             )
 
     # -- the phase machine ------------------------------------------------------------------------
@@ -504,7 +504,7 @@ class GlobalPowerLimitOptimizer(OneFramework, Callback):
             ", SIMULATED GPUs" if self.monitor.simulated else "",
         )
 
-    def _settle(self, pl: int) -> None:
+    def _settle(self, pl: float) -> None:
         """Apply the choice, or, without permission, only report it."""
         if self.may_set:
             self._phase = Done(pl)
@@ -534,7 +534,7 @@ class GlobalPowerLimitOptimizer(OneFramework, Callback):
         except OSError as e:  # a full disk, a quota, `ulimit -f`: training goes on
             warn_write_failed(logger, "power-limit profile", self.options.path, e)
 
-    def _set_power_limit(self, pl: int) -> bool:
+    def _set_power_limit(self, pl: float) -> bool:
         try:
             for g in self._meter.gpus:
                 g.set_power_limit_mw(milliwatts(pl))

@@ -38,7 +38,7 @@ class Warmup:
     """
 
     name: ClassVar[str] = "warmup"
-    power_limit_w: int
+    power_limit_w: float
     steps_left: int
     stats: PowerLimitStats  # what the measurement adds to: empty, or the samples of earlier visits
     settling: bool = False  # a later visit's settling steps: their times help see a burst begin
@@ -67,7 +67,7 @@ class Profiling:
     """
 
     name: ClassVar[str] = "profiling"
-    power_limit_w: int
+    power_limit_w: float
     stats: PowerLimitStats
     samples_done: int = 0  # chunks closed, valid or not
     chunk: OpenChunk = field(default_factory=lambda: OpenChunk())  # the chunk being measured
@@ -82,7 +82,7 @@ class Done:
     optimizer drives a later run). Final."""
 
     name: ClassVar[str] = "done"
-    power_limit_w: int
+    power_limit_w: float
 
 
 @dataclass
@@ -92,7 +92,7 @@ class Inactive:
 
     name: ClassVar[str] = "inactive"
     reason: str
-    power_limit_w: int | None = None  # the choice it would apply, when a complete profile gave one
+    power_limit_w: float | None = None  # the choice it would apply, when a complete profile gave one
 
 
 Phase = Waiting | Warmup | Profiling | Done | Inactive

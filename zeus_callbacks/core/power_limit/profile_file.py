@@ -109,9 +109,9 @@ def _is_zeus_profile(data: Any) -> bool:
     )
 
 
-def _zeus_stats(path: Path, data: dict, steps: int) -> dict[int, PowerLimitStats]:
+def _zeus_stats(path: Path, data: dict, steps: int) -> dict[float, PowerLimitStats]:
     """Zeus's windows as `steps` equal steps each (its files keep no per-step spread)."""
-    stats: dict[int, PowerLimitStats] = {}
+    stats: dict[float, PowerLimitStats] = {}
     for m in data["measurements"]:
         pl, energy, time_s = int(m["power_limit"]), float(m["energy"]), float(m["time"])
         if pl <= 0 or energy <= 0 or time_s <= 0:
@@ -125,7 +125,7 @@ def _zeus_stats(path: Path, data: dict, steps: int) -> dict[int, PowerLimitStats
 
 
 def _check_measurement(
-    path: Path, s: PowerLimitStats, range_w: tuple[int, int], saved: Mapping[str, Any] | None = None
+    path: Path, s: PowerLimitStats, range_w: tuple[float, float], saved: Mapping[str, Any] | None = None
 ) -> None:
     problem = measurement_problem(s, range_w, saved)
     if problem is not None:

@@ -49,16 +49,16 @@ def zeus_state(phase: Phase, search: Search | None, profile_steps: int) -> state
         chosen = None if phase.power_limit_w is None else milliwatts(phase.power_limit_w)
         return states.Inactive(phase.reason, chosen)
     nxt = search.next_power_limit() if search is not None else None
-    return states.Ready(next_power_limit=None if nxt is None else nxt * 1000, steps=phase.steps_left)
+    return states.Ready(next_power_limit=None if nxt is None else milliwatts(nxt), steps=phase.steps_left)
 
 
-def chosen_w(phase: Phase) -> int | None:
+def chosen_w(phase: Phase) -> float | None:
     """The chosen power limit once profiling is over (also when it may not be applied), else None."""
     return phase.power_limit_w if isinstance(phase, (Done, Inactive)) else None
 
 
 def tracker_metrics(
-    phase: Phase, power_limit_w: int | None, meter: StepMeter, simulated: bool
+    phase: Phase, power_limit_w: float | None, meter: StepMeter, simulated: bool
 ) -> dict[str, float]:
     """Numbers for the trainer's loggers: the limit in force, the phase (`PHASE_INDEX`), the profiling cost,
     the choice, and `simulated` (1.0 on simulated GPUs, so every tracker run says so)."""

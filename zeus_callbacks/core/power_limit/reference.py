@@ -29,15 +29,15 @@ logger = logging.getLogger("zeus_callbacks.core.power_limit.optimizer")  # the o
 REFERENCE_VISITS = 5
 
 
-def reference_lost(stats: dict[int, PowerLimitStats], grid: list[int]) -> bool:
+def reference_lost(stats: dict[float, PowerLimitStats], grid: list[float]) -> bool:
     """Whether the reference was visited and has no valid sample (every one set aside, or none read)."""
     ref = stats.get(grid[0]) if grid else None
     return ref is not None and not ref.steps
 
 
 def kept_reference(
-    stats: dict[int, PowerLimitStats], grid: list[int], selector: OptimumSelector, max_power_w: float
-) -> int | None:
+    stats: dict[float, PowerLimitStats], grid: list[float], selector: OptimumSelector, max_power_w: float
+) -> float | None:
     """The reference limit, kept as the choice (and logged), when it has no valid measurement, the selector
     `needs_reference` and other limits were measured; None otherwise (the selector chooses)."""
     ref = stats.get(grid[0])
@@ -55,7 +55,9 @@ def kept_reference(
     return grid[0]
 
 
-def saving(stats: dict[int, PowerLimitStats], grid: list[int], power_limit_w: int | None) -> dict[str, Any]:
+def saving(
+    stats: dict[float, PowerLimitStats], grid: list[float], power_limit_w: float | None
+) -> dict[str, Any]:
     """What `power_limit_w` saves and costs against the reference, by the measurements, with margins of
     `Z` standard errors of each ratio (the two limits' errors, the pooled noise as a floor: `rses`).
 

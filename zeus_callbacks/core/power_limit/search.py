@@ -133,7 +133,7 @@ class Search:
 
     def __init__(
         self,
-        grid: list[int],
+        grid: list[float],
         selector: OptimumSelector,
         max_power_w: float,
         mode: str,
@@ -147,7 +147,7 @@ class Search:
         self.warmup_steps = warmup_steps
         self.profile_steps = profile_steps
         self.min_steps = min_measured_steps(profile_steps) if mode == "adaptive" else profile_steps
-        self.stats: dict[int, PowerLimitStats] = {}
+        self.stats: dict[float, PowerLimitStats] = {}
         self.spent_before = 0  # steps of a reused profile that do not count against the budget
         self.warmed_up = False  # this run's first limit had its full warm-up (later ones settle)
         self.bursts = BurstWatch()
@@ -164,7 +164,7 @@ class Search:
         self.warmed_up = False
         self.bursts = BurstWatch()
 
-    def next_power_limit(self) -> int | None:
+    def next_power_limit(self) -> float | None:
         """The next power limit to profile, or None when the search is over.
 
         Every search first visits every limit, highest first; they differ in how long each is measured
@@ -211,7 +211,7 @@ class Search:
             return None
         return min(unsettled, key=lambda s: (s.steps, -s.power_limit_w)).power_limit_w
 
-    def begin_visit(self, power_limit_w: int, refresh_s: float) -> tuple[PowerLimitStats, int]:
+    def begin_visit(self, power_limit_w: float, refresh_s: float) -> tuple[PowerLimitStats, int]:
         """A visit to `power_limit_w` begins: what its samples add to (a new measurement, or a revisit's
         copy of the earlier visits'), and the steps it runs before it is measured (the run's first limit
         warms up, a later one settles for one sample's worth)."""
@@ -355,7 +355,7 @@ class Search:
         per = chunk_steps({**self.stats, current.power_limit_w: current})
         return unvisited * (settle_steps(self.warmup_steps, per) + self.min_steps * per)
 
-    def _may_measure_again(self, power_limit_w: int, current: PowerLimitStats) -> bool:
+    def _may_measure_again(self, power_limit_w: float, current: PowerLimitStats) -> bool:
         """Whether a limit's visit may still be set aside and measured again: not once the limit has had
         `MAX_VISITS` visits or the search's budget is spent (noise that keeps looking like bursts, e.g. the
         host's own on ms-long steps, must not keep profiling going for ever); the reference, until it has
@@ -417,7 +417,7 @@ class Search:
         )
 
     # -- saved measurements and the choice ------------------------------------------------------------
-    def reuse(self, stats: dict[int, PowerLimitStats], same_search: bool) -> None:
+    def reuse(self, stats: dict[float, PowerLimitStats], same_search: bool) -> None:
         """Take a saved profile's measurements. Searched for another selector or search, what it pruned is
         only worse for that one: measured again if this one needs it, and its steps do not count against
         this search's budget (a sweep keeps only the limits measured fully)."""
@@ -429,7 +429,7 @@ class Search:
             self.spent_before = spent_steps(stats, self.warmup_steps)
         self.stats = stats
 
-    def choose(self) -> int:
+    def choose(self) -> float:
         """The selector's choice (`choose_power_limit`), against the reference; the reference itself when it
         has no valid measurement and the selector needs it (`kept_reference`). Raises ValueError when
         nothing was measured."""
@@ -474,18 +474,18 @@ class Search:
             )
         return rows
 
-    def saving(self, power_limit_w: int | None) -> dict[str, Any]:
+    def saving(self, power_limit_w: float | None) -> dict[str, Any]:
         """What `power_limit_w` saves and costs against the reference (`reference.saving`)."""
         return saving(self.stats, self.grid, power_limit_w)
 
 
 def choose_power_limit(
-    stats: dict[int, PowerLimitStats],
+    stats: dict[float, PowerLimitStats],
     selector: OptimumSelector,
     max_power_w: float,
     steps: int,
-    reference_w: int | None = None,
-) -> int:
+    reference_w: float | None = None,
+) -> float:
     """The selector's choice among the measured limits that were not pruned, and the reference
     (`reference_w`, pruned or not, when measured: `select` judges slowdowns against the highest limit it
     is given). Highest limit first, as Zeus lists them; a Zeus-style `select(measurements)` gets only the

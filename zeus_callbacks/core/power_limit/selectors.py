@@ -27,7 +27,7 @@ __all__ = [
 class PowerLimitMeasurement:
     """Time and energy measured at one power limit (summed over every GPU of the job)."""
 
-    power_limit: int  # W, as in Zeus.
+    power_limit: float  # W, as in Zeus (whole watts there; a fractional grid here: 137.5)
     energy: float  # J
     time: float  # s
 
@@ -63,7 +63,9 @@ class OptimumSelector:
         """Whether this selector implements the vectorised `score` (else only `select`)."""
         return type(self).score is not OptimumSelector.score
 
-    def select(self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None) -> int:
+    def select(
+        self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None
+    ) -> float:
         """The power limit (W) of the best measurement.
 
         `max_power_w` is the job's maximum power (sum over GPUs); it defaults to the largest measured
@@ -157,7 +159,9 @@ class ZeusCost(OptimumSelector):
             1.0 - self.eta_knob
         ) * max_power_w * np.asarray(time_s, dtype=float)
 
-    def select(self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None) -> int:  # noqa: D102
+    def select(
+        self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None
+    ) -> float:  # noqa: D102
         if max_power_w is None and measurements:
             max_power_w = max(m.power_limit for m in measurements) * self.world_size
         return super().select(measurements, max_power_w)
@@ -225,7 +229,9 @@ class MaxSlowdownConstraint(OptimumSelector):
         time_s = np.asarray(time_s, dtype=float)
         return np.where(time_s <= self.factor * reference_time_s, np.asarray(energy_j, dtype=float), np.inf)
 
-    def select(self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None) -> int:  # noqa: D102
+    def select(
+        self, measurements: Sequence[PowerLimitMeasurement], max_power_w: float | None = None
+    ) -> float:  # noqa: D102
         if self.prefer == "least_energy" or not measurements:
             return super().select(measurements, max_power_w)
         top = max(measurements, key=lambda m: m.power_limit)
