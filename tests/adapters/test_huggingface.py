@@ -15,7 +15,7 @@ from helpers import TOY_STEPS_COUNTER
 pytest.importorskip("transformers")
 
 import hf_trainers as hf  # noqa: E402
-from hf_trainers import MAX_W, PLO_KW, Recorder, ZeusTrainer, make_trainer  # noqa: E402
+from hf_trainers import MAX_W, PLO_KW, STEP_GPU_WORK_S, Recorder, ZeusTrainer, make_trainer  # noqa: E402
 from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
@@ -30,33 +30,44 @@ from zeus_callbacks.huggingface import (  # noqa: E402
     HFZeusMonitor,
 )
 from zeus_callbacks.sim import HFSimulatedGPUWork  # noqa: E402
+from zeus_callbacks.sim.gpu_state import ENERGY_OFFSET, read_energy  # noqa: E402
 
 node = hf.node  # the fixture: one simulated A40 with a 10 ms energy counter
 
 
 @pytest.mark.system
-def test_simulated_gpu_work_paces_each_step_by_the_limit_in_force(node, tmp_path, sim_sleeps):
-    """What the simulator makes the steps wait for the GPU (its recorded catch-up sleeps, which depend on
-    the work and on CPU time, not on the host's load; a plain Trainer synchronises nowhere, so the window's
-    end waits for all of it): 50 ms a step at the maximum limit, stretched by the
-    trace's slowdown at 100 W (about 2.7x on the A40), less what the host's share of the step leaves
-    unslowed; the wall time only from below."""
+def test_simulated_gpu_work_paces_each_step_by_the_limit_in_force(node, tmp_path):
+    """Each step's queued GPU work (50 ms here, plus the trainer's own `STEP_GPU_WORK_S`) runs for that long at
+    the maximum limit and for the trace's slowdown times that at 100 W (about 2.7x on the A40): the GPU's busy
+    time, read from the energy the simulator accounted between two synchronisations
+    (busy at the limit's power, idle otherwise, noise off), which the host's speed and load do not move (its
+    late wake-ups are idle time). The wall time only from below."""
+    gpu = node.gpus[0]
+    sim.enqueue_if_simulated(0, 0.0)  # kernels from the start: the host's own CPU time is not GPU work
 
-    def gpu_wait_s(limit_w: int) -> tuple[float, float]:
-        node.gpus[0].set_power_limit_mw(limit_w * 1000)
+    def accounted() -> tuple[float, float]:
+        """(J, s): the energy the simulator has accounted, and up to when (the last synchronisation's end)."""
+        energy_mj, updated_s, *_ = read_energy(gpu._buf, ENERGY_OFFSET)
+        return energy_mj / 1000, updated_s
+
+    def gpu_busy_s(limit_w: int) -> tuple[float, float]:
+        gpu.set_power_limit_mw(limit_w * 1000)
+        _, busy_w = gpu.operating_point()
         monitor = ZeusMonitor([0])
         trainer = make_trainer(tmp_path, [HFSimulatedGPUWork(0, 0.05)], max_steps=8)
-        sim_sleeps.clear()
-        monitor.begin_window("train")
+        monitor.begin_window("train")  # synchronises: accounted up to here
+        before_j, since_s = accounted()
         trainer.train()
-        wall_s = monitor.end_window("train").time  # synchronises: the last queued work is waited for
-        return sum(sim_sleeps), wall_s
+        window_s = monitor.end_window("train").time  # synchronises: the last queued work is waited for
+        after_j, until_s = accounted()
+        idle_w = gpu.spec.idle_power_w
+        return (after_j - before_j - idle_w * (until_s - since_s)) / (busy_w - idle_w), window_s
 
-    (fast, fast_wall), (slow, _) = gpu_wait_s(MAX_W), gpu_wait_s(100)
+    (fast, fast_wall), (slow, _) = gpu_busy_s(MAX_W), gpu_busy_s(100)
     assert fast_wall >= 8 * 0.05  # 50 ms of GPU work a step, beside the toy model's host time
-    assert fast > 0.95 * 8 * 0.05  # the queued work at least, unslowed at the maximum limit
-    rel = node.gpus[0].trace.relative_time(100)
-    assert slow > 0.9 * rel * fast, (fast, slow, rel)
+    work_s = 8 * (0.05 + STEP_GPU_WORK_S)
+    assert fast == pytest.approx(work_s, rel=1e-6)  # the queued work, unslowed at the maximum limit
+    assert slow == pytest.approx(work_s * gpu.trace.relative_time(100), rel=1e-6), (fast, slow)
 
 
 def test_simulated_gpu_work_refuses_negative_work():
