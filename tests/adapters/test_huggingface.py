@@ -47,7 +47,7 @@ def test_simulated_gpu_work_paces_each_step_by_the_limit_in_force(node, tmp_path
 
     def accounted() -> tuple[float, float]:
         """(J, s): the energy the simulator has accounted, and up to when (the last synchronisation's end)."""
-        energy_mj, updated_s, *_ = read_energy(gpu._buf, ENERGY_OFFSET)
+        energy_mj, updated_s, *_ = read_energy(gpu._energy.state._buf, ENERGY_OFFSET)
         return energy_mj / 1000, updated_s
 
     def gpu_busy_s(limit_w: int) -> tuple[float, float]:

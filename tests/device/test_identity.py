@@ -53,7 +53,7 @@ def test_per_gpu_work_follows_the_cuda_index(sim_gpus):
     gpus = get_gpus()
     sim.enqueue_work(1, 0.25)  # cuda:1, the T4
     assert system.gpus[gpus[1].nvml_index].spec.kind == "t4"
-    assert system.gpus[gpus[1].nvml_index]._queued_s == 0.25
+    assert system.gpus[gpus[1].nvml_index]._work.queued_s == 0.25
 
 
 def test_hidden_gpu_is_skipped_with_a_message(sim_gpus, caplog):

@@ -162,7 +162,7 @@ def test_enqueue_work_takes_the_cuda_index():
     system = _node("a10g,t4")
     sim.enqueue_work(0, 0.5)
     a10g = next(g for g in system.gpus if g.spec.kind == "a10g")
-    assert a10g._queued_s == 0.5
+    assert a10g._work.queued_s == 0.5
 
 
 def test_identity_follows_the_gpu_not_its_bus():
