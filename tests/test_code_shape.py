@@ -30,7 +30,6 @@ MAX_ATTRIBUTES = 20  # distinct `self.<name>` a class's methods set
 MAX_PUBLIC_METHODS = 24  # methods and properties without a leading underscore (the `Device` interface's 24)
 # To do, as pyproject's mypy overrides: class -> (attributes, public methods) today, a ceiling until it is cut.
 OVER_THE_LIMITS: dict[str, tuple[int, int]] = {
-    "sim/gpu.py:SimulatedGPU": (42, 25),  # the board's state, clocks, counters and faults in one class
     "core/pipeline_frequency/optimizer.py:PipelineFrequencyOptimizer": (34, 17),  # phases, plan, recorders
     "core/pipeline_frequency/plan_search.py:PlanSearch": (22, 5),  # the DAG's tables and the search's state
 }
