@@ -59,7 +59,7 @@ def test_the_sweep_locks_each_clock_applies_the_plan_and_restores_both_gpus(node
     assert pfo.report()["simulated"]
     assert set(pfo.plan_frequencies_mhz) <= set(profiled)
     run_steps(pfo, 2, kinds)
-    pfo._controller.wait(5)
+    pfo._clocks.controller.wait(5)
     locked = gpu.locked_sm_clocks_mhz
     assert locked is not None and locked[0] == MI300X_LOWEST_MHZ and locked[1] in pfo.plan_frequencies_mhz
     assert other.locked_sm_clocks_mhz is None

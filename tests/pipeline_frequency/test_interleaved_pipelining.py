@@ -75,7 +75,7 @@ _WORKER = textwrap.dedent(
             if out["phases"].count("applying") == 2:
                 break
         out["applied_calls"] = list(calls)
-        pfo._controller.wait(5)
+        pfo._clocks.controller.wait(5)
         out.update(phase=pfo.phase, report=pfo.report(), locked=pfo.frequency_mhz,
                    supported=pfo.gpu.supported_sm_clocks_mhz())
         pfo.on_train_end()

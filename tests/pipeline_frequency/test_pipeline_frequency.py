@@ -229,7 +229,7 @@ def test_sweep_stops_early_and_applies_plan(node, tmp_path: Path):
     assert sorted(read_profile(csv_path), key=str) == sorted(pfo.profile_rows(), key=str)
     run_steps(pfo, 2, kinds)
     last = pfo.plan_frequencies_mhz[-1]
-    pfo._controller.wait(5)
+    pfo._clocks.controller.wait(5)
     assert gpu.locked_sm_clocks_mhz in {(last, last), (pfo.plan_frequencies_mhz[0],) * 2}
     pfo.on_train_end()
     assert gpu.locked_sm_clocks_mhz is None
@@ -252,12 +252,12 @@ def test_straggler_target_slows_instructions(node):
     # A baseline in the same job: every instruction at the maximum clock, then the plan again.
     pfo.hold_max_clocks()
     run_steps(pfo, 1, kinds)
-    pfo._controller.wait(5)
+    pfo._clocks.controller.wait(5)
     assert gpu.locked_sm_clocks_mhz == (max(profiled),) * 2 and pfo.phase == "applying"
     assert pfo.plan_frequencies_mhz == freqs
     pfo.hold_max_clocks(False)
     run_steps(pfo, 1, kinds)
-    pfo._controller.wait(5)
+    pfo._clocks.controller.wait(5)
     assert gpu.locked_sm_clocks_mhz[0] in {freqs[0], freqs[-1]}
     pfo.close()
     assert gpu.locked_sm_clocks_mhz is None
@@ -331,13 +331,13 @@ def test_redundant_clock_changes_are_skipped(node):
     kinds = _kinds("1f1b", 4)
     run_steps(pfo, 40, kinds, until="applying")
     run_steps(pfo, 1, kinds)
-    pfo._controller.wait(5)
-    changes = pfo._controller.changes
+    pfo._clocks.controller.wait(5)
+    changes = pfo._clocks.controller.changes
     run_steps(pfo, 3, kinds)
-    pfo._controller.wait(5)
+    pfo._clocks.controller.wait(5)
     freqs = pfo.plan_frequencies_mhz
     switches = sum(a != b for a, b in zip(freqs, freqs[1:] + freqs[:1], strict=True))
-    assert pfo._controller.changes - changes <= 3 * switches  # only real switches reach NVML
+    assert pfo._clocks.controller.changes - changes <= 3 * switches  # only real switches reach NVML
     pfo.close()
     assert gpu.locked_sm_clocks_mhz is None
 
@@ -410,7 +410,7 @@ _CHILD = textwrap.dedent(
     kinds = _kinds("1f1b", 2)
     run_steps(pfo, 40, kinds, until="applying", work_s=0.01)  # long enough to rank clocks
     run_steps(pfo, 1, kinds)
-    pfo._controller.wait(5)
+    pfo._clocks.controller.wait(5)
     print("locked", pfo.frequency_mhz, flush=True)
     if {mode!r} == "raise":
         raise RuntimeError("boom")

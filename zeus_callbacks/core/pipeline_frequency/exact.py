@@ -142,10 +142,10 @@ def lower_bound(
         ValueError: On invalid options or an infeasible target.
     """
     from zeus_callbacks.core.pipeline_frequency.energy_model import as_dag
-    from zeus_callbacks.core.pipeline_frequency.plan_search import PlanSearch
+    from zeus_callbacks.core.pipeline_frequency.plan_search import SearchTables
 
-    problem = PlanSearch(as_dag(dag), options, p_blk_w)
-    program = _Program.build(problem.dag, problem.times, problem.costs, sum(problem.p_blk), target_time_s)
+    t = SearchTables.build(as_dag(dag), options, p_blk_w)
+    program = _Program.build(t.dag, t.times, t.costs, sum(t.p_blk), target_time_s)
     relaxed = program.relaxation()
     if relaxed is None:
         raise ValueError(f"`lower_bound(target_time_s={target_time_s!r})`: no plan meets the target.")
@@ -171,12 +171,13 @@ def refine(
     Returns:
         The best levels found and a lower bound on the energy (J) of every plan within the deadline.
     """
-    program = _Program.build(problem.dag, problem.times, problem.costs, sum(problem.p_blk), target_time_s)
+    t = problem.tables
+    program = _Program.build(t.dag, t.times, t.costs, sum(t.p_blk), target_time_s)
     best = _Incumbent(problem, target_time_s, list(levels))
     relaxed = program.relaxation()
     if relaxed is None:
         return best.levels, -np.inf
-    rounded = program.rounded_down(relaxed.x, problem.times)
+    rounded = program.rounded_down(relaxed.x, t.times)
     problem.optimize(rounded, target_time_s, priced=True, max_passes=max_passes)
     best.offer(rounded, repair=False)
     bound = relaxed.bound_j

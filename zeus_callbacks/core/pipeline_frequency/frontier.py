@@ -88,19 +88,19 @@ def solve(
         ValueError: On missing or invalid options, or a target faster than the fastest options allow.
     """
     problem = PlanSearch(as_dag(dag), options, p_blk_w)
-    target = problem.max_frequency_time_s if target_time_s is None else float(target_time_s)
-    if target < problem.fastest_time_s * (1 - REL_TOL):
+    target = problem.tables.max_frequency_time_s if target_time_s is None else float(target_time_s)
+    if target < problem.tables.fastest_time_s * (1 - REL_TOL):
         raise ValueError(
             f"`solve(target_time_s={target_time_s!r})` is infeasible: the fastest plan takes "
-            f"{problem.fastest_time_s:.6g} s."
+            f"{problem.tables.fastest_time_s:.6g} s."
         )
-    target = max(target, problem.fastest_time_s)
+    target = max(target, problem.tables.fastest_time_s)
     if _refine_available():
-        return problem.best_plan(target, [0] * len(problem.dag), max_passes, node_limit)[1]
-    levels = [0] * len(problem.dag)
+        return problem.best_plan(target, [0] * len(problem.tables.dag), max_passes, node_limit)[1]
+    levels = [0] * len(problem.tables.dag)
     problem.optimize(levels, target, priced=True, max_passes=max_passes)
     plans = [problem.plan(levels)]
-    lo = problem.fastest_time_s
+    lo = problem.tables.fastest_time_s
     steps = max(1, num_deadlines) - 1
     deadlines = {target, *(lo + (target - lo) * k / steps for k in range(steps))}
     plans += problem.sweep(sorted(deadlines), max_passes=max_passes)
@@ -136,37 +136,39 @@ def frontier(
     if num_points < 2:
         raise ValueError(f"`frontier(num_points={num_points})` needs at least 2 points.")
     problem = PlanSearch(as_dag(dag), options, p_blk_w)
-    lo = problem.fastest_time_s
+    lo = problem.tables.fastest_time_s
     plans: list[Plan] = []
     if _refine_available():
         plans.append(
-            problem.best_plan(problem.slowest_time_s, [0] * len(problem.dag), max_passes, node_limit)[1]
+            problem.best_plan(
+                problem.tables.slowest_time_s, [0] * len(problem.tables.dag), max_passes, node_limit
+            )[1]
         )
         hi = plans[0].iteration_time_s
         targets = {lo + (hi - lo) * k / (num_points - 1) for k in range(num_points)}
-        if problem.max_frequency_time_s < hi:
-            targets.add(problem.max_frequency_time_s)
-        levels = [0] * len(problem.dag)
+        if problem.tables.max_frequency_time_s < hi:
+            targets.add(problem.tables.max_frequency_time_s)
+        levels = [0] * len(problem.tables.dag)
         for target in sorted(targets):
             levels, plan = problem.best_plan(target, levels, max_passes, node_limit)
             plans.append(plan)
     else:
-        hi = problem.slowest_time_s
+        hi = problem.tables.slowest_time_s
         targets = {
             lo,
-            problem.max_frequency_time_s,
+            problem.tables.max_frequency_time_s,
             *(lo + (hi - lo) * k / (num_points - 1) for k in range(num_points)),
         }
         plans = problem.sweep(sorted(targets), max_passes=0)
         # The default choice (no slowdown) is the point that matters most: refine it as `solve` does.
-        levels = [0] * len(problem.dag)
-        problem.optimize(levels, problem.max_frequency_time_s, priced=True, max_passes=8)
+        levels = [0] * len(problem.tables.dag)
+        problem.optimize(levels, problem.tables.max_frequency_time_s, priced=True, max_passes=8)
         plans.append(problem.plan(levels))
     kept: list[Plan] = []
     for plan in sorted(plans, key=lambda p: (p.iteration_time_s, p.energy_j)):
         if not kept or plan.energy_j < kept[-1].energy_j:
             kept.append(plan)
-    return Frontier(plans=tuple(kept), max_frequency=problem.max_frequency_plan)
+    return Frontier(plans=tuple(kept), max_frequency=problem.tables.max_frequency_plan)
 
 
 _REFINE: list[bool] = []

@@ -1,7 +1,8 @@
 """PipelineFrequencyOptimizer: the phase machine that profiles, plans (Perseus) and applies SM clocks per instruction.
 
-The pieces live beside it: `phases` (its states), `readout` (what it shows), `options` (its checks),
-`clock_setup` (each stage's clocks), `recorder` (instructions measured), `clock_sweep` (the profile, clock by
+The pieces live beside it: `phases` (its states), `readout` (what it shows), `options` (its checks, and its
+options and the job's layout as records), `clock_setup` (each stage's clocks), `stage_clocks` (the clocks this
+rank sets, and its first GPU error), `recorder` (instructions measured), `clock_sweep` (the profile, clock by
 clock), `profiling` (shared by the ranks, planned from: `planning`), `controller`, `profile_file`.
 """
 
@@ -15,8 +16,7 @@ from typing import Any
 
 from zeus_callbacks.core import distributed as dist
 from zeus_callbacks.core.callback import Callback
-from zeus_callbacks.core.device.errors import GPUError, InvalidInputError
-from zeus_callbacks.core.device.state_guard import guard
+from zeus_callbacks.core.device.errors import InvalidInputError
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.pipeline_frequency.clock_setup import (
     agree_on_clocks,
@@ -24,9 +24,10 @@ from zeus_callbacks.core.pipeline_frequency.clock_setup import (
     default_power_limit,
 )
 from zeus_callbacks.core.pipeline_frequency.clock_sweep import ClockSweep
-from zeus_callbacks.core.pipeline_frequency.controller import FrequencyController
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction, build_dag
 from zeus_callbacks.core.pipeline_frequency.options import (
+    JobLayout,
+    PipelineOptions,
     check_limits,
     check_options,
     check_ranks,
@@ -50,6 +51,7 @@ from zeus_callbacks.core.pipeline_frequency.profiling import (
 )
 from zeus_callbacks.core.pipeline_frequency.readout import RecentIterations, pipeline_metrics, pipeline_report
 from zeus_callbacks.core.pipeline_frequency.recorder import InstructionRecorder, instruction_kind
+from zeus_callbacks.core.pipeline_frequency.stage_clocks import StageClocks
 
 __all__ = ["PipelineFrequencyOptimizer"]
 
@@ -177,33 +179,31 @@ class PipelineFrequencyOptimizer(Callback):
             )
         self.monitor = monitor
         self.gpu = monitor.gpus[monitor.gpu_indices[0]]
-        self.rank, self.dp_rank, self.tp_rank = rank, dp_rank, tp_rank
-        self.pp_degree, self.job_metadata = pp_degree, job_metadata
+        self.job = JobLayout(rank, dp_rank, tp_rank, pp_degree, job_metadata)
+        self.options = PipelineOptions(
+            wait_steps=int(wait_steps),
+            warmup_steps=int(warmup_steps),
+            profile_steps=int(profile_steps),
+            frequency_stride_mhz=int(frequency_stride_mhz),
+            min_frequency_mhz=None if min_frequency_mhz is None else int(min_frequency_mhz),
+            patience=int(patience),
+            target_time_s=None if target_time_s is None else float(target_time_s),
+            slack_margin=float(slack_margin),
+            profile_path=Path(profile_path) if profile_path is not None else None,
+        )
         self.schedule = schedule
         self._order: tuple[tuple[Instruction, ...], ...] | None = None  # `use_schedule`
-        self.wait_steps = int(wait_steps)
-        self.warmup_steps = int(warmup_steps)
-        self.profile_steps = int(profile_steps)
-        self.frequency_stride_mhz = int(frequency_stride_mhz)
-        self.min_frequency_mhz = None if min_frequency_mhz is None else int(min_frequency_mhz)
-        self.patience = int(patience)
-        self.target_time_s = None if target_time_s is None else float(target_time_s)
-        self.slack_margin = float(slack_margin)
-        self.profile_path = Path(profile_path) if profile_path is not None else None
         self.stage: int | None = pp_rank
-        self.may_set = True
-        self._why_not_set = ""  # why `may_set` is False, in words: no permission is only one of the reasons
         self._iterations = RecentIterations()  # this rank's last iteration, for `metrics`
         self.profiling_steps = 0
 
         self._group = dist.Group(process_group)
-        self._phase: Phase = Waiting(self.wait_steps)
-        self._recorder = InstructionRecorder(monitor, self._gpu_failed)
+        self._phase: Phase = Waiting(self.options.wait_steps)
+        self._clocks = StageClocks()
+        self._recorder = InstructionRecorder(monitor, self._clocks.gpu_failed)
         self._sweep: ClockSweep | None = None  # made at the first step, from every rank's clocks
-        self._controller: FrequencyController | None = None
         self._replay: list[ProfileRow] | None = None  # the profile read from `profile_path`
         self._plan: dict[str, Any] | None = None  # plain data, the same on every rank
-        self._failed: str | None = None  # this rank's first GPU error, shared at the next collective
         self._started = False
         self._closed = False
         self._warned_unstarted = False
@@ -250,7 +250,12 @@ class PipelineFrequencyOptimizer(Callback):
     @property
     def frequency_mhz(self) -> int | None:
         """The SM clock this optimizer last locked (None: not locked)."""
-        return None if self._controller is None else self._controller.frequency_mhz
+        return self._clocks.frequency_mhz
+
+    @property
+    def may_set(self) -> bool:
+        """Whether every rank may lock SM clocks (known at the first step; True before)."""
+        return self._clocks.may_set
 
     @property
     def plan_frequencies_mhz(self) -> list[int] | None:
@@ -285,8 +290,8 @@ class PipelineFrequencyOptimizer(Callback):
     def report(self) -> dict[str, Any]:
         """Plain data: phase, profile, blocking power, the plan and its prediction (`readout.pipeline_report`)."""
         facts: dict[str, Any] = {"simulated": self.monitor.simulated, "stage": self.stage}
-        facts |= {"may_lock_clocks": self.may_set, "profiling_steps": self.profiling_steps}
-        facts["job_metadata"] = self.job_metadata
+        facts |= {"may_lock_clocks": self._clocks.may_set, "profiling_steps": self.profiling_steps}
+        facts["job_metadata"] = self.job.job_metadata
         return pipeline_report(self._phase, self._sweep, self._plan, facts)
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -319,7 +324,7 @@ class PipelineFrequencyOptimizer(Callback):
         phase = self._phase
         if isinstance(phase, Applying) and part != "input":
             # Set the next instruction's clock while this stage communicates.
-            self._request(phase.clock(len(self._recorder.records) % len(phase.kinds)))
+            self._clocks.request(phase.clock(len(self._recorder.records) % len(phase.kinds)))
 
     def on_step_end(self) -> None:
         """Mark the end of a training step."""
@@ -328,8 +333,7 @@ class PipelineFrequencyOptimizer(Callback):
         m = self._recorder.end_step()
         if m is not None:
             self._iterations.add(m.time, m.total_energy)
-        if self._controller is not None and self._controller.error is not None and self._failed is None:
-            self._failed = str(self._controller.error)
+        self._clocks.take_controller_error()
         phase = self._phase
         if isinstance(phase, Waiting):
             phase.steps_left -= 1
@@ -337,7 +341,7 @@ class PipelineFrequencyOptimizer(Callback):
                 self._begin_profiling()
         elif isinstance(phase, Profiling):
             self.profiling_steps += 1
-            if phase.count_step(self._recorder, self.profile_steps):
+            if phase.count_step(self._recorder, self.options.profile_steps):
                 self._finish_clock(phase)
         elif isinstance(phase, Applying):
             self._applied_step(phase)
@@ -353,7 +357,7 @@ class PipelineFrequencyOptimizer(Callback):
             return
         self._closed = True
         self._recorder.close()
-        self._restore_clocks()
+        self._clocks.restore()
         dist.remove_termination_handler(self._on_signal)
         atexit.unregister(self.close)
 
@@ -363,32 +367,32 @@ class PipelineFrequencyOptimizer(Callback):
         self._started = True
         if self.stage is None:
             self.stage = self._group.rank()
+        options = self.options
         job = agree_on_clocks(
             self._group,
             self.gpu,
             self.stage,
-            self.frequency_stride_mhz,
-            self.min_frequency_mhz,
-            self.pp_degree,
+            options.frequency_stride_mhz,
+            options.min_frequency_mhz,
+            self.job.pp_degree,
         )
-        self.may_set, self._why_not_set = job.may_set, job.why_not_set
-        self._replay = read_profile_everywhere(self._group, self.profile_path)
+        self._replay = read_profile_everywhere(self._group, options.profile_path)
         if self._replay is not None:
-            logger.info("PipelineFrequencyOptimizer: planning from the profile %s.", self.profile_path)
-        self._sweep = ClockSweep(clocks_to_profile(job, self._replay), self.patience)
-        self._controller = FrequencyController(self.gpu)
+            logger.info("PipelineFrequencyOptimizer: planning from the profile %s.", options.profile_path)
+        self._sweep = ClockSweep(clocks_to_profile(job, self._replay), options.patience)
+        self._clocks.start(self.gpu, job.may_set, job.why_not_set)
         dist.on_termination(self._on_signal)
         atexit.register(self.close)
-        if self.wait_steps == 0:
+        if options.wait_steps == 0:
             self._begin_profiling()
 
     def _begin_profiling(self) -> None:
         assert self._sweep is not None and self.stage is not None
-        if self.may_set:
+        if self._clocks.may_set:
             default_power_limit(self.gpu)
         clock = self._sweep.clock(self.stage)
-        self._set_clock(clock)
-        self._phase = Profiling(clock, self.warmup_steps)
+        self._clocks.set_now(clock)
+        self._phase = Profiling(clock, self.options.warmup_steps)
         if clock != UNLOCKED:
             logger.info("Profiling stage %d at %d MHz.", self.stage, clock)
 
@@ -396,7 +400,9 @@ class PipelineFrequencyOptimizer(Callback):
     def _finish_clock(self, phase: Profiling) -> None:
         """Share this clock's measurements with every rank; go on to the next clock, or plan."""
         assert self._sweep is not None and self.stage is not None
-        why = share_clock(self._group, self._sweep, self.stage, phase, self._recorder.sequence, self._failed)
+        why = share_clock(
+            self._group, self._sweep, self.stage, phase, self._recorder.sequence, self._clocks.failed
+        )
         if why is not None:
             self._deactivate(why)
             return
@@ -405,41 +411,42 @@ class PipelineFrequencyOptimizer(Callback):
             return
         clock = self._sweep.clock(self.stage)
         if clock != phase.frequency_mhz:
-            self._set_clock(clock)
+            self._clocks.set_now(clock)
         # Every rank runs the same number of steps per clock, so that the next gather is reached together.
-        self._phase = Profiling(clock, self.warmup_steps)
+        self._phase = Profiling(clock, self.options.warmup_steps)
 
     def _make_plan(self) -> None:
         """Plan on the group's first rank (and write the profile there); every rank takes its stage's part."""
         result: dict[str, Any] | None = None
+        options, clocks = self.options, self._clocks
         if self._group.rank() == 0:
             assert self._sweep is not None
             result = solve_plan(
                 self._sweep,
                 self._replay,
-                why_not_set=None if self.may_set else self._why_not_set,
+                why_not_set=None if clocks.may_set else clocks.why_not_set,
                 schedule=self.schedule,
-                target_time_s=self.target_time_s,
-                slack_margin=self.slack_margin,
+                target_time_s=options.target_time_s,
+                slack_margin=options.slack_margin,
                 order=self._order,
             )
-            if self.profile_path is not None and self._replay is None and self.may_set:
-                save_profile(self.profile_path, self.profile_rows(), result)
+            if options.profile_path is not None and self._replay is None and clocks.may_set:
+                save_profile(options.profile_path, self.profile_rows(), result)
         result = self._group.broadcast(result)
         assert result is not None and self.stage is not None
         self._plan = dict(result)
         if "error" in result:
             # Without permission the reason was already said once, at the first step.
-            self._deactivate(result["error"], already_said=not self.may_set and self._replay is None)
+            self._deactivate(result["error"], already_said=not clocks.may_set and self._replay is None)
             return
-        if not self.may_set:
+        if not clocks.may_set:
             self._phase = Inactive(
-                f"{self._why_not_set}: the plan from profile_path is predicted, not applied"
+                f"{clocks.why_not_set}: the plan from profile_path is predicted, not applied"
             )
             return
         steps = result["stage_plans"][self.stage]
         self._phase = Applying([k for k, _ in steps], [f for _, f in steps])
-        self._request(steps[0][1])
+        self._clocks.request(steps[0][1])
         pred = result["predicted"]
         logger.info(
             "Pipeline frequency plan applied: predicted iteration %.4g s -> %.4g s, energy %.4g J -> %.4g J%s.",
@@ -455,7 +462,7 @@ class PipelineFrequencyOptimizer(Callback):
         """The `index`-th instruction of the step begins: at its planned clock, or off the plan."""
         why = phase.off_plan(index, key)
         if why is None:
-            self._request(phase.clock(index))
+            self._clocks.request(phase.clock(index))
         else:
             self._fall_back(why)
 
@@ -463,8 +470,8 @@ class PipelineFrequencyOptimizer(Callback):
         ran = len(self._recorder.records)
         if ran != len(phase.kinds):
             self._fall_back(f"the step ran {ran} instructions; the plan has {len(phase.kinds)}")
-        elif self._failed is not None:
-            self._fall_back(self._failed)
+        elif self._clocks.failed is not None:
+            self._fall_back(self._clocks.failed)
 
     def _fall_back(self, reason: str) -> None:
         assert self._sweep is not None and self.stage is not None
@@ -474,7 +481,7 @@ class PipelineFrequencyOptimizer(Callback):
             reason,
         )
         self._phase = Fallback(reason)
-        self._request(self._sweep.max_clock(self.stage))
+        self._clocks.request(self._sweep.max_clock(self.stage))
 
     def _deactivate(self, reason: str, already_said: bool = False) -> None:
         logger.log(
@@ -483,37 +490,9 @@ class PipelineFrequencyOptimizer(Callback):
             reason.rstrip("."),
         )
         self._phase = Inactive(reason)
-        self._restore_clocks()
+        self._clocks.restore()
 
-    # -- clocks and errors ------------------------------------------------------------------------------
-    def _set_clock(self, mhz: int) -> None:
-        if mhz == UNLOCKED or self._controller is None or self._failed is not None:
-            return
-        try:
-            self._controller.set_now(mhz)
-        except GPUError as e:
-            logger.warning("PipelineFrequencyOptimizer: %s", e)
-            self._failed = str(e)
-
-    def _request(self, mhz: int) -> None:
-        if self._controller is not None:
-            self._controller.request(mhz)
-
-    def _restore_clocks(self, forget: bool = True) -> None:
-        """Stop the worker thread, then restore the GPU's settings (so that no clock is locked again after
-        the restore); with `forget`, tell the controller that the clock was reset."""
-        if self._controller is not None:
-            self._controller.close()
-        guard().restore()
-        if forget and self._controller is not None:
-            self._controller.forget()
-
-    def _gpu_failed(self, error: GPUError) -> None:
-        """A monitor call failed: remembered (and shared at the next collective), not raised."""
-        if self._failed is None:
-            logger.warning("PipelineFrequencyOptimizer: %s", error)
-            self._failed = str(error)
-
+    # -- errors and signals ------------------------------------------------------------------------------
     def _warn_unstarted(self) -> None:
         if not self._warned_unstarted:
             self._warned_unstarted = True
@@ -524,4 +503,4 @@ class PipelineFrequencyOptimizer(Callback):
 
     def _on_signal(self, signum: int) -> None:
         # The guard's own handler may run before or after this one; restoring twice is harmless.
-        self._restore_clocks(forget=False)
+        self._clocks.restore(forget=False)

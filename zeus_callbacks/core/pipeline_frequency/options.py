@@ -1,8 +1,11 @@
-"""The checks of `PipelineFrequencyOptimizer`'s constructor arguments (with `core.arguments`' wording)."""
+"""`PipelineFrequencyOptimizer`'s constructor arguments: their checks (with `core.arguments`' wording) and the
+records it keeps them in."""
 
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from zeus_callbacks.core import distributed as dist
@@ -10,9 +13,47 @@ from zeus_callbacks.core.arguments import bad_argument, positive_number, whole_n
 from zeus_callbacks.core.monitor.monitor import ZeusMonitor
 from zeus_callbacks.core.pipeline_frequency.dag import MULTI_STAGE_SCHEDULES, SCHEDULES
 
-__all__ = ["bad", "check_options", "check_limits", "check_ranks", "rank_monitor"]
+__all__ = [
+    "JobLayout",
+    "PipelineOptions",
+    "bad",
+    "check_options",
+    "check_limits",
+    "check_ranks",
+    "rank_monitor",
+]
 
 _OWNER = "PipelineFrequencyOptimizer"
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How to profile (steps per clock, which clocks, when a stage stops) and plan (target, margin, the
+    profile file): the optimizer's keyword arguments of the same names, checked (`check_options`,
+    `check_limits`)."""
+
+    wait_steps: int = 1
+    warmup_steps: int = 2
+    profile_steps: int = 3
+    frequency_stride_mhz: int = 90
+    min_frequency_mhz: int | None = None
+    patience: int = 2
+    target_time_s: float | None = None
+    slack_margin: float = 0.0
+    profile_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """What the caller said of the job (Zeus's positional arguments): checked against torch.distributed
+    (`check_ranks`), `pp_degree` against the ranks at the first step, `job_metadata` shown in the report;
+    `rank`, `dp_rank` and `tp_rank` are accepted for compatibility."""
+
+    rank: int | None = None
+    dp_rank: int = 0
+    tp_rank: int = 0
+    pp_degree: int | None = None
+    job_metadata: str | None = None
 
 
 def bad(name: str, value: Any, want: str) -> ValueError:

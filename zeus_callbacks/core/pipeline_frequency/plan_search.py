@@ -1,6 +1,7 @@
 """The slack-based search over each instruction's options behind `frontier.solve` and `frontier.frontier`.
 
-A greedy slow-down within every instruction's slack, then local search (exchanges and ejections).
+`SearchTables`: what the DAG and the options give, built once; `PlanSearch`: a greedy slow-down within every
+instruction's slack, then local search (exchanges and ejections), its state per target.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from zeus_callbacks.core.pipeline_frequency.dag import PipelineDAG
 from zeus_callbacks.core.pipeline_frequency.energy_model import (
     REL_TOL,
+    FrequencyOption,
     OptionTable,
     Plan,
     check_options,
@@ -23,7 +25,7 @@ from zeus_callbacks.core.pipeline_frequency.energy_model import (
     per_stage,
 )
 
-__all__ = ["PlanSearch"]
+__all__ = ["PlanSearch", "SearchTables"]
 
 logger = logging.getLogger("zeus_callbacks.core.pipeline_frequency.frontier")
 
@@ -32,33 +34,69 @@ logger = logging.getLogger("zeus_callbacks.core.pipeline_frequency.frontier")
 _EJECT_MAX_WORK = 1000
 
 
+@dataclasses.dataclass(frozen=True)
+class SearchTables:
+    """What the search reads and never changes, built once from the DAG: each node's Pareto options (fastest
+    first), their times and effective energies, the DAG's adjacency and edge delays, and the iteration times
+    of the all-fastest, all-slowest and all-maximum-frequency plans."""
+
+    dag: PipelineDAG
+    p_blk: list[float]
+    opts: list[Sequence[FrequencyOption]]
+    times: list[list[float]]
+    costs: list[list[float]]
+    preds: list[tuple[int, ...]]
+    succs: list[tuple[int, ...]]
+    pred_delays: list[tuple[float, ...]]
+    succ_delays: list[tuple[float, ...]]
+    sinks: list[int]
+    fastest_time_s: float
+    slowest_time_s: float
+    max_frequency_plan: Plan
+
+    @classmethod
+    def build(cls, dag: PipelineDAG, options: OptionTable, p_blk_w: float | Sequence[float]) -> SearchTables:
+        """The tables of `dag` with `options` per instruction type and blocking power `p_blk_w` (per stage)."""
+        check_options(dag, options)
+        p_blk = per_stage(p_blk_w, dag.num_stages)
+        by_type = {key: pareto_options(opts, p_blk[key[0]]) for key, opts in options.items()}
+        opts = [options_of(by_type, i) for i in dag.instructions]
+        times = [[o.time_s for o in node] for node in opts]
+        succs = [dag.successors(v) for v in range(len(dag))]
+        return cls(
+            dag=dag,
+            p_blk=p_blk,
+            opts=opts,
+            times=times,
+            costs=[
+                [o.energy_j - p_blk[inst.stage] * o.time_s for o in node]
+                for inst, node in zip(dag.instructions, opts, strict=True)
+            ],
+            preds=[dag.predecessors(v) for v in range(len(dag))],
+            succs=succs,
+            pred_delays=dag.predecessor_delays(),
+            succ_delays=dag.successor_delays(),
+            sinks=[v for v in range(len(dag)) if not succs[v]],
+            fastest_time_s=dag.iteration_time([t[0] for t in times]),
+            slowest_time_s=dag.iteration_time([t[-1] for t in times]),
+            max_frequency_plan=max_frequency_plan(dag, options, p_blk),
+        )
+
+    @property
+    def max_frequency_time_s(self) -> float:
+        """The all-maximum-frequency plan's iteration time (s)."""
+        return self.max_frequency_plan.iteration_time_s
+
+
 class PlanSearch:
-    """Per-node Pareto options (index `levels[v]`, fastest first) and the slack-based search over them.
+    """The slack-based search over each node's Pareto options (`tables`, index `levels[v]`, fastest first).
 
     The search state is `levels`, durations `d`, earliest starts `es` and latest starts `ls` against the
     deadline; a node's slack is `ls[v] - es[v]`, and lengthening it by at most that keeps the deadline.
     """
 
     def __init__(self, dag: PipelineDAG, options: OptionTable, p_blk_w: float | Sequence[float]) -> None:
-        check_options(dag, options)
-        self.dag = dag
-        self.p_blk = per_stage(p_blk_w, dag.num_stages)
-        by_type = {key: pareto_options(opts, self.p_blk[key[0]]) for key, opts in options.items()}
-        self.opts = [options_of(by_type, i) for i in dag.instructions]
-        self.times = [[o.time_s for o in opts] for opts in self.opts]
-        self.costs = [
-            [o.energy_j - self.p_blk[inst.stage] * o.time_s for o in opts]
-            for inst, opts in zip(dag.instructions, self.opts, strict=True)
-        ]
-        self.preds = [dag.predecessors(v) for v in range(len(dag))]
-        self.succs = [dag.successors(v) for v in range(len(dag))]
-        self.pred_delays = dag.predecessor_delays()
-        self.succ_delays = dag.successor_delays()
-        self.sinks = [v for v in range(len(dag)) if not self.succs[v]]
-        self.fastest_time_s = dag.iteration_time([t[0] for t in self.times])
-        self.slowest_time_s = dag.iteration_time([t[-1] for t in self.times])
-        self.max_frequency_plan = max_frequency_plan(dag, options, self.p_blk)
-        self.max_frequency_time_s = self.max_frequency_plan.iteration_time_s
+        self.tables = SearchTables.build(dag, options, p_blk_w)
         # The search's state, set by `optimize` for each target: each node's level and duration, earliest and
         # latest starts, the plan's effective energy, the price of a second, the deadline and its tolerance.
         self.levels: list[int] = []
@@ -71,12 +109,13 @@ class PlanSearch:
         self.tol = 0.0
 
     def plan(self, levels: Sequence[int]) -> Plan:
-        return make_plan(self.dag, self.p_blk, [opts[k] for opts, k in zip(self.opts, levels, strict=True)])
+        t = self.tables
+        return make_plan(t.dag, t.p_blk, [opts[k] for opts, k in zip(t.opts, levels, strict=True)])
 
     def feasible(self, levels: Sequence[int], target_time_s: float) -> bool:
         """Whether the plan's iteration time is within `target_time_s`."""
-        durations = [t[k] for t, k in zip(self.times, levels, strict=True)]
-        return self.dag.iteration_time(durations) <= target_time_s * (1 + REL_TOL)
+        durations = [t[k] for t, k in zip(self.tables.times, levels, strict=True)]
+        return self.tables.dag.iteration_time(durations) <= target_time_s * (1 + REL_TOL)
 
     def best_plan(
         self, target_time_s: float, start: Sequence[int], max_passes: int, node_limit: int
@@ -114,12 +153,12 @@ class PlanSearch:
         minimises the effective energy alone, as if the iteration always took the full deadline.
         """
         n = len(levels)
-        self.price = sum(self.p_blk) if priced else 0.0
+        self.price = sum(self.tables.p_blk) if priced else 0.0
         self.deadline = target_time_s
         self.tol = target_time_s * REL_TOL
         self.levels = levels
-        self.d = [self.times[v][levels[v]] for v in range(n)]
-        self.total_cost = sum(self.costs[v][levels[v]] for v in range(n))
+        self.d = [self.tables.times[v][levels[v]] for v in range(n)]
+        self.total_cost = sum(self.tables.costs[v][levels[v]] for v in range(n))
         self.es = [0.0] * n
         self.ls = [0.0] * n
         self._forward(range(n))
@@ -127,7 +166,7 @@ class PlanSearch:
         # A start that overruns the deadline (HiGHS' plans can, by its feasibility tolerance) is sped up first.
         self._repair(set(range(n)), frozen=-1)
         self._fill(range(n), frozen=-1)
-        eject = sum(len(t) for t in self.times) <= _EJECT_MAX_WORK
+        eject = sum(len(t) for t in self.tables.times) <= _EJECT_MAX_WORK
         for _ in range(max_passes):
             if not (
                 self._pass(self._exchange, slower=False) or (eject and self._pass(self._eject, slower=True))
@@ -138,7 +177,7 @@ class PlanSearch:
         """Try `move` on every node: one level slower (or faster), then to the slowest (or fastest) level."""
         improved = False
         for v in range(len(self.levels)):
-            level, last = self.levels[v], len(self.times[v]) - 1
+            level, last = self.levels[v], len(self.tables.times[v]) - 1
             targets = (level + 1, last) if slower else (level - 1, 0)
             for k in dict.fromkeys(targets):
                 if 0 <= k <= last and k != level and move(v, k):
@@ -148,7 +187,7 @@ class PlanSearch:
 
     def sweep(self, deadlines: Sequence[float], max_passes: int) -> list[Plan]:
         """Unpriced plans for increasing deadlines, each search starting from the previous plan."""
-        levels = [0] * len(self.dag)
+        levels = [0] * len(self.tables.dag)
         plans = []
         for deadline in sorted(deadlines):
             self.optimize(levels, deadline, priced=False, max_passes=max_passes)
@@ -156,7 +195,7 @@ class PlanSearch:
         return plans
 
     def _makespan(self) -> float:
-        return max(self.es[v] + self.d[v] for v in self.sinks)
+        return max(self.es[v] + self.d[v] for v in self.tables.sinks)
 
     def _objective(self) -> float:
         return self.total_cost + self.price * self._makespan()
@@ -192,7 +231,8 @@ class PlanSearch:
     def _repair(self, touched: set[int], frozen: int) -> set[int]:
         """Speed up nodes that overrun the deadline (all but `frozen`), cheapest per second first, until none
         does or none can; returns `touched` with every node whose slack changed."""
-        times, costs, levels, d, es, ls = self.times, self.costs, self.levels, self.d, self.es, self.ls
+        t = self.tables
+        times, costs, levels, d, es, ls = t.times, t.costs, self.levels, self.d, self.es, self.ls
         while True:
             best = (float("inf"), -1, -1)
             for u in [u for u in touched if es[u] - ls[u] > self.tol and u != frozen]:
@@ -208,10 +248,10 @@ class PlanSearch:
 
     def _set_level(self, v: int, level: int) -> set[int]:
         """Change node `v`'s option and refresh the schedule; returns nodes whose slack changed."""
-        self.total_cost += self.costs[v][level] - self.costs[v][self.levels[v]]
+        self.total_cost += self.tables.costs[v][level] - self.tables.costs[v][self.levels[v]]
         self.levels[v] = level
-        self.d[v] = self.times[v][level]
-        touched = self._forward(self.succs[v])
+        self.d[v] = self.tables.times[v][level]
+        touched = self._forward(self.tables.succs[v])
         touched |= self._backward([v])
         touched.add(v)
         return touched
@@ -221,7 +261,7 @@ class PlanSearch:
 
         Energy saved is the drop in effective energy less the blocking energy of any growth of the iteration.
         """
-        times, costs, level = self.times[v], self.costs[v], self.levels[v]
+        times, costs, level = self.tables.times[v], self.tables.costs[v], self.levels[v]
         room = self.ls[v] - self.es[v] + self.tol
         t0, c0 = times[level], costs[level]
         through = self.es[v] + self.deadline - self.ls[v]  # longest path through v
@@ -270,7 +310,8 @@ class PlanSearch:
 
         Node numbers are topological, so popping the smallest first settles each node once.
         """
-        es, d, preds, succs, delays = self.es, self.d, self.preds, self.succs, self.pred_delays
+        t = self.tables
+        es, d, preds, succs, delays = self.es, self.d, t.preds, t.succs, t.pred_delays
         todo = list(set(start))
         queued = set(todo)
         heapq.heapify(todo)
@@ -289,7 +330,8 @@ class PlanSearch:
 
     def _backward(self, start: Iterable[int]) -> set[int]:
         """Recompute latest starts from `start` upstream; returns the nodes that moved."""
-        ls, d, preds, succs, delays = self.ls, self.d, self.preds, self.succs, self.succ_delays
+        t = self.tables
+        ls, d, preds, succs, delays = self.ls, self.d, t.preds, t.succs, t.succ_delays
         todo = [-v for v in set(start)]
         queued = {-v for v in todo}
         heapq.heapify(todo)
