@@ -165,42 +165,29 @@ def test_no_module_over_500_lines() -> None:
     )
 
 
+def _tool_passes(*args: str, timeout_s: int = 300) -> None:
+    """Run `python -m <args>` in the repository root and assert it exits 0, showing its output if not."""
+    out = subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
 @pytest.mark.system
 def test_lint_passes_with_the_complexity_limit() -> None:
     """`ruff check` with pyproject's rules, C901 at 12 among them, over the package, tests, examples and
     benchmarks."""
-    out = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--output-format", "concise", "."],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    _tool_passes("ruff", "check", "--output-format", "concise", ".")
 
 
 @pytest.mark.system
 def test_the_formatter_holds() -> None:
     """`ruff format --check` over the tree (issue 37: 27 files had drifted from it)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "ruff", "format", "--check", "."],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    _tool_passes("ruff", "format", "--check", ".")
 
 
 @pytest.mark.system
 def test_the_type_checker_passes() -> None:
-    """`mypy` with pyproject's settings over the package (issue 37: `py.typed` was shipped while no type checker
-    ran). The modules it still skips are pyproject's `[[tool.mypy.overrides]]` to-do list."""
-    out = subprocess.run(
-        [sys.executable, "-m", "mypy", "zeus_callbacks"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    """`mypy` with pyproject's settings over the whole package, no module skipped (issue 37: `py.typed` was
+    shipped while no type checker ran)."""
+    _tool_passes("mypy", "zeus_callbacks", timeout_s=600)
