@@ -101,9 +101,7 @@ def test_readme_is_short_and_points_to_the_docs() -> None:
     """The README stays a front page (at most 10 KB): the two commands, the tiers, where the docs are; every
     file it links to exists."""
     readme = (ROOT / "README.md").read_text()
-    assert len(readme.encode()) <= 10_000, (
-        f"README.md is {len(readme.encode())} bytes: move detail to docs/"
-    )
+    assert len(readme.encode()) <= 10_000, f"README.md is {len(readme.encode())} bytes: move detail to docs/"
     for command in [
         'python3 -m venv .venv && . .venv/bin/activate && pip install "torch==2.13.0" -e ".[all]" && zeus-callbacks demo',
         '. .venv/bin/activate && DS_BUILD_OPS=0 pip install -e ".[dev,megatron,deepspeed]" && python -m pytest -q -n 4',
