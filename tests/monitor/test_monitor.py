@@ -257,12 +257,15 @@ def test_power_sampling_of_a_slowed_gpu(sim_gpus, sim_sleeps):
         monitor.gpus[0].set_power_limit_mw(100_000)
         monitor.begin_window("w")
         sim_sleeps.clear()
-        sim.enqueue_work(0, 0.05)  # kernels: the host only waits for them, so its load changes nothing
+        # Kernels: the host only waits for them, so its load changes nothing on the node's clock. Over a
+        # second at 100 W: the wait lasts that less the host's lag (at most 0.5 s, sim/host.py's `HostClock`)
+        # on the wall clock, time enough for the sampling thread to read the busy GPU on a loaded host too.
+        sim.enqueue_work(0, 0.5)
         m = monitor.end_window("w")
     finally:
         monitor.close()
     tr = system.gpus[0].trace
-    busy_s = 0.05 * tr.relative_time(100)
+    busy_s = 0.5 * tr.relative_time(100)
     # The host waited for the slowed kernels (less the CPU time it spent meanwhile): their order of magnitude.
     assert busy_s / 2 < sum(sim_sleeps) < 2 * busy_s
     # While the host waits for the slow GPU, the GPU is busy at its traced power, and sampling sees it: more

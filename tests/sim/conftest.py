@@ -20,3 +20,18 @@ def _ideal_sensor_gain(monkeypatch: pytest.MonkeyPatch) -> None:
         return simulate(spec, ideal=",".join(filter(None, (ideal, "sensor_gain"))), **kw)
 
     monkeypatch.setattr(sim, "simulate", ideal_gain)
+
+
+@pytest.fixture
+def host_clock(monkeypatch: pytest.MonkeyPatch):
+    """`host_clock(run_queue)`: a fresh `HOST_CLOCK` (no lag, no pacing thread) that reads `run_queue(tid)` for
+    a thread's run-queue time, put back as it was after the test."""
+    from zeus_callbacks.sim.host import HOST_CLOCK
+
+    def install(run_queue) -> None:
+        for name in ("wake_lag_s", "_latest", "_pacer", "_queued_at_wake", "_run_queue"):
+            monkeypatch.setattr(HOST_CLOCK, name, getattr(HOST_CLOCK, name))
+        HOST_CLOCK.reset()
+        HOST_CLOCK._run_queue = run_queue
+
+    return install

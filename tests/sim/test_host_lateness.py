@@ -23,33 +23,36 @@ WORK_S = 0.25  # a kernel's work at the maximum limit (the demo's step)
 
 
 class _Host:
-    """Wall and CPU time that move only when the host works (both) or sleeps (wall, `late_s` past the asked)."""
+    """Wall and CPU time that move only when the host works (both), sleeps (wall, `late_s` past the asked)
+    or waits for a CPU while others hold them (wall and run-queue time, `queued_s`: `preempted_s` of every
+    stretch of work)."""
 
-    def __init__(self, late_s: float) -> None:
+    def __init__(self, late_s: float, preempted_s: float = 0.0) -> None:
         self.wall_s, self.cpu_s, self.late_s = 1_000.0, 0.0, late_s
+        self.queued_s, self.preempted_s = 0.0, preempted_s
 
     def work(self, seconds: float) -> None:
-        self.wall_s += seconds
+        self.wall_s += seconds + self.preempted_s
         self.cpu_s += seconds
+        self.queued_s += self.preempted_s
 
     def sleep(self, seconds: float) -> None:
         self.wall_s += seconds + self.late_s
 
 
 @pytest.fixture
-def host(monkeypatch: pytest.MonkeyPatch):
-    """`host(late_s)`: the deterministic host in place of the `time` module of the simulator's host pacing
-    and GPUs, its lag reset."""
+def host(monkeypatch: pytest.MonkeyPatch, host_clock):
+    """`host(late_s, preempted_s=0)`: the deterministic host in place of the `time` module and the run-queue
+    figures of the simulator's host pacing and GPUs, its lag reset."""
 
-    def install(late_s: float) -> _Host:
-        h = _Host(late_s)
+    def install(late_s: float, preempted_s: float = 0.0) -> _Host:
+        h = _Host(late_s, preempted_s)
         fake = SimpleNamespace(
             time=lambda: h.wall_s, sleep=lambda s: h.sleep(s), process_time=lambda: h.cpu_s
         )
         monkeypatch.setattr(sim_host, "time", fake)
         monkeypatch.setattr(sim_gpu, "time", fake)
-        monkeypatch.setattr(HOST_CLOCK, "lag_s", 0.0)
-        monkeypatch.setattr(HOST_CLOCK, "_latest", float("-inf"))
+        host_clock(lambda tid: h.queued_s)
         return h
 
     return install
@@ -118,6 +121,41 @@ def test_the_slowest_gpu_sets_the_step_late_or_not(host):
     assert _figures(late) == pytest.approx(_figures(on_time), rel=1e-9, abs=1e-9)
     tr = _node().gpus[0].trace
     assert late[-1][0] == pytest.approx(0.002 + WORK_S * tr.relative_time(275))
+
+
+def test_time_others_hold_the_cpu_moves_neither_the_step_time_nor_the_energy(host):
+    """The host waits for a CPU between its waits (other programs' load: 10 ms in each stretch of its work,
+    three a step): the node's time leaves that out, so the kernel starts when a host of its own would have
+    queued it and the GPU idles between steps no longer. Fails if run-queue time becomes node time (each step
+    10 ms longer, idle energy with it) or is caught up at the next wait by shortening the GPU's work."""
+    own = _kernel_steps(host(0.0), [175])
+    loaded = _kernel_steps(host(LATE_S, preempted_s=0.01), [175])
+    assert _figures(loaded) == pytest.approx(_figures(own), rel=1e-9, abs=1e-9)
+    assert HOST_CLOCK.lag_s == pytest.approx(LATE_S + 0.01)  # the wake, and the 5 ms between steps
+    tr = _node().gpus[0].trace
+    assert loaded[-1][0] == pytest.approx(0.002 + WORK_S * tr.relative_time(175))
+
+
+def test_a_thread_without_run_queue_figures_falls_back_to_the_wake(host_clock):
+    """A kernel without schedstat (or a pacing thread gone): the lag is the last wake's lateness alone."""
+    host_clock(lambda tid: None)
+    HOST_CLOCK.wake_lag_s = 0.003
+    HOST_CLOCK._pacer = 1
+    assert HOST_CLOCK.lag_s == 0.003
+    assert HOST_CLOCK._pacer is None
+
+
+def test_run_queue_time_is_read_from_this_threads_schedstat():
+    """On Linux the pacing thread's run-queue time is its schedstat's second field; it never decreases."""
+    import threading
+
+    tid = threading.get_native_id()
+    first = sim_host.run_queue_s(tid)
+    if first is None:
+        pytest.skip("this kernel keeps no schedstat")
+    assert first >= 0
+    assert sim_host.run_queue_s(tid) >= first
+    assert sim_host.run_queue_s(2**22 + 12345) is None  # no such thread of this process
 
 
 def test_the_lag_is_caught_up_not_accumulated(host):

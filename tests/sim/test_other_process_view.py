@@ -48,7 +48,7 @@ class _Host:
 
 
 @pytest.fixture
-def host(monkeypatch: pytest.MonkeyPatch) -> _Host:
+def host(monkeypatch: pytest.MonkeyPatch, host_clock) -> _Host:
     h = _Host()
     fake = SimpleNamespace(
         time=lambda: h.wall_s,
@@ -57,8 +57,7 @@ def host(monkeypatch: pytest.MonkeyPatch) -> _Host:
     )
     monkeypatch.setattr(sim_host, "time", fake)
     monkeypatch.setattr(sim_gpu, "time", fake)
-    monkeypatch.setattr(HOST_CLOCK, "lag_s", 0.0)
-    monkeypatch.setattr(HOST_CLOCK, "_latest", float("-inf"))
+    host_clock(lambda tid: 0.0)
     # Another process reads the worker's CPU time in /proc: here, the stand-in host's.
     monkeypatch.setattr(sim_gpu, "process_cpu_s", lambda pid: h.cpu_s)
     monkeypatch.setattr(sim_gpu_state, "process_cpu_s", lambda pid: h.cpu_s, raising=False)
@@ -116,7 +115,8 @@ def test_a_late_wake_does_not_shorten_the_kernels_another_process_sees(host, tmp
     def read(dt: float) -> None:
         with monkeypatch.context() as m:  # another process: its own pid, and a node time that does not lag
             m.setattr(os, "getpid", lambda: other_pid)
-            m.setattr(HOST_CLOCK, "lag_s", 0.0)
+            m.setattr(HOST_CLOCK, "wake_lag_s", 0.0)
+            m.setattr(HOST_CLOCK, "_pacer", None)
             m.setattr(HOST_CLOCK, "_latest", float("-inf"))
             readings.append(reader.power_mw() / 1000 * dt / SLICE_S)
 

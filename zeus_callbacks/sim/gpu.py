@@ -336,6 +336,7 @@ class SimulatedGPU:
             return
         work = self._work
         with work.mutex:
+            HOST_CLOCK.pace()
             work.issued = True
             start = work.last_sync
             now = HOST_CLOCK.now()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 
 DEFERRED_SIGNALS = {
     signal.SIGINT,
@@ -72,35 +74,84 @@ class _HostWait:
 HOST_WAIT = _HostWait()
 
 
+def run_queue_s(tid: int) -> float | None:
+    """Seconds thread `tid` of this process has waited on a run queue, runnable but not running (the second
+    field of /proc/PID/task/TID/schedstat, in ns: Linux's Documentation/scheduler/sched-stats.rst); None where
+    the kernel does not keep it or the thread is gone."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class HostClock:
     """The time of a wall-clock simulated node as this process sees it: the wall clock less the host's lag.
 
-    A host that waits for a simulated GPU sleeps until the GPU's work ends and wakes when the OS schedules it,
-    late by a scheduler's latency: 2-24 ms a step beside five CPU burners on 2 cores (issue 36). A real GPU
-    does not wait for that, and a simulated one must not either, or the host's load would move every step
-    time and energy. So how late the host woke is its lag: the node's time is the wall clock less it, and
-    what the host does next (queue a kernel, read a counter, time a window) happens on the GPU's timeline
-    when an on-time host would have done it. The host's next wait is shorter by its lag, so the lag never
-    builds up: it is the lateness of the last wake only, at most `MAX_LAG_S` (a later wake is a stopped
+    The simulated node is a host of its own, not the machine the simulation runs on: another program's load
+    on this machine is not the node's. It reaches the node's timeline two ways, both the host's lag:
+    - a host that waits for a simulated GPU sleeps until the GPU's work ends and wakes when the OS schedules
+      it, late by a scheduler's latency (2-24 ms a step beside five CPU burners on 2 cores, issue 36);
+    - between two waits, the pacing thread (the one that synchronised last) is runnable but not running while other
+      programs hold the CPUs (its run-queue time, `run_queue_s`): 10-50 ms a step beside the same burners,
+      which would stretch the host's work between a GPU's kernels and leave the GPU idle meanwhile.
+    A real GPU waits for neither, and a simulated one must not either, or the host's load would move every
+    step time and energy. So the node's time is the wall clock less the lag, and what the host does next
+    (queue a kernel, read a counter, time a window) happens on the GPU's timeline when a host of its own
+    would have done it. The host's next wait is shorter by its lag, so the lag never builds up: it is the
+    lateness of the last wake plus the run-queue time since, at most `MAX_LAG_S` (longer is a stopped
     process, not scheduling: the GPU idles for the rest). The node's time never runs backwards: where another
-    thread (a power sampler) read it during the wait, that much of the lateness is the GPU's idle time.
+    thread (a power sampler) read it meanwhile, that much of the lag is the GPU's idle time.
     """
 
     MAX_LAG_S = 0.5
 
-    def __init__(self) -> None:
-        self.lag_s = 0.0
+    def __init__(self, run_queue: Callable[[int], float | None] = run_queue_s) -> None:
+        self.wake_lag_s = 0.0  # how late the pacing thread woke from its last wait
         self._latest = float("-inf")  # the latest node time read by any thread
+        self._run_queue = run_queue
+        self._pacer: int | None = None  # the native id of the thread that waited last
+        self._queued_at_wake = 0.0  # its run-queue time when it woke
+
+    @property
+    def lag_s(self) -> float:
+        """How far the node's time is behind the wall clock (s)."""
+        return min(self.wake_lag_s + self._queued_since_wake(), self.MAX_LAG_S)
+
+    def reset(self) -> None:
+        """Forget the lag and the pacing thread (a process that begins pacing afresh: a forked child, a test)."""
+        self.wake_lag_s, self._latest, self._pacer, self._queued_at_wake = 0.0, float("-inf"), None, 0.0
+
+    def _queued_since_wake(self) -> float:
+        if self._pacer is None:
+            return 0.0
+        queued = self._run_queue(self._pacer)
+        if queued is None:  # the thread is gone, or the kernel keeps no such figure
+            self._pacer = None
+            return 0.0
+        return max(0.0, queued - self._queued_at_wake)
 
     def now(self) -> float:
         """The node's time (s since the epoch)."""
-        return self._at(time.time())
+        return self._at(time.time(), self.lag_s)
 
-    def _at(self, wall: float) -> float:
-        t = wall - self.lag_s
+    def pace(self) -> None:
+        """The calling thread synchronises a GPU: its run-queue time is the lag's from now on (what another
+        thread's added so far stays)."""
+        tid = threading.get_native_id()
+        if tid != self._pacer:
+            self.wake_lag_s = self.lag_s
+            self._follow(tid)
+
+    def _follow(self, tid: int) -> None:
+        queued = self._run_queue(tid)
+        self._pacer, self._queued_at_wake = (None, 0.0) if queued is None else (tid, queued)
+
+    def _at(self, wall: float, lag: float) -> float:
+        t = wall - lag
         if t > self._latest:
             self._latest = t
-        return t
+        return self._latest
 
     def wait_until(self, end_s: float, defer_signals: bool) -> float:
         """Wait until the node's time `end_s` (when a GPU's work ends): on the wall clock until then, which
@@ -108,16 +159,18 @@ class HostClock:
         Returns the node's time after: `end_s`, or later when it was past already or the host woke more
         than `MAX_LAG_S` late."""
         wall = time.time()
-        if end_s <= wall - self.lag_s:
-            return self._at(wall)
+        if end_s <= wall - self.lag_s:  # the GPU is done: the host was the slower
+            return self._at(wall, self.lag_s)
         if end_s > wall:
             (sleep_deferring_signals if defer_signals else time.sleep)(end_s - wall)
             wall = time.time()
-        self.lag_s = min(max(0.0, wall - max(end_s, self._latest)), self.MAX_LAG_S)
-        return self._at(wall)
+        self._follow(threading.get_native_id())
+        self.wake_lag_s = min(max(0.0, wall - max(end_s, self._latest)), self.MAX_LAG_S)
+        return self._at(wall, self.wake_lag_s)
 
 
 HOST_CLOCK = HostClock()
+os.register_at_fork(after_in_child=HOST_CLOCK.reset)  # the child's threads are its own
 
 
 def sleep_deferring_signals(seconds: float) -> None:
