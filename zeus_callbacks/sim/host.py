@@ -74,15 +74,35 @@ class _HostWait:
 HOST_WAIT = _HostWait()
 
 
-def run_queue_s(tid: int) -> float | None:
-    """Seconds thread `tid` of this process has waited on a run queue, runnable but not running (the second
-    field of /proc/PID/task/TID/schedstat, in ns: Linux's Documentation/scheduler/sched-stats.rst); None where
-    the kernel does not keep it or the thread is gone."""
-    try:
-        with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
+class RunQueueTime:
+    """Seconds a thread of this process has waited on a run queue, runnable but not running: the second field
+    of /proc/self/task/TID/schedstat, in ns (Linux's Documentation/scheduler/sched-stats.rst). The file of
+    the last thread asked about stays open (read in about 3 us; `close` after a fork)."""
+
+    def __init__(self) -> None:
+        self._tid: int | None = None
+        self._fd = -1
+
+    def __call__(self, tid: int) -> float | None:
+        """Thread `tid`'s run-queue time (s); None where the kernel does not keep it or the thread is gone."""
+        try:
+            if tid != self._tid:
+                self.close()
+                self._fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+                self._tid = tid
+            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            self.close()
+            return None
+
+    def close(self) -> None:
+        """Close the open file (in a forked child it is the parent's thread's)."""
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd, self._tid = -1, None
 
 
 class HostClock:
@@ -93,7 +113,7 @@ class HostClock:
     - a host that waits for a simulated GPU sleeps until the GPU's work ends and wakes when the OS schedules
       it, late by a scheduler's latency (2-24 ms a step beside five CPU burners on 2 cores, issue 36);
     - between two waits, the pacing thread (the one that synchronised last) is runnable but not running while other
-      programs hold the CPUs (its run-queue time, `run_queue_s`): 10-50 ms a step beside the same burners,
+      programs hold the CPUs (its run-queue time, `RunQueueTime`): 10-50 ms a step beside the same burners,
       which would stretch the host's work between a GPU's kernels and leave the GPU idle meanwhile.
     A real GPU waits for neither, and a simulated one must not either, or the host's load would move every
     step time and energy. So the node's time is the wall clock less the lag, and what the host does next
@@ -106,10 +126,10 @@ class HostClock:
 
     MAX_LAG_S = 0.5
 
-    def __init__(self, run_queue: Callable[[int], float | None] = run_queue_s) -> None:
+    def __init__(self, run_queue: Callable[[int], float | None] | None = None) -> None:
         self.wake_lag_s = 0.0  # how late the pacing thread woke from its last wait
         self._latest = float("-inf")  # the latest node time read by any thread
-        self._run_queue = run_queue
+        self._run_queue = RunQueueTime() if run_queue is None else run_queue
         self._pacer: int | None = None  # the native id of the thread that waited last
         self._queued_at_wake = 0.0  # its run-queue time when it woke
 
@@ -121,6 +141,8 @@ class HostClock:
     def reset(self) -> None:
         """Forget the lag and the pacing thread (a process that begins pacing afresh: a forked child, a test)."""
         self.wake_lag_s, self._latest, self._pacer, self._queued_at_wake = 0.0, float("-inf"), None, 0.0
+        if isinstance(self._run_queue, RunQueueTime):
+            self._run_queue.close()
 
     def _queued_since_wake(self) -> float:
         if self._pacer is None:
