@@ -24,13 +24,15 @@ def _ideal_sensor_gain(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def host_clock(monkeypatch: pytest.MonkeyPatch):
-    """`host_clock(run_queue)`: a fresh `HOST_CLOCK` (no lag, no pacing thread) that reads `run_queue(tid)` for
-    a thread's run-queue time, put back as it was after the test."""
+    """`host_clock(run_queue)`: a fresh `HOST_CLOCK` (no lag, no pacing thread, alone on its node) that reads
+    `run_queue(tid)` for a thread's run-queue time, put back as it was after the test; no launcher's
+    `WORLD_SIZE` in the environment."""
     from zeus_callbacks.sim.host import HOST_CLOCK
 
     def install(run_queue) -> None:
-        for name in ("wake_lag_s", "_latest", "_pacer", "_queued_at_wake", "_run_queue"):
+        for name in ("wake_lag_s", "_latest", "_pacer", "_queued_at_wake", "_run_queue", "shared"):
             monkeypatch.setattr(HOST_CLOCK, name, getattr(HOST_CLOCK, name))
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
         HOST_CLOCK.reset()
         HOST_CLOCK._run_queue = run_queue
 

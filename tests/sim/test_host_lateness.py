@@ -9,6 +9,7 @@ the traced power, idle only where the host did not submit work) whether the host
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -134,6 +135,33 @@ def test_time_others_hold_the_cpu_moves_neither_the_step_time_nor_the_energy(hos
     assert HOST_CLOCK.lag_s == pytest.approx(LATE_S + 0.01)  # the wake, and the 5 ms between steps
     tr = _node().gpus[0].trace
     assert loaded[-1][0] == pytest.approx(0.002 + WORK_S * tr.relative_time(175))
+
+
+def test_a_distributed_jobs_rank_keeps_its_run_queue_time(host, monkeypatch):
+    """A rank of several (`WORLD_SIZE=2`) compares its times with the other ranks', whose lags are their own:
+    its node time leaves out only the wake's lateness, so the preemption before the kernel's launch is in
+    the step. Fails if a rank leaves its run-queue time out (the ranks' timelines drift apart by it)."""
+    h = host(LATE_S, preempted_s=0.01)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    steps = _kernel_steps(h, [175])
+    tr = _node().gpus[0].trace
+    assert HOST_CLOCK.shared
+    # The kernel is launched 2 ms of host work and 10 ms of waiting for a CPU into the window.
+    assert steps[-1][0] == pytest.approx(0.012 + WORK_S * tr.relative_time(175))
+
+
+def test_another_live_process_on_the_gpu_shares_the_node(host, tmp_path):
+    """Another process that synchronised this GPU (its pid in the GPU's shared state, alive) times it too: this
+    one keeps its run-queue time. A pid that is gone (a state left by an earlier run) changes nothing."""
+    host(0.0)
+    ideal = "energy_counter,sensor_gain,power_average"
+    gpu = SimulatedSystem("a40", state_dir=str(tmp_path), ideal=ideal).gpus[0]
+    gpu._settings.state.set("worker_pid", 2**22 + 4321)  # no such process
+    gpu.synchronize()
+    assert not HOST_CLOCK.shared
+    gpu._settings.state.set("worker_pid", os.getppid())  # alive: the test runner's parent
+    gpu.synchronize()
+    assert HOST_CLOCK.shared
 
 
 def test_a_thread_without_run_queue_figures_falls_back_to_the_wake(host_clock):

@@ -337,6 +337,9 @@ class SimulatedGPU:
         work = self._work
         with work.mutex:
             HOST_CLOCK.pace()
+            other = int(self._settings.state.get("worker_pid"))
+            if other not in (0, os.getpid()) and not HOST_CLOCK.shared and process_cpu_s(other) is not None:
+                HOST_CLOCK.share()  # another live process synchronised this GPU: timelines to keep comparable
             work.issued = True
             start = work.last_sync
             now = HOST_CLOCK.now()
@@ -352,7 +355,9 @@ class SimulatedGPU:
                 gpu_busy = queued * rel
                 gpu_end = work.kernels_end + queued * (rel - rel0)
             else:
-                busy = min(max(0.0, cpu - work.last_cpu), max(0.0, now - start))
+                # Capped by the wall-clock span: a process's CPU time counts every thread's, while the node's
+                # span leaves out the time this one waited for a CPU.
+                busy = min(max(0.0, cpu - work.last_cpu), max(0.0, time.time() - work.last_wall))
                 gpu_busy = busy * rel
                 # Time the host already spent waiting for other GPUs counts: this GPU worked meanwhile.
                 gpu_end = now + gpu_busy - busy - HOST_WAIT.credit(cpu, self.index)
@@ -365,7 +370,7 @@ class SimulatedGPU:
             idle_span = max(0.0, (end - start) - busy_span)
             self._energy.add(start, end, busy_span * power + idle_span * self.spec.idle_power_w)
             work.last_sync = end
-            work.last_cpu = time.process_time()
+            work.last_cpu, work.last_wall = time.process_time(), time.time()
             st.set("worker_pid", os.getpid())
             st.set("worker_cpu_s", process_cpu_s(os.getpid()) or 0.0)  # as another process reads it
             st.set("worker_sync_at", end)

@@ -44,7 +44,8 @@ class IssuedWork:
         queued_s: Work enqueued without host CPU (simulated kernels), at the maximum clock.
         kernels: Whether this process queued kernels here: its CPU time is then not GPU work.
         kernels_end: When the GPU ends the queued kernels (the node's time, noiseless).
-        last_sync, last_cpu: The node's time and this process's CPU time at the last synchronisation.
+        last_sync, last_cpu, last_wall: The node's time, this process's CPU time and the wall clock at the last
+            synchronisation.
         issued: Whether this process synchronised or queued work (one that never did is a reader only).
         busy_until: When the GPU ends the work a synchronisation is catching up with.
         blocking_sync: Whether the synchronisation defers signals while it waits, as a blocking one does.
@@ -58,6 +59,7 @@ class IssuedWork:
         self.kernels_end = 0.0
         self.last_sync = now
         self.last_cpu = time.process_time()
+        self.last_wall = time.time()
         self.issued = False
         self.busy_until = 0.0
         self.blocking_sync = blocking_sync

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -74,6 +75,21 @@ class _HostWait:
 HOST_WAIT = _HostWait()
 
 
+def in_distributed_job() -> bool:
+    """Whether this process is one rank of several: a launcher's `WORLD_SIZE` above 1, or an initialised
+    torch.distributed group (looked up only if the program imported it)."""
+    try:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return True
+    except ValueError:
+        pass
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:  # a half-imported or stubbed module: not a job this process can see
+        return False
+
+
 class RunQueueTime:
     """Seconds a thread of this process has waited on a run queue, runnable but not running: the second field
     of /proc/self/task/TID/schedstat, in ns (Linux's Documentation/scheduler/sched-stats.rst). The file of
@@ -116,7 +132,10 @@ class HostClock:
       programs hold the CPUs (its run-queue time, `RunQueueTime`): 10-50 ms a step beside the same burners,
       which would stretch the host's work between a GPU's kernels and leave the GPU idle meanwhile.
     A real GPU waits for neither, and a simulated one must not either, or the host's load would move every
-    step time and energy. So the node's time is the wall clock less the lag, and what the host does next
+    step time and energy. The run-queue time is left out only while the process is alone on the node (`share`):
+    each process's lag is its own, so processes that compare their times (the ranks of a torch.distributed
+    job, processes taking turns on one GPU) keep the wake's lateness alone, a scheduler latency, and their
+    timelines stay comparable. So the node's time is the wall clock less the lag, and what the host does next
     (queue a kernel, read a counter, time a window) happens on the GPU's timeline when a host of its own
     would have done it. The host's next wait is shorter by its lag, so the lag never builds up: it is the
     lateness of the last wake plus the run-queue time since, at most `MAX_LAG_S` (longer is a stopped
@@ -132,6 +151,7 @@ class HostClock:
         self._run_queue = RunQueueTime() if run_queue is None else run_queue
         self._pacer: int | None = None  # the native id of the thread that waited last
         self._queued_at_wake = 0.0  # its run-queue time when it woke
+        self.shared = False  # whether other processes time this node too (`share`)
 
     @property
     def lag_s(self) -> float:
@@ -141,6 +161,7 @@ class HostClock:
     def reset(self) -> None:
         """Forget the lag and the pacing thread (a process that begins pacing afresh: a forked child, a test)."""
         self.wake_lag_s, self._latest, self._pacer, self._queued_at_wake = 0.0, float("-inf"), None, 0.0
+        self.shared = False
         if isinstance(self._run_queue, RunQueueTime):
             self._run_queue.close()
 
@@ -159,13 +180,23 @@ class HostClock:
 
     def pace(self) -> None:
         """The calling thread synchronises a GPU: its run-queue time is the lag's from now on (what another
-        thread's added so far stays)."""
+        thread's added so far stays), unless the process is one of a distributed job's (`share`)."""
+        if not self.shared and in_distributed_job():
+            self.share()
         tid = threading.get_native_id()
-        if tid != self._pacer:
+        if tid != self._pacer and not self.shared:
             self.wake_lag_s = self.lag_s
             self._follow(tid)
 
+    def share(self) -> None:
+        """Other processes time this node too: from now on the lag is the last wake's lateness alone (what
+        the run-queue time added so far stays until the next wait catches it up)."""
+        if not self.shared:
+            self.wake_lag_s, self._pacer, self.shared = self.lag_s, None, True
+
     def _follow(self, tid: int) -> None:
+        if self.shared:
+            return
         queued = self._run_queue(tid)
         self._pacer, self._queued_at_wake = (None, 0.0) if queued is None else (tid, queued)
 
