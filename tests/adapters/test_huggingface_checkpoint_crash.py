@@ -23,7 +23,7 @@ from helpers import ROOT, TOY_STEPS_COUNTER
 pytest.importorskip("transformers")
 
 import hf_trainers as hf  # noqa: E402
-from hf_trainers import PLO_KW, Recorder, ZeusTrainer, make_trainer  # noqa: E402
+from hf_trainers import MAX_W, PLO_KW, Recorder, ZeusTrainer, make_trainer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from zeus_callbacks import sim  # noqa: E402
@@ -179,7 +179,10 @@ def _negative_energy(state: dict) -> None:
 
 
 def _half_a_measurement(state: dict) -> None:
-    state["stats"][0] = {"power_limit_w": state["stats"][0]["power_limit_w"], "bogus": 1}
+    """The first measured limit's record cut to its limit and a stray field; with no limit measured yet (as for
+    `_negative_energy`, under load), such a record for the grid's first limit, the maximum."""
+    half = {"power_limit_w": state["stats"][0]["power_limit_w"] if state["stats"] else MAX_W, "bogus": 1}
+    state["stats"][:1] = [half]
 
 
 def _no_stats(state: dict) -> None:
