@@ -20,6 +20,7 @@ import helpers
 import pytest
 
 from zeus_callbacks import sim
+from zeus_callbacks.sim.host import HOST_CLOCK
 
 pytest_plugins = ["tiers"]  # the deterministic and system tiers (tiers.py)
 
@@ -66,6 +67,9 @@ def sim_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
     for name in _ISOLATED_ENV:
         monkeypatch.delenv(name, raising=False)
     sim.disable()  # forget a node or GPU set left by code that ran outside a test
+    # The node's clock as a fresh process has it: no lag, alone on its node until this test says otherwise (an
+    # earlier test's distributed group or other process on a GPU would leave it shared: sim/host.py).
+    HOST_CLOCK.reset()
     state_dir = tmp_path / "sim-state"
     monkeypatch.setenv("ZEUS_CALLBACKS_SIM_STATE_DIR", str(state_dir))
     # No cross-user lock directory unless a test makes one: never the machine's /var/lock/zeus_callbacks.
