@@ -113,6 +113,8 @@ def main() -> None:
         f"run energy {trainer.state.log_history[-1]['energy/total_j']:.0f} J{sim}",
         flush=True,
     )
+    if torch.distributed.is_initialized():  # the group Trainer opened under torchrun: its threads end here,
+        torch.distributed.destroy_process_group()  # not during the interpreter's teardown
 
 
 if __name__ == "__main__":
