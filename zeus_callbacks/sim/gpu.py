@@ -336,10 +336,7 @@ class SimulatedGPU:
             return
         work = self._work
         with work.mutex:
-            HOST_CLOCK.pace()
-            other = int(self._settings.state.get("worker_pid"))
-            if other not in (0, os.getpid()) and not HOST_CLOCK.shared and process_cpu_s(other) is not None:
-                HOST_CLOCK.share()  # another live process synchronised this GPU: timelines to keep comparable
+            HOST_CLOCK.pace(int(self._settings.state.get("worker_pid")))
             work.issued = True
             start = work.last_sync
             now = HOST_CLOCK.now()

@@ -178,10 +178,14 @@ class HostClock:
         """The node's time (s since the epoch)."""
         return self._at(time.time(), self.lag_s)
 
-    def pace(self) -> None:
-        """The calling thread synchronises a GPU: its run-queue time is the lag's from now on (what another
-        thread's added so far stays), unless the process is one of a distributed job's (`share`)."""
-        if not self.shared and in_distributed_job():
+    def pace(self, last_worker_pid: int = 0) -> None:
+        """The calling thread synchronises a GPU that process `last_worker_pid` synchronised last (0: none): its
+        run-queue time is the lag's from now on (what another thread's added so far stays), unless the process
+        is one of a distributed job's or that GPU's last worker is another live process (`share`)."""
+        if not self.shared and (
+            in_distributed_job()
+            or (last_worker_pid not in (0, os.getpid()) and process_cpu_s(last_worker_pid) is not None)
+        ):
             self.share()
         tid = threading.get_native_id()
         if tid != self._pacer and not self.shared:
