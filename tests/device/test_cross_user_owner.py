@@ -439,9 +439,12 @@ def test_the_second_users_optimizer_stands_down_without_profiling_the_owners_gpu
     owner = node.start(alice, 200)
     assert _said(owner) == "changed"
     env = {**node.env, "ZEUS_CALLBACKS_JOURNAL_DIR": str(node.journal(bob)), **TOY_STEPS_COUNTER}
+    # The script is read after the drop to bob: a copy in the node's directory (mode 755), since the
+    # checkout may sit where only root can read (a clone in `mktemp -d`, mode 700).
+    script = shutil.copy(Path(__file__).parent / "fault_training.py", node.base / "fault_training.py")
     run = subprocess.run(
         [sys.executable, "-c", TRAINING, str(bob.pw_uid), str(bob.pw_gid)],
-        env={**env, "SCRIPT": str(Path(__file__).parent / "fault_training.py"), "OUT_DIR": str(node.base)},
+        env={**env, "SCRIPT": str(script), "OUT_DIR": str(node.base)},
         capture_output=True,
         text=True,
         cwd=node.base,
