@@ -84,6 +84,7 @@ def main() -> None:
                 f"  {row['power_limit_w']:>4} W: {row['time_per_step_s'] * 1000:7.2f} ms/step, "
                 f"{row['energy_per_step_j']:7.2f} J/step{'  (pruned)' if row['pruned'] else ''}"
             )
+    accelerator.end_training()  # ends the process group `accelerate launch` opened, before the interpreter's teardown
 
 
 if __name__ == "__main__":

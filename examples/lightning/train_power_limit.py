@@ -103,6 +103,8 @@ def main() -> None:
                 f"  {row['power_limit_w']:>4} W: {row['time_per_step_s'] * 1000:7.2f} ms/step, "
                 f"{row['energy_per_step_j']:7.2f} J/step{'  (pruned)' if row['pruned'] else ''}"
             )
+    if torch.distributed.is_initialized():  # Lightning's teardown leaves the DDP group open: end its threads
+        torch.distributed.destroy_process_group()  # here, not during the interpreter's teardown
 
 
 if __name__ == "__main__":
