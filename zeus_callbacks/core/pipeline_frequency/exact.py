@@ -60,7 +60,9 @@ GAP_GOAL = 1e-3
 # Branch and bound asked for a plan 0.1 % cheaper than the best (`_Program.cheaper_than`) is run on programs of
 # at most this many option binaries (after Pareto filtering); larger ones keep the LP relaxation's bound. The
 # A40-like 8x12 profile of `benchmarks/pipeline_measured_options.py` (75 clocks) has 7,248, proven in 1-10 s
-# per target; at 8x24 (14,496) the root's first 10 nodes took 100 s without an answer.
+# per target; at 8x24 (14,496) the root's first 10 nodes took 100 s without an answer. Neither an incremental
+# (staircase) formulation, whose branches split a node's clocks in two, nor a sub-program over the LP's own
+# options moved the bound there (issue 36, stop 38): ten nodes lifted it 0.005 %, the gap is 0.15-0.20 %.
 _MAX_BINARIES = 8000
 # Nodes of `_prove`'s question; programs of at most `_SMALL_BINARIES` option binaries are searched first.
 _FIRST_NODES = 10
