@@ -215,9 +215,9 @@ class HostClock:
         catches up the lag; with `defer_signals`, as CUDA's synchronisation does (`sleep_deferring_signals`).
         Returns the node's time after: `end_s`, or later when it was past already or the host woke more
         than `MAX_LAG_S` late."""
-        wall = time.time()
-        if end_s <= wall - self.lag_s:  # the GPU is done: the host was the slower
-            return self._at(wall, self.lag_s)
+        wall, lag = time.time(), self.lag_s
+        if end_s <= wall - lag:  # the GPU is done: the host was the slower
+            return self._at(wall, lag)
         if end_s > wall:
             (sleep_deferring_signals if defer_signals else time.sleep)(end_s - wall)
             wall = time.time()
