@@ -21,8 +21,11 @@ Two uses:
   usually answer "none" within a few nodes, which proves the best plan within `GAP_GOAL`. When they do not,
   branch and bound searches for the cheapest plan among those below that cutoff, with a node limit; the
   plan it finds becomes the best, and its dual bound is the proof. Small programs (`_SMALL_BINARIES`) are
-  searched first, which usually closes the gap alone there; programs above `_MAX_BINARIES` keep the LP
-  bound (e.g. 8 stages x 24 microbatches x 75 clocks).
+  searched first, which usually closes the gap alone there. On programs above `_MAX_BINARIES` (e.g. 8
+  stages x 24 microbatches x 75 clocks) a search of the whole program is too slow to help, and the question
+  about the rounded plan is often too hard (the root lifts the bound 0.05-0.07 % above the LP's, the plan
+  is up to 0.2 % above it): the cheaper plan is sought twice among the options near the LP's and the best
+  plan's (a program a third the size), then the question is asked about the plan found.
 
 The planner's search is bounded by work (branch-and-bound nodes), never by seconds: HiGHS is deterministic
 for a given node limit, so the same profile gives the same plan, and the same proven gap, on an idle and on a
@@ -34,6 +37,7 @@ scipy is optional (the `pipeline` extra): without it `refine` is unavailable and
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import sys
@@ -57,14 +61,17 @@ logger = logging.getLogger(__name__)
 
 GAP_GOAL = 1e-3
 """Relative distance to the optimum (0.1 %) below which the planner stops improving a plan."""
-# Branch and bound asked for a plan 0.1 % cheaper than the best (`_Program.cheaper_than`) is run on programs of
-# at most this many option binaries (after Pareto filtering); larger ones keep the LP relaxation's bound. The
-# A40-like 8x12 profile of `benchmarks/pipeline_measured_options.py` (75 clocks) has 7,248, proven in 1-10 s
-# per target; at 8x24 (14,496) the root's first 10 nodes took 100 s without an answer. Neither an incremental
-# (staircase) formulation, whose branches split a node's clocks in two, nor a sub-program over the LP's own
-# options moved the bound there (issue 36, stop 38): ten nodes lifted it 0.005 %, the gap is 0.15-0.20 %.
+# Programs of at most this many option binaries (after Pareto filtering) are searched whole for a plan 0.1 %
+# cheaper than the best (`_Program.cheaper_than`); on larger ones a full search is slower than it is useful
+# (at 8x24, 14,496 binaries, its first 10 nodes took 100 s), so the cheaper plan is sought among the options
+# within `_NEIGHBOURHOOD` clocks of the LP's and the best plan's, and the whole program is only asked the
+# cutoff question, whose root cuts lift the bound 0.05-0.07 % above the LP's in 20-60 s there (issue 36, stop
+# 39; stop 38 found that neither an incremental formulation nor a sub-program of the LP's options alone moves
+# the bound).
 _MAX_BINARIES = 8000
-# Nodes of `_prove`'s question; programs of at most `_SMALL_BINARIES` option binaries are searched first.
+_NEIGHBOURHOOD = 5
+# Nodes of `_prove`'s first question on mid-sized programs; programs of at most `_SMALL_BINARIES` option
+# binaries are searched first.
 _FIRST_NODES = 10
 _SMALL_BINARIES = 1000
 # What `cheaper_than` is asked to prove: a hair inside `GAP_GOAL`, so that rounding never reports 0.1000001 %.
@@ -183,28 +190,47 @@ def refine(
     problem.optimize(rounded, target_time_s, priced=True, max_passes=max_passes)
     best.offer(rounded, repair=False)
     bound = relaxed.bound_j
-    if node_limit > 0 and program.first[-1] <= _MAX_BINARIES:
+    if node_limit > 0:
         bound = _prove(program, relaxed, best, node_limit)
     return best.levels, bound
 
 
 def _prove(program: _Program, relaxed: _Relaxation, best: _Incumbent, node_limit: int) -> float:
     """Improve `best` and the bound until it is proven within `GAP_GOAL`, with at most three calls of branch
-    and bound (`cheaper_than`): a *question*, whether any plan is `GAP_GOAL` cheaper than the best, in at
-    most `_FIRST_NODES` nodes ("none" proves it, as the root's cuts usually do on large programs), then a
-    *search* for the cheapest plan, in at most `node_limit` nodes (its dual bound is a proof, and its plan
-    the new best), then the question again about that plan. Small programs are searched first (the search
-    usually closes the gap alone there), then asked. Returns the bound proven."""
+    and bound (`cheaper_than`), each for at most `node_limit` nodes. A *question* asks whether any plan is
+    `GAP_GOAL` cheaper than the best ("none" proves it, as the root's cuts usually answer); a *search* looks for
+    the cheapest plan (its dual bound is a proof, and its plan the new best); a *neighbourhood* search looks for
+    it among the options near the LP's and the best plan's (no proof). Small programs are searched, then asked;
+    mid-sized ones asked (in at most `_FIRST_NODES` nodes), searched, and asked about the plan found; programs
+    above `_MAX_BINARIES` are searched in the neighbourhood twice (the second time around the plan the first
+    found), then asked. Returns the bound proven."""
     bound = relaxed.bound_j
-    small = program.first[-1] <= _SMALL_BINARIES
-    for prove_only in (False, True) if small else (True, False, True):
+    size = program.first[-1]
+    if size <= _SMALL_BINARIES:
+        steps = [_Step.SEARCH, _Step.QUESTION]
+    elif size <= _MAX_BINARIES:
+        steps = [_Step.FIRST_QUESTION, _Step.SEARCH, _Step.QUESTION]
+    else:
+        steps = [_Step.NEIGHBOURHOOD, _Step.NEIGHBOURHOOD, _Step.QUESTION]
+    for step in steps:
         if best.energy_j <= bound * (1 + GAP_GOAL):
             break
-        nodes = min(node_limit, _FIRST_NODES) if prove_only else node_limit
-        found, dual = program.cheaper_than(best.energy_j / (1 + _PROOF_GAP), relaxed, nodes, prove_only)
+        nodes = min(node_limit, _FIRST_NODES) if step is _Step.FIRST_QUESTION else node_limit
+        near = best.levels if step is _Step.NEIGHBOURHOOD else None
+        prove_only = step in (_Step.FIRST_QUESTION, _Step.QUESTION)
+        found, dual = program.cheaper_than(best.energy_j / (1 + _PROOF_GAP), relaxed, nodes, prove_only, near)
         bound = max(bound, dual)
         best.offer(found)
     return bound
+
+
+class _Step(enum.Enum):
+    """One call of branch and bound in `_prove`."""
+
+    FIRST_QUESTION = "first question"  # the question, for at most `_FIRST_NODES` nodes
+    QUESTION = "question"
+    SEARCH = "search"
+    NEIGHBOURHOOD = "neighbourhood search"
 
 
 class _Incumbent:
@@ -359,7 +385,12 @@ class _Program:
         return _Relaxation(float(result.fun), result.x, np.asarray(result.lower.marginals, dtype=float))
 
     def cheaper_than(
-        self, cutoff_j: float, relaxed: _Relaxation, node_limit: int, prove_only: bool
+        self,
+        cutoff_j: float,
+        relaxed: _Relaxation,
+        node_limit: int,
+        prove_only: bool,
+        near: Sequence[int] | None = None,
     ) -> tuple[list[int] | None, float]:
         """Branch and bound, for at most `node_limit` nodes, among the plans of energy below `cutoff_j`.
 
@@ -368,12 +399,13 @@ class _Program:
         HiGHS' primal heuristics and presolve are off (heuristics cost most of the root's work and proving
         "none" needs none; a wrong "infeasible" from presolve, see `solve`, would be a false proof); otherwise
         HiGHS searches for the cheapest plan (to half of `GAP_GOAL`), and "infeasible" is only believed
-        without presolve.
+        without presolve. With `near` (levels), the search is only among each node's options within
+        `_NEIGHBOURHOOD` of the relaxation's and of `near`'s: a smaller program, whose answer proves nothing.
 
         Returns:
             The levels of the best plan found (None if none), and a lower bound on every plan's energy:
             `cutoff_j` when no plan is below it, else the lower of it and branch and bound's dual bound (-inf
-            if HiGHS gives none).
+            if HiGHS gives none, or with `near`).
         """
         from scipy.sparse import csr_matrix
 
@@ -381,6 +413,8 @@ class _Program:
         slack = 1e-7 * (1.0 + abs(cutoff_j))  # the reduced costs are exact to HiGHS' tolerances only
         upper = self.col_upper.copy()
         upper[:num_x][relaxed.bound_j + relaxed.reduced_costs[:num_x] > cutoff_j + slack] = 0.0
+        if near is not None:
+            upper[:num_x][~self._near(relaxed.x, near)] = 0.0
         # A search stops at half the goal: HiGHS measures its gap from its own best plan, not from ours.
         options: dict[str, Any] = {"disp": False, "mip_rel_gap": GAP_GOAL / 2, "node_limit": int(node_limit)}
         row = None
@@ -393,11 +427,25 @@ class _Program:
             result = self._milp(True, upper, row, options)
             if result.status == 2 and not prove_only:  # presolve's wrong infeasibility (see `solve`)
                 result = self._milp(True, upper, row, {**options, "presolve": False})
+        found = None if result.x is None else self.levels(result.x)
+        if near is not None:
+            return found, -np.inf
         if result.status == 2:
             return None, cutoff_j
         dual = getattr(result, "mip_dual_bound", None)
         bound = min(float(dual), cutoff_j) if dual is not None and np.isfinite(dual) else -np.inf
-        return (None if result.x is None else self.levels(result.x)), bound
+        return found, bound
+
+    def _near(self, x: np.ndarray, levels: Sequence[int]) -> np.ndarray:
+        """Which option binaries lie within `_NEIGHBOURHOOD` options of the span of each node's options that
+        `x` (the relaxation's solution) uses and of its option in `levels`."""
+        keep = np.zeros(int(self.first[-1]), dtype=bool)
+        for (a, b), level in zip(zip(self.first[:-1], self.first[1:], strict=True), levels, strict=True):
+            used = np.flatnonzero(x[a:b] > 1e-9)
+            lo = max(0, min(int(used.min(initial=level)), level) - _NEIGHBOURHOOD)
+            hi = min(b - a - 1, max(int(used.max(initial=level)), level) + _NEIGHBOURHOOD)
+            keep[a + lo : a + hi + 1] = True
+        return keep
 
     def _milp(
         self, integral: bool, col_upper: np.ndarray, row: tuple[Any, float, float] | None, options: dict
