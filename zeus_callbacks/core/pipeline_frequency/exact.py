@@ -432,6 +432,9 @@ class _Program:
             return found, -np.inf
         if result.status == 2:
             return None, cutoff_j
+        # scipy's wrapper gives no dual bound when a node limit stops a run that found no plan (it reads HiGHS'
+        # results only when there is a solution), so an unanswered question proves no more than the LP: on an
+        # 8x24 frontier point HiGHS' own bound after 60 nodes would have proven 0.110 % instead of 0.165 %.
         dual = getattr(result, "mip_dual_bound", None)
         bound = min(float(dual), cutoff_j) if dual is not None and np.isfinite(dual) else -np.inf
         return found, bound
