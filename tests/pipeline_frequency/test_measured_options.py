@@ -197,3 +197,26 @@ def test_pipeline_plan_proof_nodes_bounds_the_work_spent_on_the_proof(tmp_path, 
     assert gaps[0] > GAP_GOAL >= gaps[1]
     assert main([*argv, "--proof-nodes", "-1"]) == 2
     assert "--proof-nodes '-1': pass an integer >= 0." in capsys.readouterr().err
+
+
+def test_training_keeps_the_lp_bound_where_the_proof_takes_minutes(monkeypatch, caplog):
+    """Rules: `solve(slow_proof=False)`, as the optimizer plans in training (every rank waits for the plan),
+    runs no branch and bound on a program that is slow to prove (`exact.slow_to_prove`; this 4x4 one with
+    `_MAX_BINARIES` lowered), so its plan keeps the LP's 0.107 %; the default proves it; a frontier on such a
+    program says once, at WARNING, that each point takes minutes and how to skip the proof. Fails where the
+    training plan waits for branch and bound on large programs."""
+    monkeypatch.setattr(exact, "_MAX_BINARIES", 0)
+    options = options_from_rows(a40_rows(num_stages=4, step_mhz=30))
+    schedule = build_schedule("1f1b", 4, 4)
+    in_training = solve(schedule, options, P_BLK_W, slow_proof=False)
+    offline = solve(schedule, options, P_BLK_W)
+    assert in_training.proven_gap is not None and offline.proven_gap is not None
+    assert in_training.proven_gap > GAP_GOAL >= offline.proven_gap
+    with caplog.at_level("WARNING", logger="zeus_callbacks.core.pipeline_frequency.frontier"):
+        frontier(schedule, options, P_BLK_W, num_points=2)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "--proof-nodes 0" in warned[0] and "3 frontier points" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zeus_callbacks.core.pipeline_frequency.frontier"):
+        frontier(schedule, options, P_BLK_W, num_points=2, node_limit=0)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

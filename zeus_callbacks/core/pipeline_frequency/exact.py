@@ -55,7 +55,7 @@ from zeus_callbacks.core.pipeline_frequency.frontier import OptionTable, Plan, e
 if TYPE_CHECKING:
     from zeus_callbacks.core.pipeline_frequency.plan_search import PlanSearch
 
-__all__ = ["GAP_GOAL", "exact_plan", "lower_bound", "refine", "scipy_available"]
+__all__ = ["GAP_GOAL", "exact_plan", "lower_bound", "refine", "scipy_available", "slow_to_prove"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,12 @@ def scipy_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def slow_to_prove(problem: PlanSearch) -> bool:
+    """Whether `problem`'s program has more than `_MAX_BINARIES` option binaries: `refine` then takes minutes
+    per plan, not seconds (e.g. 8 stages x 24 microbatches x 75 clocks: 2-5 minutes)."""
+    return sum(len(times) for times in problem.tables.times) > _MAX_BINARIES
 
 
 def exact_plan(

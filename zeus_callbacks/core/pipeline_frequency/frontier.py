@@ -68,6 +68,7 @@ def solve(
     num_deadlines: int = 8,
     max_passes: int = 8,
     node_limit: int = SOLVE_NODE_LIMIT,
+    slow_proof: bool = True,
 ) -> Plan:
     """The least-energy plan found whose iteration time does not exceed `target_time_s`.
 
@@ -86,6 +87,8 @@ def solve(
         num_deadlines: Without scipy, deadlines tried between the fastest time and the target (at least 1).
         max_passes: Local-search passes after each greedy search or rounding (0: none; more: slower, better).
         node_limit: With scipy, the most nodes branch and bound may explore (0: never run it).
+        slow_proof: False: a program that takes minutes to prove (`exact.slow_to_prove`) keeps the LP's bound,
+            in seconds (the optimizer plans so in training, where every rank waits for the plan).
 
     Raises:
         ValueError: On missing or invalid options, or a target faster than the fastest options allow.
@@ -99,6 +102,8 @@ def solve(
         )
     target = max(target, problem.tables.fastest_time_s)
     if _refine_available():
+        if not slow_proof and _slow_to_prove(problem, node_limit):
+            node_limit = 0
         return problem.best_plan(target, [0] * len(problem.tables.dag), max_passes, node_limit)[1]
     levels = [0] * len(problem.tables.dag)
     problem.optimize(levels, target, priced=True, max_passes=max_passes)
@@ -142,6 +147,14 @@ def frontier(
     lo = problem.tables.fastest_time_s
     plans: list[Plan] = []
     if _refine_available():
+        if _slow_to_prove(problem, node_limit):
+            logger.warning(
+                "Proving %d frontier points of this pipeline within 0.1 %% of the optimum takes minutes each "
+                "(%d option binaries); node_limit=0 (`pipeline-plan --proof-nodes 0`) keeps the LP's bound, "
+                "in seconds.",
+                num_points + 1,
+                sum(len(times) for times in problem.tables.times),
+            )
         plans.append(
             problem.best_plan(
                 problem.tables.slowest_time_s, [0] * len(problem.tables.dag), max_passes, node_limit
@@ -172,6 +185,13 @@ def frontier(
         if not kept or plan.energy_j < kept[-1].energy_j:
             kept.append(plan)
     return Frontier(plans=tuple(kept), max_frequency=problem.tables.max_frequency_plan)
+
+
+def _slow_to_prove(problem: PlanSearch, node_limit: int) -> bool:
+    """Whether branch and bound would run (`node_limit` above 0) on a program that is slow to prove."""
+    from zeus_callbacks.core.pipeline_frequency.exact import slow_to_prove
+
+    return node_limit > 0 and slow_to_prove(problem)
 
 
 _REFINE: list[bool] = []
