@@ -208,3 +208,19 @@ def test_training_keeps_the_lp_bound_where_the_proof_takes_minutes(monkeypatch, 
     with caplog.at_level("WARNING", logger="zeus_callbacks.core.pipeline_frequency.frontier"):
         frontier(schedule, options, P_BLK_W, num_points=2, node_limit=0)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_program_above_the_provable_size_keeps_the_lp_bound(monkeypatch, caplog):
+    """Rule: above `exact._MAX_PROVABLE_BINARIES` (lowered here, with `_MAX_BINARIES`) no branch and bound
+    runs: the plan keeps the LP's 0.107 %, and the frontier gives no warning of minutes per point. Fails where
+    such programs are searched (8 x 48 x 75 clocks: 35 minutes of CPU for one target, nothing proven beyond
+    the LP's 0.210 %)."""
+    monkeypatch.setattr(exact, "_MAX_BINARIES", 0)
+    monkeypatch.setattr(exact, "_MAX_PROVABLE_BINARIES", 0)
+    options = options_from_rows(a40_rows(num_stages=4, step_mhz=30))
+    schedule = build_schedule("1f1b", 4, 4)
+    plan = solve(schedule, options, P_BLK_W)
+    assert plan.proven_gap is not None and plan.proven_gap > GAP_GOAL
+    with caplog.at_level("WARNING", logger="zeus_callbacks.core.pipeline_frequency.frontier"):
+        frontier(schedule, options, P_BLK_W, num_points=2)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
