@@ -96,7 +96,7 @@ def slow_to_prove(problem: PlanSearch) -> bool:
     """Whether `problem`'s program has more than `_MAX_BINARIES` option binaries and at most
     `_MAX_PROVABLE_BINARIES`: `refine` then takes minutes per plan, not seconds (e.g. 8 stages x 24
     microbatches x 75 clocks: 2-5 minutes). Larger programs keep the LP's bound, in seconds."""
-    return _MAX_BINARIES < sum(len(times) for times in problem.tables.times) <= _MAX_PROVABLE_BINARIES
+    return _MAX_BINARIES < problem.tables.num_options <= _MAX_PROVABLE_BINARIES
 
 
 def exact_plan(

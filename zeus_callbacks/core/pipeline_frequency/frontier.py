@@ -154,7 +154,7 @@ def frontier(
                 "(%d option binaries); node_limit=0 (`pipeline-plan --proof-nodes 0`) keeps the LP's bound, "
                 "in seconds.",
                 num_points + 1,
-                sum(len(times) for times in problem.tables.times),
+                problem.tables.num_options,
             )
         plans.append(
             problem.best_plan(

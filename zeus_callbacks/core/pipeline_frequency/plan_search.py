@@ -54,6 +54,11 @@ class SearchTables:
     slowest_time_s: float
     max_frequency_plan: Plan
 
+    @property
+    def num_options(self) -> int:
+        """Pareto options over all nodes: the exact program's option binaries (`exact`)."""
+        return sum(len(node) for node in self.times)
+
     @classmethod
     def build(cls, dag: PipelineDAG, options: OptionTable, p_blk_w: float | Sequence[float]) -> SearchTables:
         """The tables of `dag` with `options` per instruction type and blocking power `p_blk_w` (per stage)."""
