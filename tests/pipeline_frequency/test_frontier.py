@@ -194,27 +194,28 @@ def _noisy_profile(path, seed: int, num_stages: int, num_freqs: int) -> None:
 @pytest.mark.slow
 def test_pipeline_plan_is_bounded_by_work_and_identical_on_a_loaded_host(tmp_path, monkeypatch, capsys):
     """Issue 24: the proof search stopped at a wall-clock limit, so plans depended on the host's speed."""
-    scipy_optimize = pytest.importorskip("scipy.optimize")
+    pytest.importorskip("scipy.optimize")
+    from zeus_callbacks.core.pipeline_frequency import exact
+    from zeus_callbacks.core.pipeline_frequency.highs import MipStatus
+
     path = tmp_path / "profile.csv"
     _noisy_profile(path, 0, 2, 12)
     argv = ["pipeline-plan", "--profile", str(path), "--p-blk", "80", "--microbatches", "5", "--points", "4"]
-    real_milp, calls = scipy_optimize.milp, []
+    real, calls = exact.branch_and_bound, []
 
-    def recording_milp(c, **kwargs):
-        options = dict(kwargs["options"])  # scipy pops the ones it knows
-        result = real_milp(c, **kwargs)
-        if kwargs["integrality"].any():
-            calls.append((options, result.status))
+    def recording(*args):
+        result = real(*args)
+        calls.append((args[-1], result.status))
         return result
 
-    monkeypatch.setattr(scipy_optimize, "milp", recording_milp)
+    monkeypatch.setattr(exact, "branch_and_bound", recording)
     assert main(argv) == 0
     idle = capsys.readouterr().out
     assert calls, "branch and bound never ran: the case does not exercise the proof search"
-    assert all("time_limit" not in options and options.get("node_limit", 0) > 0 for options, _ in calls)
-    # HiGHS stopped by its node limit (status 1) on some point: the case is one a limit decides.
-    assert any(status != 0 for _, status in calls), calls
-    monkeypatch.setattr(scipy_optimize, "milp", real_milp)
+    assert all(options.time_limit_s is None and (options.node_limit or 0) > 0 for options, _ in calls)
+    # HiGHS stopped by its node limit on some point: the case is one a limit decides.
+    assert any(status is MipStatus.LIMIT for _, status in calls), calls
+    monkeypatch.setattr(exact, "branch_and_bound", real)
     assert main(argv) == 0
     assert capsys.readouterr().out == idle
     # The same command in a fresh process while every core spins.

@@ -37,14 +37,10 @@ scipy is optional (the `pipeline` extra): without it `refine` is unavailable and
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
-import os
-import sys
-import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,6 +48,7 @@ import numpy as np
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction, PipelineDAG, build_dag
 from zeus_callbacks.core.pipeline_frequency.energy_model import options_of
 from zeus_callbacks.core.pipeline_frequency.frontier import OptionTable, Plan, evaluate
+from zeus_callbacks.core.pipeline_frequency.highs import MipOptions, MipResult, MipStatus, branch_and_bound
 
 if TYPE_CHECKING:
     from zeus_callbacks.core.pipeline_frequency.plan_search import PlanSearch
@@ -70,7 +67,9 @@ GAP_GOAL = 1e-3
 # 39; stop 38 found that neither an incremental formulation nor a sub-program of the LP's options alone moves
 # the bound).
 _MAX_BINARIES = 8000
-_NEIGHBOURHOOD = 5
+# At 5 clocks the two neighbourhood searches stalled 0.165 % above the LP on one 8x24 frontier point (more rounds
+# did not help); at 10 they reach 0.153 %, which the question then proves within 0.1 % in seconds.
+_NEIGHBOURHOOD = 10
 # Programs above this many option binaries keep the LP's bound: at 8x48 (28,992) the neighbourhood searches and
 # the question took 35 minutes of CPU for one target and proved nothing beyond the LP (0.210 %); 8x24 (14,496)
 # is proven within 0.1 % at every target in minutes.
@@ -140,8 +139,8 @@ def exact_plan(
         sum(p_blk),
         target_time_s,
     )
-    result = program.solve(integral=True, mip_rel_gap=mip_rel_gap, time_limit_s=time_limit_s)
-    if result.status != 0 or result.x is None:
+    result = program.solve(mip_rel_gap=mip_rel_gap, time_limit_s=time_limit_s)
+    if result.status is not MipStatus.OPTIMAL or result.x is None:
         return None
     levels = program.levels(result.x)
     freqs = {
@@ -273,24 +272,6 @@ class _Relaxation:
     reduced_costs: np.ndarray
 
 
-@contextlib.contextmanager
-def _quiet_stdout(active: bool) -> Iterator[None]:
-    """Silence file descriptor 1 while active: scipy's HiGHS prints debug lines from C during branch and
-    bound even with `disp=False`, which would corrupt a command's output (`pipeline-plan --json`)."""
-    if not active:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 @dataclass
 class _Program:
     """The integer program's arrays: columns are the option binaries node by node, the start times, then T."""
@@ -353,25 +334,17 @@ class _Program:
         return cls(cost, matrix, np.array(lower), np.array(upper), col_upper, first)
 
     def solve(
-        self,
-        integral: bool,
-        mip_rel_gap: float = 1e-7,
-        node_limit: int | None = None,
-        time_limit_s: float | None = None,
-    ) -> Any:
-        """HiGHS on the program (or its LP relaxation); scipy's `OptimizeResult`.
+        self, mip_rel_gap: float = 1e-7, node_limit: int | None = None, time_limit_s: float | None = None
+    ) -> MipResult:
+        """HiGHS' branch and bound on the program.
 
-        `node_limit` bounds branch and bound by work; `time_limit_s` (the exact reference's benchmarks only)
-        by the clock, which makes the result depend on the host's speed.
+        `node_limit` bounds it by work; `time_limit_s` (the exact reference's benchmarks only) by the clock,
+        which makes the result depend on the host's speed.
         """
-        options: dict[str, Any] = {"disp": False, "mip_rel_gap": mip_rel_gap}
-        if node_limit is not None:
-            options["node_limit"] = int(node_limit)
-        if time_limit_s is not None:
-            options["time_limit"] = float(time_limit_s)
-        result = self._milp(integral, self.col_upper, None, options)
-        if result.status == 2:  # HiGHS presolve (scipy 1.17) wrongly finds some models infeasible.
-            result = self._milp(integral, self.col_upper, None, {**options, "presolve": False})
+        options = MipOptions(mip_rel_gap, node_limit=node_limit, time_limit_s=time_limit_s)
+        result = self._branch_and_bound(self.col_upper, None, options)
+        if result.status is MipStatus.INFEASIBLE:  # HiGHS presolve (scipy 1.17) wrongly finds some models so.
+            result = self._branch_and_bound(self.col_upper, None, replace(options, presolve=False))
         return result
 
     def relaxation(self) -> _Relaxation | None:
@@ -428,27 +401,22 @@ class _Program:
         if near is not None:
             upper[:num_x][~self._near(relaxed.x, near)] = 0.0
         # A search stops at half the goal: HiGHS measures its gap from its own best plan, not from ours.
-        options: dict[str, Any] = {"disp": False, "mip_rel_gap": GAP_GOAL / 2, "node_limit": int(node_limit)}
+        options = MipOptions(GAP_GOAL / 2, node_limit=node_limit)
         row = None
         if prove_only:
             row = (csr_matrix(self.cost.reshape(1, -1)), -np.inf, cutoff_j)
-            options["mip_heuristic_effort"] = 0.0  # passed to HiGHS verbatim (scipy warns that it does)
-            options["presolve"] = False
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            result = self._milp(True, upper, row, options)
-            if result.status == 2 and not prove_only:  # presolve's wrong infeasibility (see `solve`)
-                result = self._milp(True, upper, row, {**options, "presolve": False})
+            options = replace(options, presolve=False, heuristics=False)
+        result = self._branch_and_bound(upper, row, options)
+        if result.status is MipStatus.INFEASIBLE and not prove_only:  # presolve's wrong infeasibility
+            result = self._branch_and_bound(upper, row, replace(options, presolve=False))
         found = None if result.x is None else self.levels(result.x)
         if near is not None:
             return found, -np.inf
-        if result.status == 2:
+        if result.status is MipStatus.INFEASIBLE:
             return None, cutoff_j
-        # scipy's wrapper gives no dual bound when a node limit stops a run that found no plan (it reads HiGHS'
-        # results only when there is a solution), so an unanswered question proves no more than the LP: on an
-        # 8x24 frontier point HiGHS' own bound after 60 nodes would have proven 0.110 % instead of 0.165 %.
-        dual = getattr(result, "mip_dual_bound", None)
-        bound = min(float(dual), cutoff_j) if dual is not None and np.isfinite(dual) else -np.inf
+        # The bound HiGHS proved, also when the node limit stopped a question that found no plan (scipy's `milp`
+        # drops it there, see `highs`: an 8x24 point then kept the LP's 0.165 % where HiGHS had proven 0.106 %).
+        bound = min(result.dual_bound, cutoff_j) if np.isfinite(result.dual_bound) else -np.inf
         return found, bound
 
     def _near(self, x: np.ndarray, levels: Sequence[int]) -> np.ndarray:
@@ -462,22 +430,26 @@ class _Program:
             keep[a + lo : a + hi + 1] = True
         return keep
 
-    def _milp(
-        self, integral: bool, col_upper: np.ndarray, row: tuple[Any, float, float] | None, options: dict
-    ) -> Any:
-        from scipy.optimize import Bounds, LinearConstraint, milp
+    def _branch_and_bound(
+        self, col_upper: np.ndarray, row: tuple[Any, float, float] | None, options: MipOptions
+    ) -> MipResult:
+        """The program, with `row` (matrix, lower, upper) below its rows, under `options`."""
+        from scipy.sparse import vstack
 
-        integrality = np.zeros(len(self.cost))
-        if integral:
-            integrality[: self.first[-1]] = 1
-        constraints = [LinearConstraint(self.matrix, self.lower, self.upper)]
-        if row is not None:
-            constraints.append(LinearConstraint(*row))
-        bounds = Bounds(np.zeros(len(self.cost)), col_upper)
-        with _quiet_stdout(integral):
-            return milp(
-                self.cost, constraints=constraints, integrality=integrality, bounds=bounds, options=options
+        if row is None:
+            return branch_and_bound(
+                self.cost, self.matrix, self.lower, self.upper, col_upper, int(self.first[-1]), options
             )
+        extra, lo, hi = row
+        return branch_and_bound(
+            self.cost,
+            vstack([self.matrix, extra], format="csc"),
+            np.append(self.lower, lo),
+            np.append(self.upper, hi),
+            col_upper,
+            int(self.first[-1]),
+            options,
+        )
 
     def levels(self, x: np.ndarray) -> list[int]:
         """The option chosen for each node by an integral solution."""
