@@ -11,28 +11,19 @@ import sys
 
 import numpy as np
 import pytest
-from a40_profiles import P_BLK_W, a40_rows
 
-from zeus_callbacks.core.pipeline_frequency import exact, highs
-from zeus_callbacks.core.pipeline_frequency.dag import build_dag, build_schedule
+from zeus_callbacks.core.pipeline_frequency import highs
 from zeus_callbacks.core.pipeline_frequency.highs import MipOptions, MipStatus
-from zeus_callbacks.core.pipeline_frequency.plan_search import PlanSearch
-from zeus_callbacks.core.pipeline_frequency.planning import options_from_rows
 
 pytest.importorskip("scipy")
 
 
-@pytest.fixture(scope="module")
-def program():
-    """The 4 x 4 program at the all-maximum plan's time, its LP relaxation and its exact optimum (J)."""
-    options = options_from_rows(a40_rows(num_stages=4, step_mhz=30))
-    problem = PlanSearch(build_dag(build_schedule("1f1b", 4, 4)), options, P_BLK_W)
-    t = problem.tables
-    target = problem.plan([0] * len(t.dag)).iteration_time_s
-    program = exact._Program.build(t.dag, t.times, t.costs, sum(t.p_blk), target)
-    relaxed = program.relaxation()
+@pytest.fixture
+def program(a40_program):
+    """`a40_program`'s integer program, its LP relaxation and its exact optimum (J)."""
+    _, program, relaxed = a40_program
     optimum = program.solve()
-    assert relaxed is not None and optimum.status is MipStatus.OPTIMAL
+    assert optimum.status is MipStatus.OPTIMAL
     return program, relaxed, float(program.cost @ optimum.x)
 
 

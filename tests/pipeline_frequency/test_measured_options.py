@@ -24,7 +24,6 @@ from zeus_callbacks.core.pipeline_frequency.frontier import (
     pareto_options,
     solve,
 )
-from zeus_callbacks.core.pipeline_frequency.plan_search import PlanSearch
 from zeus_callbacks.core.pipeline_frequency.planning import options_from_rows
 from zeus_callbacks.core.pipeline_frequency.profile_file import ProfileRow, write_profile
 
@@ -144,19 +143,15 @@ def test_the_proven_gap_holds_against_the_exact_optimum(slowdown, large, monkeyp
     assert plan.proven_gap <= GAP_GOAL and plan.energy_j <= best.energy_j * (1 + GAP_GOAL)
 
 
-def test_a_neighbourhood_search_proves_nothing_of_the_whole_program():
+def test_a_neighbourhood_search_proves_nothing_of_the_whole_program(a40_program):
     """Rules: the neighbourhood of `cheaper_than(near=levels)` holds each instruction's options within
     `_NEIGHBOURHOOD` of those the LP uses and of its level, and nothing else; a search there returns no bound,
     even where it finds no plan (the whole program may still have one). Fails where the neighbourhood's
     "none below the cutoff" is taken as the cutoff, as the whole program's is."""
-    options = options_from_rows(a40_rows(num_stages=4, step_mhz=30))
-    problem = PlanSearch(build_dag(build_schedule("1f1b", 4, 4)), options, P_BLK_W)
-    t = problem.tables
-    target = problem.plan([0] * len(t.dag)).iteration_time_s
-    program = exact._Program.build(t.dag, t.times, t.costs, sum(t.p_blk), target)
-    relaxed = program.relaxation()
-    assert relaxed is not None
-    levels = [0 if v % 2 else len(times) - 1 for v, times in enumerate(t.times)]  # fastest, slowest, ...
+    problem, program, relaxed = a40_program
+    levels = [
+        0 if v % 2 else len(times) - 1 for v, times in enumerate(problem.tables.times)
+    ]  # fastest, slowest, ...
     near = program._near(relaxed.x, levels)
     reach = exact._NEIGHBOURHOOD
     for v, (a, b) in enumerate(zip(program.first[:-1], program.first[1:], strict=True)):

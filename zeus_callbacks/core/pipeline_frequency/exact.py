@@ -48,7 +48,13 @@ import numpy as np
 from zeus_callbacks.core.pipeline_frequency.dag import Instruction, PipelineDAG, build_dag
 from zeus_callbacks.core.pipeline_frequency.energy_model import options_of
 from zeus_callbacks.core.pipeline_frequency.frontier import OptionTable, Plan, evaluate
-from zeus_callbacks.core.pipeline_frequency.highs import MipOptions, MipResult, MipStatus, branch_and_bound
+from zeus_callbacks.core.pipeline_frequency.highs import (
+    MipModel,
+    MipOptions,
+    MipResult,
+    MipStatus,
+    branch_and_bound,
+)
 
 if TYPE_CHECKING:
     from zeus_callbacks.core.pipeline_frequency.plan_search import PlanSearch
@@ -436,19 +442,16 @@ class _Program:
         """The program, with `row` (matrix, lower, upper) below its rows, under `options`."""
         from scipy.sparse import vstack
 
-        if row is None:
-            return branch_and_bound(
-                self.cost, self.matrix, self.lower, self.upper, col_upper, int(self.first[-1]), options
+        matrix, lower, upper = self.matrix, self.lower, self.upper
+        if row is not None:
+            extra, lo, hi = row
+            matrix, lower, upper = (
+                vstack([matrix, extra], format="csc"),
+                np.append(lower, lo),
+                np.append(upper, hi),
             )
-        extra, lo, hi = row
         return branch_and_bound(
-            self.cost,
-            vstack([self.matrix, extra], format="csc"),
-            np.append(self.lower, lo),
-            np.append(self.upper, hi),
-            col_upper,
-            int(self.first[-1]),
-            options,
+            MipModel(self.cost, matrix, lower, upper, col_upper, int(self.first[-1])), options
         )
 
     def levels(self, x: np.ndarray) -> list[int]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MipOptions", "MipResult", "MipStatus", "branch_and_bound"]
+__all__ = ["MipModel", "MipOptions", "MipResult", "MipStatus", "branch_and_bound"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,37 +72,34 @@ class MipResult:
     dual_bound: float
 
 
-def branch_and_bound(
-    cost: np.ndarray,
-    rows: Any,
-    row_lower: np.ndarray,
-    row_upper: np.ndarray,
-    col_upper: np.ndarray,
-    num_integral: int,
-    options: MipOptions,
-) -> MipResult:
-    """Minimise `cost @ x` subject to `row_lower <= rows @ x <= row_upper`, `0 <= x <= col_upper`, the first
-    `num_integral` columns integral.
+@dataclass(frozen=True)
+class MipModel:
+    """Minimise `cost @ x` subject to `row_lower <= rows @ x <= row_upper` and `0 <= x <= col_upper`, the first
+    `num_integral` columns integral. `rows` is a scipy sparse matrix; a bound of -inf or inf is none."""
 
-    Args:
-        cost: Objective coefficients, one per column.
-        rows: The constraint matrix (scipy sparse), one row per constraint.
-        row_lower: Each row's lower bound (-inf: none).
-        row_upper: Each row's upper bound (inf: none).
-        col_upper: Each column's upper bound (its lower bound is 0).
-        num_integral: How many leading columns are integral.
-        options: The gap and limits.
-    """
-    from scipy.sparse import csc_array
+    cost: np.ndarray
+    rows: Any
+    row_lower: np.ndarray
+    row_upper: np.ndarray
+    col_upper: np.ndarray
+    num_integral: int
 
-    integrality = np.zeros(len(cost), dtype=np.uint8)
-    integrality[:num_integral] = 1
-    matrix = csc_array(rows)
+    @property
+    def integrality(self) -> np.ndarray:
+        """1 for an integral column, 0 for a continuous one, as HiGHS and `milp` take it."""
+        out = np.zeros(len(self.cost), dtype=np.uint8)
+        out[: self.num_integral] = 1
+        return out
+
+
+def branch_and_bound(model: MipModel, options: MipOptions) -> MipResult:
+    """HiGHS' branch and bound on `model` under `options`: the answer `milp` gives, with the dual bound kept
+    on a limit stop where scipy bundles the binding."""
     core = _bundled_highs()
     with _quiet_stdout():
         if core is None:
-            return _through_milp(cost, matrix, row_lower, row_upper, col_upper, integrality, options)
-        return _through_core(core, cost, matrix, row_lower, row_upper, col_upper, integrality, options)
+            return _through_milp(model, options)
+        return _through_core(core, model, options)
 
 
 def _bundled_highs() -> Any | None:
@@ -126,30 +123,25 @@ def _say_once_bound_lost() -> None:
         )
 
 
-def _through_core(
-    core: Any,
-    cost: np.ndarray,
-    matrix: Any,
-    row_lower: np.ndarray,
-    row_upper: np.ndarray,
-    col_upper: np.ndarray,
-    integrality: np.ndarray,
-    options: MipOptions,
-) -> MipResult:
+def _through_core(core: Any, model: MipModel, options: MipOptions) -> MipResult:
     """The model `milp` would build (`_highs_wrapper`), run, its results read whatever the outcome."""
+    from scipy.sparse import csc_array
+
+    matrix = csc_array(model.rows)  # `milp`'s layout: column-wise, indices sorted
+    num_col, num_row = len(model.cost), matrix.shape[0]
     lp = core.HighsLp()
-    lp.num_col_, lp.num_row_ = len(cost), matrix.shape[0]
-    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = len(cost), matrix.shape[0]
+    lp.num_col_, lp.num_row_ = num_col, num_row
+    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = num_col, num_row
     lp.a_matrix_.format_ = core.MatrixFormat.kColwise
     lp.a_matrix_.start_ = matrix.indptr
     lp.a_matrix_.index_ = matrix.indices
     lp.a_matrix_.value_ = matrix.data.astype(np.float64)
-    lp.col_cost_ = np.asarray(cost, dtype=np.float64)
-    lp.col_lower_ = np.zeros(len(cost))
-    lp.col_upper_ = np.asarray(col_upper, dtype=np.float64)
-    lp.row_lower_ = np.asarray(row_lower, dtype=np.float64)
-    lp.row_upper_ = np.asarray(row_upper, dtype=np.float64)
-    lp.integrality_ = [core.HighsVarType(int(i)) for i in integrality]
+    lp.col_cost_ = np.asarray(model.cost, dtype=np.float64)
+    lp.col_lower_ = np.zeros(num_col)
+    lp.col_upper_ = np.asarray(model.col_upper, dtype=np.float64)
+    lp.row_lower_ = np.asarray(model.row_lower, dtype=np.float64)
+    lp.row_upper_ = np.asarray(model.row_upper, dtype=np.float64)
+    lp.integrality_ = [core.HighsVarType(int(i)) for i in model.integrality]
     highs = core._Highs()
     for name, value in options.as_highs().items():
         if highs.setOptionValue(name, value) == core.HighsStatus.kError:
@@ -179,34 +171,26 @@ def _through_core(
     return MipResult(status, x, float(info.mip_dual_bound))
 
 
-def _through_milp(
-    cost: np.ndarray,
-    matrix: Any,
-    row_lower: np.ndarray,
-    row_upper: np.ndarray,
-    col_upper: np.ndarray,
-    integrality: np.ndarray,
-    options: MipOptions,
-) -> MipResult:
+def _through_milp(model: MipModel, options: MipOptions) -> MipResult:
     """The same run through `milp`: its bound is lost when it stops without a solution."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
-    scipy_options: dict[str, Any] = {"disp": False, "mip_rel_gap": options.mip_rel_gap}
-    if options.node_limit is not None:
-        scipy_options["node_limit"] = int(options.node_limit)
-    if options.time_limit_s is not None:
-        scipy_options["time_limit"] = float(options.time_limit_s)
-    if not options.presolve:
-        scipy_options["presolve"] = False
-    if not options.heuristics:
-        scipy_options["mip_heuristic_effort"] = 0.0  # passed to HiGHS verbatim (scipy warns that it does)
+    # `milp` leaves out the options that are None and passes those it does not know to HiGHS verbatim.
+    scipy_options: dict[str, Any] = {
+        "disp": False,
+        "mip_rel_gap": options.mip_rel_gap,
+        "node_limit": options.node_limit,
+        "time_limit": options.time_limit_s,
+        "presolve": None if options.presolve else False,
+        "mip_heuristic_effort": None if options.heuristics else 0.0,
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         result = milp(
-            cost,
-            constraints=[LinearConstraint(matrix, row_lower, row_upper)],
-            integrality=integrality,
-            bounds=Bounds(np.zeros(len(cost)), col_upper),
+            model.cost,
+            constraints=[LinearConstraint(model.rows, model.row_lower, model.row_upper)],
+            integrality=model.integrality,
+            bounds=Bounds(np.zeros(len(model.cost)), model.col_upper),
             options=scipy_options,
         )
     # scipy reports HiGHS' node limit (kSolutionLimit) as "other" (4): a run that stopped with a plan hit a limit.
