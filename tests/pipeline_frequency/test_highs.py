@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -94,14 +95,17 @@ def test_the_bundled_binding_answers_as_milp(program, run, monkeypatch):
     }[run]
 
 
-def test_a_scipy_without_the_binding_is_said_once(program, monkeypatch, caplog):
-    """Rule: without the bundled binding (scipy < 1.15) branch and bound still runs, through `milp`, and the
-    lost bound is said once at INFO with what to do."""
+@pytest.mark.parametrize("binding", ["missing", "changed"])
+def test_a_scipy_without_the_binding_is_said_once(program, binding, monkeypatch, caplog):
+    """Rule: without the bundled binding (scipy < 1.15), or with one that lacks what `highs` uses (a later
+    scipy that changed it), branch and bound still runs, through `milp`, and the lost bound is said once at
+    INFO with what to do."""
     prog, _, _ = program
     monkeypatch.setattr(highs, "_said", set())
-    monkeypatch.setitem(sys.modules, "scipy.optimize._highspy._core", None)  # as if it were not there
+    stand_in = None if binding == "missing" else types.SimpleNamespace(HighsLp=object)
+    monkeypatch.setitem(sys.modules, "scipy.optimize._highspy._core", stand_in)
     caplog.set_level(logging.INFO, logger=highs.__name__)
     for _ in range(2):
         assert prog.solve().status is MipStatus.OPTIMAL
     said = [r for r in caplog.records if "bundled HiGHS" in r.getMessage()]
-    assert len(said) == 1 and "pip install -U scipy" in said[0].getMessage()
+    assert len(said) == 1 and "pip install 'scipy==1.17.*'" in said[0].getMessage()

@@ -3,7 +3,9 @@
 One binary per instruction and option (exactly one chosen per instruction), a continuous start time per
 instruction, and the iteration time `T`: every DAG edge `(u, v)` needs `start[u] + d[u] + delay <= start[v]`,
 every instruction ends by `T <= target`. The objective is the planner's energy model at `T`,
-`sum(e - P_blk[s] * t) + T * sum(P_blk)` (see `frontier`), minimised by HiGHS through `scipy.optimize.milp`.
+`sum(e - P_blk[s] * t) + T * sum(P_blk)` (see `frontier`), minimised by HiGHS (`highs.branch_and_bound`: the
+build scipy bundles, with the dual bound that `scipy.optimize.milp` drops when a node limit stops a run
+without a plan).
 
 Two uses:
 
@@ -20,12 +22,13 @@ Two uses:
   (`_Program.cheaper_than`: an objective cutoff, with reduced-cost fixing from the LP): its cuts at the root
   usually answer "none" within a few nodes, which proves the best plan within `GAP_GOAL`. When they do not,
   branch and bound searches for the cheapest plan among those below that cutoff, with a node limit; the
-  plan it finds becomes the best, and its dual bound is the proof. Small programs (`_SMALL_BINARIES`) are
+  plan it finds becomes the best, and its dual bound is the proof (also that of a question the node limit
+  stopped: the bound HiGHS reached counts, though no plan was found). Small programs (`_SMALL_BINARIES`) are
   searched first, which usually closes the gap alone there. On programs above `_MAX_BINARIES` (e.g. 8
   stages x 24 microbatches x 75 clocks) a search of the whole program is too slow to help, and the question
   about the rounded plan is often too hard (the root lifts the bound 0.05-0.07 % above the LP's, the plan
-  is up to 0.2 % above it): the cheaper plan is sought twice among the options near the LP's and the best
-  plan's (a program a third the size), then the question is asked about the plan found. Programs above
+  is up to 0.2 % above it): the cheaper plan is sought twice among the options within `_NEIGHBOURHOOD` clocks of
+  the LP's and the best plan's (half the binaries at 8 x 24), then the question is asked about the plan found. Programs above
   `_MAX_PROVABLE_BINARIES` (8 x 48 x 75) keep the LP's bound: there that work proved nothing more.
 
 The planner's search is bounded by work (branch-and-bound nodes), never by seconds: HiGHS is deterministic

@@ -103,12 +103,19 @@ def branch_and_bound(model: MipModel, options: MipOptions) -> MipResult:
 
 
 def _bundled_highs() -> Any | None:
-    """scipy's bundled HiGHS binding, or None (scipy < 1.15, or a scipy that moved it)."""
+    """scipy's bundled HiGHS binding, or None (scipy < 1.15, or a scipy that moved or changed it)."""
     try:
-        return importlib.import_module("scipy.optimize._highspy._core")
+        core = importlib.import_module("scipy.optimize._highspy._core")
     except ImportError:
+        core = None
+    if core is None or not all(hasattr(core, name) for name in _USED):
         _say_once_bound_lost()
         return None
+    return core
+
+
+# What `_through_core` uses of the binding: a scipy whose private binding lacks any of it gets `milp`.
+_USED = ("HighsLp", "_Highs", "MatrixFormat", "HighsVarType", "HighsStatus", "HighsModelStatus", "kHighsInf")
 
 
 _said: set[str] = set()
@@ -118,8 +125,9 @@ def _say_once_bound_lost() -> None:
     if "bound" not in _said:
         _said.add("bound")
         logger.info(
-            "scipy has no bundled HiGHS binding (scipy.optimize._highspy, scipy >= 1.15): a proof stopped by "
-            "its node limit keeps the LP's bound. `pip install -U scipy` for tighter proven gaps."
+            "This scipy has no bundled HiGHS binding that zeus_callbacks can use (scipy.optimize._highspy; "
+            "tested with scipy 1.17): a proof stopped by its node limit keeps the LP's bound. "
+            "`pip install 'scipy==1.17.*'` for tighter proven gaps."
         )
 
 
