@@ -31,8 +31,8 @@ question proves it within 0.1 % in 0.4-4 s at nine targets of ten; the tenth too
 (25 s) and the cheapest-plan search (32 s): 71 s for an 8-point frontier. HiGHS' branch and bound alone,
 without the cutoff, needs 20-35 s for its root on the same programs. Programs of more than
 `exact._MAX_BINARIES` option binaries (8x24 there) are searched only near the LP's and the plan's options
-before the question: at 8x24 that benchmark's six targets are all proven within 0.1 % (minutes each), and
-`pipeline-plan --points 6` proved 7 of its 8 points (23 minutes; the eighth 0.165 %); above
+before the question: at 8x24 that benchmark's six targets are all proven within 0.1 % (minutes each), and so
+are the 8 points of `pipeline-plan --points 6` (25 minutes); above
 `exact._MAX_PROVABLE_BINARIES` (8x48) the LP's bound is kept. Unlike
 Phillips-Dessouky (lowtime), nothing is quantised: plans use the profiled options as measured. Without scipy
 the planner runs steps 1 and 3 only, over several deadlines, and cannot tell its distance to the optimum.
