@@ -101,7 +101,7 @@ def test_a_scipy_without_the_binding_is_said_once(program, binding, monkeypatch,
     scipy that changed it), branch and bound still runs, through `milp`, and the lost bound is said once at
     INFO with what to do."""
     prog, _, _ = program
-    monkeypatch.setattr(highs, "_said", set())
+    highs._say_once_bound_lost.cache_clear()
     stand_in = None if binding == "missing" else types.SimpleNamespace(HighsLp=object)
     monkeypatch.setitem(sys.modules, "scipy.optimize._highspy._core", stand_in)
     caplog.set_level(logging.INFO, logger=highs.__name__)

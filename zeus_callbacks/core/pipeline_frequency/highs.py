@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import importlib
 import logging
 import os
@@ -118,17 +119,13 @@ def _bundled_highs() -> Any | None:
 _USED = ("HighsLp", "_Highs", "MatrixFormat", "HighsVarType", "HighsStatus", "HighsModelStatus", "kHighsInf")
 
 
-_said: set[str] = set()
-
-
+@functools.cache
 def _say_once_bound_lost() -> None:
-    if "bound" not in _said:
-        _said.add("bound")
-        logger.info(
-            "This scipy has no bundled HiGHS binding that zeus_callbacks can use (scipy.optimize._highspy; "
-            "tested with scipy 1.17): a proof stopped by its node limit keeps the LP's bound. "
-            "`pip install 'scipy==1.17.*'` for tighter proven gaps."
-        )
+    logger.info(
+        "This scipy has no bundled HiGHS binding that zeus_callbacks can use (scipy.optimize._highspy; "
+        "tested with scipy 1.17): a proof stopped by its node limit keeps the LP's bound. "
+        "`pip install 'scipy==1.17.*'` for tighter proven gaps."
+    )
 
 
 def _through_core(core: Any, model: MipModel, options: MipOptions) -> MipResult:
