@@ -27,9 +27,10 @@ Two uses:
   searched first, which usually closes the gap alone there. On programs above `_MAX_BINARIES` (e.g. 8
   stages x 24 microbatches x 75 clocks) a search of the whole program is too slow to help, and the question
   about the rounded plan is often too hard (the root lifts the bound 0.05-0.07 % above the LP's, the plan
-  is up to 0.2 % above it): the cheaper plan is sought twice among the options within `_NEIGHBOURHOOD` clocks of
-  the LP's and the best plan's (half the binaries at 8 x 24), then the question is asked about the plan found. Programs above
-  `_MAX_PROVABLE_BINARIES` (8 x 48 x 75) keep the LP's bound: there that work proved nothing more.
+  is up to 0.2 % above it): the cheaper plan is sought twice among the options within `_NEIGHBOURHOOD`
+  clocks of the LP's and the best plan's (half the binaries at 8 x 24), then the question is asked about the
+  plan found. Programs above `_MAX_PROVABLE_BINARIES` (8 x 48 x 75) keep the LP's bound: there that work
+  proved nothing more.
 
 The planner's search is bounded by work (branch-and-bound nodes), never by seconds: HiGHS is deterministic
 for a given node limit, so the same profile gives the same plan, and the same proven gap, on an idle and on a
