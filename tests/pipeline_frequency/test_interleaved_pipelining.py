@@ -75,7 +75,7 @@ _WORKER = textwrap.dedent(
             if out["phases"].count("applying") == 2:
                 break
         out["applied_calls"] = list(calls)
-        pfo._clocks.controller.wait(5)
+        assert pfo._clocks.controller.wait()
         out.update(phase=pfo.phase, report=pfo.report(), locked=pfo.frequency_mhz,
                    supported=pfo.gpu.supported_sm_clocks_mhz())
         pfo.on_train_end()

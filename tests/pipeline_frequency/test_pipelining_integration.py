@@ -85,7 +85,7 @@ _WORKER = textwrap.dedent(
                     step(evaluate=True)  # forward-only steps are not reported to the optimizer
                     step()
                     break
-            pfo._clocks.controller.wait(5)
+            assert pfo._clocks.controller.wait()
             out.update(phase=pfo.phase, report=pfo.report(), locked=pfo.frequency_mhz,
                        supported=pfo.gpu.supported_sm_clocks_mhz())
             pfo.on_train_end()
