@@ -14,6 +14,7 @@ from accelerate.tracking import GeneralTracker
 from helpers import TOY_STEPS_COUNTER
 from torch.utils.data import DataLoader, TensorDataset
 
+from zeus_callbacks import sim
 from zeus_callbacks.accelerate import (
     PowerLimitOptimizerHelper,
     ZeusMonitorHelper,
@@ -241,6 +242,9 @@ def test_plain_loop_without_accelerator(sim_gpus, burn_cpu, monkeypatch) -> None
     with PowerLimitOptimizerHelper(None, **FAST) as plo:
         for _ in range(150):
             with plo.step():
+                # As in `_train`: the step's GPU work queued on the simulated GPU (12 ms), whose pace the host's
+                # load does not move. With host CPU work alone this test failed once in a loaded suite run.
+                sim.enqueue_work(1, 0.012)
                 burn_cpu(0.003)
     assert plo.optimizer.monitor.gpu_indices == [1] and plo.optimizer.phase == "done"
     assert get_gpus()[1].power_limit_mw() == MAX_W * 1000
