@@ -85,9 +85,10 @@ _NEIGHBOURHOOD = 10
 # with 5-clock neighbourhoods and scipy's `milp`, 35 minutes for nothing beyond the LP); 8x24 (14,496) is
 # proven within 0.1 % at every target in minutes. Nor did other ways reach 0.1 % at 8x48, 0 % slowdown (stop 41):
 # one node of a whole-program search (presolve and heuristics on) proves 0.134 % in about 2 minutes (root bound
-# +0.076 % above the LP, plan +0.211 %; 20 nodes: +0.078 %), and two neighbourhood searches around its plan
-# 0.131 %; HiGHS 1.16 (highspy) gives the same root bounds; a plan tiled from the 8x24 plan's middle overruns
-# the target by 5.8 %. Proving 0.1 % there takes a plan within 0.18 % of the LP, or a bound beyond the root's.
+# +0.076 % above the LP, plan +0.211 %; 20 nodes: +0.078 %), two neighbourhood searches around its plan 0.131 %,
+# two sweeps of 128-instruction windows re-optimised with the rest fixed 0.127 % (plan +0.200 %, 17 minutes);
+# HiGHS 1.16 (highspy) gives the same root bounds; a plan tiled from the 8x24 plan's middle overruns the target
+# by 5.8 %. Proving 0.1 % there takes a plan within 0.18 % of the LP, or a bound beyond the root's.
 _MAX_PROVABLE_BINARIES = 16000
 # Nodes of `_prove`'s first question on mid-sized programs; programs of at most `_SMALL_BINARIES` option
 # binaries are searched first.
