@@ -358,10 +358,7 @@ class _Program:
         which makes the result depend on the host's speed.
         """
         options = MipOptions(mip_rel_gap, node_limit=node_limit, time_limit_s=time_limit_s)
-        result = self._branch_and_bound(self.col_upper, None, options)
-        if result.status is MipStatus.INFEASIBLE:  # HiGHS presolve (scipy 1.17) wrongly finds some models so.
-            result = self._branch_and_bound(self.col_upper, None, replace(options, presolve=False))
-        return result
+        return self._branch_and_bound(self.col_upper, None, options)
 
     def relaxation(self) -> _Relaxation | None:
         """The LP relaxation's optimum with its reduced costs (HiGHS through `linprog`); None if unsolved."""
@@ -378,7 +375,7 @@ class _Program:
             "method": "highs",
         }
         result = linprog(self.cost, **args)
-        if result.status == 2:  # as in `solve`: presolve's wrong infeasibility
+        if result.status == 2:  # as in `_branch_and_bound`: presolve's wrong infeasibility
             result = linprog(self.cost, **args, options={"presolve": False})
         if result.status != 0 or result.x is None:
             logger.debug("LP relaxation not solved (HiGHS status %s).", result.status)
@@ -398,9 +395,9 @@ class _Program:
         Every option whose reduced cost alone lifts the relaxation above `cutoff_j` is left out (no plan
         that cheap can choose it). With `prove_only`, the program also gets the row `energy <= cutoff_j` and
         HiGHS' primal heuristics and presolve are off (heuristics cost most of the root's work and proving
-        "none" needs none; a wrong "infeasible" from presolve, see `solve`, would be a false proof); otherwise
-        HiGHS searches for the cheapest plan (to half of `GAP_GOAL`), and "infeasible" is only believed
-        without presolve. With `near` (levels), the search is only among each node's options within
+        "none" needs none; a wrong "infeasible" from presolve, see `_branch_and_bound`, would be a false
+        proof); otherwise HiGHS searches for the cheapest plan (to half of `GAP_GOAL`), and "infeasible" is
+        only believed without presolve. With `near` (levels), the search is only among each node's options within
         `_NEIGHBOURHOOD` of the relaxation's and of `near`'s: a smaller program, whose answer proves nothing.
 
         Returns:
@@ -423,8 +420,6 @@ class _Program:
             row = (csr_matrix(self.cost.reshape(1, -1)), -np.inf, cutoff_j)
             options = replace(options, presolve=False, heuristics=False)
         result = self._branch_and_bound(upper, row, options)
-        if result.status is MipStatus.INFEASIBLE and not prove_only:  # presolve's wrong infeasibility
-            result = self._branch_and_bound(upper, row, replace(options, presolve=False))
         found = None if result.x is None else self.levels(result.x)
         if near is not None:
             return found, -np.inf
@@ -449,7 +444,8 @@ class _Program:
     def _branch_and_bound(
         self, col_upper: np.ndarray, row: tuple[Any, float, float] | None, options: MipOptions
     ) -> MipResult:
-        """The program, with `row` (matrix, lower, upper) below its rows, under `options`."""
+        """The program, with `row` (matrix, lower, upper) below its rows, under `options`. An "infeasible" with
+        presolve on is checked again without it: HiGHS presolve (scipy 1.17) wrongly finds some models so."""
         from scipy.sparse import vstack
 
         matrix, lower, upper = self.matrix, self.lower, self.upper
@@ -460,9 +456,11 @@ class _Program:
                 np.append(lower, lo),
                 np.append(upper, hi),
             )
-        return branch_and_bound(
-            MipModel(self.cost, matrix, lower, upper, col_upper, int(self.first[-1])), options
-        )
+        model = MipModel(self.cost, matrix, lower, upper, col_upper, int(self.first[-1]))
+        result = branch_and_bound(model, options)
+        if result.status is MipStatus.INFEASIBLE and options.presolve:
+            result = branch_and_bound(model, replace(options, presolve=False))
+        return result
 
     def levels(self, x: np.ndarray) -> list[int]:
         """The option chosen for each node by an integral solution."""
