@@ -92,7 +92,7 @@ _NEIGHBOURHOOD = 10
 # Stop 42: relax-and-fix (windows of 64 instructions by LP start made integral, earlier ones fixed, later ones
 # relaxed, 50 nodes each) reaches +0.199 % in 8 minutes, +0.195 % with half-overlapping windows in 15 (at 8x24:
 # 0.155 % in under 3, as the neighbourhoods); 400 rows bounding the LP's tight paths leave the root's bound as it
-# was (+0.065 %). The plans saturate at +0.19-0.20 % and the bound at +0.07-0.08 %: 0.12 % is the best proven.
+# was (+0.065 %). The plans saturate at +0.19-0.20 % and the bound at +0.07-0.08 %: 0.127 % is the best proven.
 _MAX_PROVABLE_BINARIES = 16000
 # Nodes of `_prove`'s first question on mid-sized programs; programs of at most `_SMALL_BINARIES` option
 # binaries are searched first.
