@@ -83,16 +83,10 @@ _NEIGHBOURHOOD = 10
 # Programs above this many option binaries keep the LP's bound, in seconds: at 8x48 (28,992) the neighbourhood
 # searches and the question took 29 minutes of CPU for one target and proved 0.142 % (the LP: 0.212 %; stop 39,
 # with 5-clock neighbourhoods and scipy's `milp`, 35 minutes for nothing beyond the LP); 8x24 (14,496) is
-# proven within 0.1 % at every target in minutes. Nor did other ways reach 0.1 % at 8x48, 0 % slowdown (stop 41):
-# one node of a whole-program search (presolve and heuristics on) proves 0.134 % in about 2 minutes (root bound
-# +0.076 % above the LP, plan +0.211 %; 20 nodes: +0.078 %), two neighbourhood searches around its plan 0.131 %,
-# two sweeps of 128-instruction windows re-optimised with the rest fixed 0.127 % (plan +0.200 %, 17 minutes);
-# HiGHS 1.16 (highspy) gives the same root bounds; a plan tiled from the 8x24 plan's middle overruns the target
-# by 5.8 %. Proving 0.1 % there takes a plan within 0.18 % of the LP, or a bound beyond the root's.
-# Stop 42: relax-and-fix (windows of 64 instructions by LP start made integral, earlier ones fixed, later ones
-# relaxed, 50 nodes each) reaches +0.199 % in 8 minutes, +0.195 % with half-overlapping windows in 15 (at 8x24:
-# 0.155 % in under 3, as the neighbourhoods); 400 rows bounding the LP's tight paths leave the root's bound as it
-# was (+0.065 %). The plans saturate at +0.19-0.20 % and the bound at +0.07-0.08 %: 0.127 % is the best proven.
+# proven within 0.1 % at every target in minutes. Nothing else tried at 8x48 reached 0.1 % either (stops 41-42:
+# HiGHS' own heuristics, neighbourhood and window searches, relax-and-fix, a plan tiled from 8x24, highspy 1.16,
+# rows bounding the LP's tight paths): the plans stay 0.19-0.21 % above the LP and the bound 0.065-0.078 % above
+# it, 0.127 % proven at best after 17 minutes; a 0.1 % proof needs a plan within 0.18 % or a bound beyond the root's.
 _MAX_PROVABLE_BINARIES = 16000
 # Nodes of `_prove`'s first question on mid-sized programs; programs of at most `_SMALL_BINARIES` option
 # binaries are searched first.
